@@ -1,0 +1,200 @@
+"""Configuration dataclasses, presets and their JSON round-trip. Pure Python: no torch here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+ACTIVATIONS = ("gelu", "gelu_tanh")
+INITS = ("gpt2", "torch")
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+def _coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Check one JSON/TOML value against a dataclass field's type; ints are accepted for floats."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(name, value, option)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation in (bool, str):
+        if isinstance(value, annotation):
+            return value
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            (item,) = {a for a in typing.get_args(annotation) if a is not Ellipsis}
+            return tuple(_coerce(name, v, item) for v in value)
+    else:  # pragma: no cover - a field type this helper does not know is a programming error
+        raise TypeError(f"unsupported field type {annotation!r} for {name}")
+    expected = getattr(annotation, "__name__", str(annotation))
+    raise ConfigError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+
+
+def from_mapping(cls, data: dict[str, Any], *, where: str = ""):
+    """Build dataclass `cls` from a plain mapping, refusing unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        prefix = f"{where}: " if where else ""
+        raise ConfigError(f"{prefix}unknown key(s) for {cls.__name__}: {', '.join(unknown)}")
+    kwargs = {k: _coerce(k, v, hints[k]) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+@dataclass
+class GPTConfig:
+    """The architecture of a GPT. Defaults are GPT-2 small's.
+
+    Args:
+        vocab_size: number of token ids.
+        block_size: longest context the model sees (size of the position embedding).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; must divide n_embd.
+        n_embd: model width d.
+        dropout: dropout rate on embeddings, attention weights and residual branches.
+        bias: biases in the Linear layers and LayerNorms.
+        tie_weights: share the token embedding with the LM head.
+        activation: "gelu" (exact, as the lesson) or "gelu_tanh" (GPT-2's approximation).
+        init: "gpt2" (normal 0.02, residual projections scaled by 1/sqrt(2 n_layer), zero biases)
+            or "torch" (PyTorch's module defaults, as the lesson).
+        layer_norm_eps: epsilon of every LayerNorm.
+    """
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    tie_weights: bool = True
+    activation: str = "gelu_tanh"
+    init: str = "gpt2"
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
+            _check(value >= 1, name, f"must be >= 1, got {value}")
+        _check(
+            self.n_embd % self.n_head == 0,
+            "n_embd",
+            f"{self.n_embd} is not divisible by n_head={self.n_head}",
+        )
+        _check(
+            isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
+            "dropout",
+            f"must be in [0, 1), got {self.dropout!r}",
+        )
+        _check(self.activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {self.activation!r}")
+        _check(self.init in INITS, "init", f"must be one of {INITS}, got {self.init!r}")
+        _check(
+            isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0,
+            "layer_norm_eps",
+            f"must be > 0, got {self.layer_norm_eps!r}",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
+        return from_mapping(cls, data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> GPTConfig:
+        """A named preset (see PRESETS), with any field overridden."""
+        if name not in PRESETS:
+            raise ConfigError(f"preset: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+_GPT2 = dict(vocab_size=50257, block_size=1024, bias=True, tie_weights=True, activation="gelu_tanh", init="gpt2")
+
+# Character-level presets carry a typical char vocabulary; training replaces it with the data's.
+PRESETS: dict[str, dict[str, Any]] = {
+    # The lesson's TinyGPT: with these settings the same seed gives the same parameters.
+    "lesson": dict(
+        vocab_size=50, block_size=8, n_layer=2, n_head=4, n_embd=64,
+        bias=True, tie_weights=False, activation="gelu", init="torch",
+    ),
+    # The lesson's homework model, set up for real training.
+    "stretch": dict(vocab_size=65, block_size=256, n_layer=6, n_head=8, n_embd=256),
+    # The usual character-level model (nanoGPT's shakespeare_char sizes).
+    "baby": dict(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.2),
+    "gpt2": dict(_GPT2, n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(_GPT2, n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(_GPT2, n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(_GPT2, n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+@dataclass
+class SampleConfig:
+    """How the next token is chosen from the logits.
+
+    Args:
+        temperature: logits are divided by it; 0 means greedy.
+        top_k: keep only the k most likely tokens.
+        top_p: keep the smallest set of tokens whose probability reaches p (always the top one).
+        repetition_penalty: alpha > 0; for tokens already in the sequence, positive logits are
+            divided by alpha and negative ones multiplied by it. 1.0 turns it off.
+        greedy: take the argmax (after the repetition penalty).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        _check(isinstance(t, (int, float)) and not math.isnan(t) and 0 <= t < math.inf, "temperature",
+               f"must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None:
+            _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1,
+                   "top_k", f"must be an integer >= 1, got {self.top_k!r}")
+        if self.top_p is not None:
+            _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+                   f"must be in (0, 1], got {self.top_p!r}")
+        a = self.repetition_penalty
+        _check(isinstance(a, (int, float)) and not math.isnan(a) and 0 < a < math.inf, "repetition_penalty",
+               f"must be a finite number > 0, got {a!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0

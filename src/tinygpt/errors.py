@@ -1,0 +1,9 @@
+"""Typed errors. The library raises these; only the CLI turns them into messages and exit codes."""
+
+
+class TinyGPTError(Exception):
+    """Base class of every error tinygpt raises on purpose."""
+
+
+class ConfigError(TinyGPTError, ValueError):
+    """A configuration value is missing, of the wrong type, or out of range."""

@@ -1,0 +1,135 @@
+"""Autoregressive generation: prefill the prompt into a KV cache, then one decode step per token.
+
+The plain loop (`use_cache=False`) is the lesson's: run the model on the last block_size tokens,
+take the last position's logits, choose, append. The cached loop gives the same tokens. Once a
+sequence outgrows block_size every position shifts, so the cache is rebuilt from the last
+block_size tokens at each step, exactly the context the plain loop sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .config import SampleConfig
+from .kv_cache import KVCache
+from .sampling import sample
+
+
+def prefill(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    """Run the prompt idx (B, T) at positions 0..T-1, filling the cache. Returns the last logits (B, V)."""
+    positions = torch.arange(idx.shape[1], device=idx.device)
+    return model(idx, kv_cache, positions, last_only=True)[:, -1]
+
+
+def decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> torch.Tensor:
+    """Run one new token per row, token (B,), at position `pos` (an int or a (B,) tensor). Returns logits (B, V)."""
+    if isinstance(pos, int):
+        positions = torch.tensor([pos], device=token.device)
+    else:
+        positions = pos.view(-1, 1)
+    return model(token.view(-1, 1), kv_cache, positions)[:, -1]
+
+
+def _check_inputs(model, idx: torch.Tensor, max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: must be an integer >= 0, got {max_new_tokens!r}")
+    if idx.dim() != 2 or idx.shape[1] == 0 or idx.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"idx: expected integer token ids of shape (B, T) with T >= 1, got {tuple(idx.shape)} {idx.dtype}")
+    vocab = model.config.vocab_size
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+        raise ValueError(f"idx: token ids must be in [0, {vocab}), got {int(idx.min())}..{int(idx.max())}")
+
+
+@torch.inference_mode()
+def generate_stream(
+    model,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    stop_tokens: Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[torch.Tensor]:
+    """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
+    cfg = SampleConfig(
+        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, greedy=greedy
+    )
+    _check_inputs(model, idx, max_new_tokens)
+    block_size = model.config.block_size
+    idx = idx.long()
+    stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=idx.device)
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    last_stop = torch.zeros_like(finished, dtype=torch.long)
+    tokens = idx
+    kv_cache = KVCache.for_model(model, idx.shape[0]) if use_cache else None
+    filled = 0  # positions of the cache that hold the current context
+    for step in range(max_new_tokens):
+        if not use_cache:
+            logits = model(tokens[:, -block_size:])[:, -1]
+        elif step > 0 and filled < block_size:
+            logits = decode_step(model, tokens[:, -1], kv_cache, filled)
+            filled += 1
+        else:  # the first step, or the context slid past block_size: (re)build the cache
+            context = tokens[:, -block_size:]
+            logits = prefill(model, context, kv_cache)
+            filled = context.shape[1]
+        token = sample(logits, tokens, cfg, generator)
+        if stops.numel():
+            # rows that already stopped keep repeating their stop token
+            token = torch.where(finished, last_stop, token)
+            hit = torch.isin(token, stops) & ~finished
+            last_stop = torch.where(hit, token, last_stop)
+            finished |= hit
+        tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
+        yield token
+        if stops.numel() and bool(finished.all()):
+            return
+
+
+def generate(
+    model,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    greedy: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    stop_tokens: Iterable[int] | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
+
+    Args:
+        model: a tinygpt GPT.
+        idx: prompt token ids (B, T); rows share one length. Prompts longer than block_size are
+            seen through their last block_size tokens, as the lesson's loop does.
+        max_new_tokens: how many tokens to add (n < max_new_tokens only when every row hit a stop token).
+        greedy: argmax decoding (temperature=0 means the same).
+        temperature, top_k, top_p, repetition_penalty: see SampleConfig.
+        stop_tokens: ids that end a row. The stop token is kept; rows that stop early repeat it
+            until every row has stopped or max_new_tokens is reached.
+        generator: a seeded torch.Generator makes sampling reproducible.
+        use_cache: decode with a KV cache (True) or rerun the whole context each step (the reference).
+
+    Raises:
+        ValueError: an argument out of range (a ConfigError for the sampling settings).
+    """
+    new = list(
+        generate_stream(
+            model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+            repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
+        )
+    )
+    if not new:
+        return idx.clone()
+    return torch.cat([idx.long(), torch.stack(new, dim=1)], dim=1)

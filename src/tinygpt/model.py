@@ -1,0 +1,202 @@
+"""The GPT model, top to bottom: attention, MLP, Block, GPT.
+
+Modules are built in the order the lesson builds them (token embedding, position embedding, then
+per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj; ln_f, lm_head), so with the `lesson` preset
+the same seed gives the lesson's exact parameters. Names follow GPT-2's so that interchange with
+Hugging Face checkpoints is a key map.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import GPTConfig
+from .kv_cache import KVCache
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    explicit: bool = False,
+    dropout: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal scaled dot-product attention over (..., T, head_dim) tensors.
+
+    Two paths, one contract. The fast path calls PyTorch's fused `scaled_dot_product_attention`.
+    The explicit path is the lesson's: scores / sqrt(d_head), the tril mask as -inf, softmax; it
+    also returns the attention weights (..., T_q, T_k).
+
+    Args:
+        q, k, v: queries (..., T_q, D), keys and values (..., T_k, D).
+        mask: bool (..., T_q, T_k), True where a query may look. None means the plain causal
+            mask of a sequence attending to itself (T_q == T_k).
+        explicit: use the explicit path and return the weights.
+        dropout: dropout on the attention weights.
+
+    Returns:
+        (output (..., T_q, D), weights or None).
+    """
+    if not explicit:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+        return out, None
+    if mask is None:
+        t_q, t_k = q.shape[-2], k.shape[-2]
+        mask = torch.tril(torch.ones(t_q, t_k, device=q.device)) == 1
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (..., T_q, T_k)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.softmax(scores, dim=-1)
+    out = F.dropout(weights, p=dropout) @ v
+    return out, weights
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T), in float32."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        layer: int = 0,
+        input_pos: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        explicit: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=-1)
+        # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v, input_pos)  # (B, n_head, max_len, head_dim)
+        y, weights = attention(q, k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_drop(self.c_proj(y)), weights
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None, layer=0, input_pos=None, mask=None, explicit=False):
+        a, weights = self.attn(self.ln_1(x), kv_cache, layer, input_pos, mask, explicit)
+        x = x + a
+        return x + self.mlp(self.ln_2(x)), weights
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer: token + position embeddings, blocks, final LayerNorm, LM head.
+
+    `model(idx)` returns the logits (B, T, vocab_size). Generation passes a KVCache and the
+    positions of the new tokens; the model itself keeps no decoding state.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            self.lm_head.weight = self.wte.weight
+        if config.init == "gpt2":
+            self._init_gpt2()
+
+    @torch.no_grad()
+    def _init_gpt2(self) -> None:
+        # GPT-2: N(0, 0.02) everywhere, zero biases, and the two projections that write into the
+        # residual stream scaled by 1/sqrt(2 n_layer) so its variance does not grow with depth.
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.h:
+            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+
+    def num_params(self, *, exclude_positions: bool = False) -> int:
+        """Parameters in the model, a tied head counted once; optionally without the position embedding."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
+        return n - self.wpe.weight.numel() if exclude_positions else n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        input_pos: torch.Tensor | None = None,
+        *,
+        last_only: bool = False,
+        return_attention: bool = False,
+    ):
+        """Logits for token ids `idx` (B, T).
+
+        Args:
+            idx: token ids (B, T), T <= block_size.
+            kv_cache: a KVCache to read earlier keys/values from and write this call's into.
+            input_pos: with a cache, the positions of idx's tokens: (T,) for every row or (B, T).
+            last_only: compute the logits of the last position only (B, 1, vocab_size).
+            return_attention: use the explicit attention path and also return each layer's
+                weights, a list of (B, n_head, T, T_keys).
+
+        Returns:
+            logits (B, T, vocab_size), or (logits, weights) with return_attention.
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
+        mask = None
+        if kv_cache is None:
+            pos = torch.arange(T, device=idx.device)
+        else:
+            if input_pos is None:
+                raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
+            input_pos = pos = kv_cache.positions(input_pos, B)
+            mask = kv_cache.attention_mask(input_pos)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        weights = []
+        for layer, block in enumerate(self.h):
+            x, w = block(x, kv_cache, layer, input_pos, mask, return_attention)
+            weights.append(w)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        return (logits, weights) if return_attention else logits

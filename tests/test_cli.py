@@ -1,0 +1,28 @@
+import subprocess
+import sys
+
+import tinygpt
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "tinygpt", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_lesson_tour():
+    r = run("lesson")
+    assert r.returncode == 0, r.stderr
+    assert "parameters: 107,008" in r.stdout
+    assert "attn[0]:   [1.0000, 0.0000, 0.0000, 0.0000]" in r.stdout
+    assert "step 20: loss=" in r.stdout
+    assert "generated: [5, 12, 3," in r.stdout
+
+
+def test_unknown_command_fails_cleanly():
+    r = run("frobnicate")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+
+
+def test_public_api_is_small():
+    assert set(tinygpt.__all__) >= {"GPT", "GPTConfig", "generate"}
+    for name in tinygpt.__all__:
+        assert hasattr(tinygpt, name)

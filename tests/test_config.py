@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from tinygpt import ConfigError, GPTConfig, SampleConfig
+from tinygpt.config import PRESETS
+
+
+def test_defaults_are_gpt2():
+    cfg = GPTConfig()
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.vocab_size, cfg.block_size) == (12, 12, 768, 50257, 1024)
+    assert cfg.bias and cfg.tie_weights and cfg.activation == "gelu_tanh" and cfg.init == "gpt2"
+
+
+def test_presets():
+    lesson = GPTConfig.from_preset("lesson")
+    assert (lesson.vocab_size, lesson.n_embd, lesson.n_head, lesson.n_layer, lesson.block_size) == (50, 64, 4, 2, 8)
+    assert not lesson.tie_weights and lesson.activation == "gelu" and lesson.init == "torch"
+    assert GPTConfig.from_preset("stretch").n_layer == 6 and GPTConfig.from_preset("stretch").n_embd == 256
+    assert GPTConfig.from_preset("gpt2-xl", vocab_size=10).vocab_size == 10
+    assert set(PRESETS) >= {"lesson", "stretch", "baby", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+    with pytest.raises(ConfigError, match="unknown preset"):
+        GPTConfig.from_preset("gpt5")
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(n_embd=65, n_head=4), "n_embd"),
+        (dict(n_layer=0), "n_layer"),
+        (dict(vocab_size=-1), "vocab_size"),
+        (dict(block_size=0), "block_size"),
+        (dict(n_head=0), "n_head"),
+        (dict(dropout=1.0), "dropout"),
+        (dict(dropout=-0.1), "dropout"),
+        (dict(activation="relu"), "activation"),
+        (dict(init="xavier"), "init"),
+        (dict(layer_norm_eps=0), "layer_norm_eps"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GPTConfig(**kwargs)
+
+
+def test_json_round_trip():
+    cfg = GPTConfig.from_preset("lesson", dropout=0.1)
+    assert GPTConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_from_dict_refuses_unknown_keys_and_wrong_types():
+    with pytest.raises(ConfigError, match="n_layers"):
+        GPTConfig.from_dict({"n_layers": 3})
+    with pytest.raises(ConfigError, match="n_layer: expected int"):
+        GPTConfig.from_dict({"n_layer": "3"})
+    with pytest.raises(ConfigError, match="bias: expected bool"):
+        GPTConfig.from_dict({"bias": 1})
+    assert GPTConfig.from_dict({"dropout": 0}).dropout == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    ],
+)
+def test_sample_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SampleConfig(**kwargs)
+    assert SampleConfig(temperature=0).is_greedy

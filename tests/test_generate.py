@@ -1,0 +1,102 @@
+import pytest
+import torch
+
+from tinygpt import GPT, ConfigError, GPTConfig, KVCache, generate, generate_stream
+from tinygpt.generate import decode_step, prefill
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    # init "torch" gives peaked, varied logits, so greedy ties are unlikely
+    return GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, init="torch")).eval()
+
+
+@pytest.mark.parametrize("prompt_len", range(1, 9))
+def test_cached_equals_uncached_greedy_batch2(model, prompt_len):
+    idx = torch.randint(0, 29, (2, prompt_len))
+    n = 16 - prompt_len  # continue to 2 x block_size
+    a = generate(model, idx, n, greedy=True)
+    b = generate(model, idx, n, greedy=True, use_cache=False)
+    assert a.shape == (2, 16)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 4, 8, 11])
+def test_cached_equals_uncached_seeded_sampling(model, prompt_len):
+    idx = torch.randint(0, 29, (2, prompt_len))
+    kw = dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.2)
+    a = generate(model, idx, 20, generator=torch.Generator().manual_seed(5), **kw)
+    b = generate(model, idx, 20, generator=torch.Generator().manual_seed(5), use_cache=False, **kw)
+    c = generate(model, idx, 20, generator=torch.Generator().manual_seed(6), **kw)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_prefill_and_decode_step_match_full_forward(model):
+    idx = torch.randint(0, 29, (3, 6))
+    cache = KVCache.for_model(model, 3)
+    full = model(idx)
+    torch.testing.assert_close(prefill(model, idx[:, :4], cache), full[:, 3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_step(model, idx[:, 4], cache, 4), full[:, 4], atol=1e-5, rtol=0)
+    # per-row positions: the same step expressed with a (B,) position tensor
+    torch.testing.assert_close(
+        decode_step(model, idx[:, 5], cache, torch.full((3,), 5)), full[:, 5], atol=1e-5, rtol=0
+    )
+
+
+def test_cache_slots_hold_sequences_at_different_positions(model):
+    a, b = torch.randint(0, 29, (1, 5)), torch.randint(0, 29, (1, 3))
+    cache = KVCache.for_model(model, 2)
+    prefill(model, a[:, :4], cache.slot(0))
+    prefill(model, b[:, :2], cache.slot(1))
+    logits = decode_step(model, torch.tensor([a[0, 4], b[0, 2]]), cache, torch.tensor([4, 2]))
+    torch.testing.assert_close(logits[0], model(a)[0, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1], model(b)[0, -1], atol=1e-5, rtol=0)
+
+
+def test_stream_yields_each_token(model):
+    idx = torch.randint(0, 29, (2, 3))
+    steps = list(generate_stream(model, idx, 5, greedy=True))
+    assert len(steps) == 5 and all(s.shape == (2,) for s in steps)
+    assert torch.equal(torch.stack(steps, 1), generate(model, idx, 5, greedy=True)[:, 3:])
+
+
+def test_stop_tokens(model):
+    idx = torch.randint(0, 29, (2, 3))
+    free = generate(model, idx, 12, greedy=True)
+    stop = int(free[0, 5])  # the third new token of row 0
+    out = generate(model, idx, 12, greedy=True, stop_tokens=[stop])
+    row0 = out[0, 3:].tolist()
+    first = row0.index(stop)
+    assert row0[: first + 1] == free[0, 3 : 3 + first + 1].tolist()
+    assert all(t == stop for t in row0[first:])
+    # a stop token that every row hits at once ends generation early
+    one = idx[:1]
+    first_tok = int(generate(model, one, 1, greedy=True)[0, -1])
+    assert generate(model, one, 10, greedy=True, stop_tokens=[first_tok]).shape == (1, 4)
+
+
+def test_zero_new_tokens_and_temperature_zero(model):
+    idx = torch.randint(0, 29, (1, 4))
+    assert torch.equal(generate(model, idx, 0), idx)
+    assert torch.equal(generate(model, idx, 6, temperature=0), generate(model, idx, 6, greedy=True))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(temperature=-0.5), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.2), dict(top_k=0),
+     dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan"))],
+)
+def test_invalid_sampling_settings(model, kwargs):
+    with pytest.raises(ConfigError):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), 3, **kwargs)
+
+
+def test_invalid_inputs(model):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, torch.zeros(1, 2, dtype=torch.long), -1)
+    with pytest.raises(ValueError, match="token ids"):
+        generate(model, torch.full((1, 2), 29), 3)
+    with pytest.raises(ValueError, match="shape"):
+        generate(model, torch.zeros(2, dtype=torch.long), 3)

@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+
+from tinygpt import GPT, GPTConfig
+from tinygpt.config import PRESETS
+from tinygpt.model import attention, lm_loss
+
+
+def tiny(**overrides):
+    cfg = dict(vocab_size=37, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    cfg.update(overrides)
+    return GPT(GPTConfig(**cfg))
+
+
+def test_logits_shape():
+    model = tiny()
+    assert model(torch.randint(0, 37, (3, 11))).shape == (3, 11, 37)
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(bias=False, tie_weights=False, activation="gelu", init="torch")])
+def test_fused_and_explicit_attention_agree(overrides):
+    model = tiny(**overrides).eval()
+    idx = torch.randint(0, 37, (2, 16))
+    fast = model(idx)
+    slow, weights = model(idx, return_attention=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+    assert len(weights) == 2
+    for w in weights:
+        assert w.shape == (2, 4, 16, 16)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 16))
+        assert torch.all(torch.triu(w, diagonal=1) == 0)
+
+
+def test_attention_function_paths_agree_with_a_mask():
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
+    mask = torch.rand(2, 1, 5, 9) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    a, _ = attention(q, k, v, mask)
+    b, w = attention(q, k, v, mask, explicit=True)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert torch.all(w[~mask.expand_as(w)] == 0)
+
+
+def test_causality():
+    model = tiny().eval()
+    idx = torch.randint(0, 37, (1, 16))
+    base = model(idx)
+    for j in (0, 5, 15):
+        changed = idx.clone()
+        changed[0, j] = (changed[0, j] + 1) % 37
+        out = model(changed)
+        assert torch.equal(out[:, :j], base[:, :j]), j
+        assert not torch.allclose(out[:, j], base[:, j])
+
+
+def test_longer_than_block_size_is_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        tiny()(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_gpt2_init_loss_is_log_vocab():
+    torch.manual_seed(1)
+    model = tiny(vocab_size=500, n_layer=4, n_embd=64, block_size=32)
+    idx = torch.randint(0, 500, (8, 33))
+    with torch.no_grad():
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:]).item()
+    assert abs(loss - math.log(500)) < 0.1
+
+
+def test_gpt2_init_statistics():
+    torch.manual_seed(0)
+    model = tiny(n_layer=8, n_embd=128)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.05)  # 1/sqrt(2*8)
+    assert model.h[0].attn.c_attn.bias.abs().max().item() == 0
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = tiny(n_embd=64)
+    idx = torch.randint(0, 37, (4, 17))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.1
+
+
+EXPECTED = {"lesson": 107_008, "gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+            "gpt2-xl": 1_557_611_200}
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parameter_counts(name):
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_preset(name))
+    total = sum(p.numel() for p in model.parameters())
+    assert model.num_params() == total
+    assert model.num_params(exclude_positions=True) == total - model.wpe.weight.numel()
+    if name in EXPECTED:
+        assert total == EXPECTED[name]
+
+
+def test_untied_head_counted_separately():
+    tied, untied = tiny(), tiny(tie_weights=False)
+    assert untied.num_params() - tied.num_params() == 37 * 32
