@@ -3,7 +3,7 @@ import json
 import pytest
 
 from tinygpt import ConfigError, GPTConfig, SampleConfig
-from tinygpt.config import PRESETS
+from tinygpt.config import PRESETS, parse_duration
 
 
 def test_defaults_are_gpt2():
@@ -74,3 +74,18 @@ def test_sample_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SampleConfig(**kwargs)
     assert SampleConfig(temperature=0).is_greedy
+
+
+@pytest.mark.parametrize(
+    "text, seconds",
+    [("90s", 90), ("10m", 600), ("1h", 3600), ("1h30m", 5400), ("1.5h", 5400), ("90", 90), (" 1h 30m ", 5400),
+     ("2d", 172800), ("1h30m15s", 5415), ("10M", 600)],
+)
+def test_parse_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "abc", "10x", "-5m", "0s", "0", "1m1h", "1h1h", "m", "1h junk", "inf", "1e3"])
+def test_parse_duration_refuses_bad_text(text):
+    with pytest.raises(ConfigError, match="--max-time"):
+        parse_duration(text, "--max-time")
