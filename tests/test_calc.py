@@ -1,0 +1,253 @@
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import tinygpt.calc as calc
+from tinygpt import GPT, ConfigError, GPTConfig, KVCache
+from tinygpt.calc import CHINCHILLA_FIT, compute_optimal, count_params, flops_per_token
+from tinygpt.config import PRESETS
+from tinygpt.model import lm_loss
+from tinygpt.throughput import measure_training_throughput
+
+VARIANTS = [dict(tie_weights=t, bias=b) for t in (True, False) for b in (True, False)]
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    return GPTConfig(**{**dict(vocab_size=100, block_size=32, n_layer=2, n_head=4, n_embd=64), **overrides})
+
+
+def _by_part(model: GPT) -> dict[str, int]:
+    """The built model's parameters grouped like ParamCounts, each tensor once (a tied head is wte)."""
+    parts = dict.fromkeys(("token_embedding", "position_embedding", "attention", "mlp", "layer_norm", "head"), 0)
+    biases = 0
+    for name, p in model.named_parameters():  # a shared tensor is yielded once, under wte
+        part = ("token_embedding" if name.startswith("wte") else "position_embedding" if name.startswith("wpe")
+                else "head" if name.startswith("lm_head") else "attention" if ".attn." in name
+                else "mlp" if ".mlp." in name else "layer_norm")
+        parts[part] += p.numel()
+        biases += p.numel() if name.endswith("bias") else 0
+    return {**parts, "biases": biases}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"tie={v['tie_weights']},bias={v['bias']}")
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_counts_equal_the_built_model(preset, variant):
+    cfg = GPTConfig.from_preset(preset, **variant)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    counts = count_params(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters()) == model.num_params()
+    got = _by_part(model)
+    assert {k: getattr(counts, k) for k in got} == got
+    matmul = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
+    assert counts.matmul_weights == matmul
+    assert counts.non_embedding == counts.total - model.wte.weight.numel() - model.wpe.weight.numel() - got["head"]
+
+
+def test_published_sizes():
+    family = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+    totals = {name: count_params(GPTConfig.from_preset(name)).total for name in family}
+    assert totals == {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "gpt2-large": 774_030_080,
+                      "gpt2-xl": 1_557_611_200}
+    assert count_params(GPTConfig.from_preset("lesson")).total == 107_008
+    # The chapter's "tying saves ~38M parameters" for a 50K vocabulary at width 768.
+    assert count_params(GPTConfig(tie_weights=False)).total - totals["gpt2"] == 50257 * 768
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"tie={v['tie_weights']},bias={v['bias']}")
+@pytest.mark.parametrize("seq_len", [32, 19])
+def test_training_flops_match_torch_flop_counter(variant, seq_len):
+    cfg = tiny_config(**variant)
+    model = GPT(cfg)
+    B = 2
+    idx = torch.randint(0, cfg.vocab_size, (B, seq_len))
+    # The explicit attention path runs as matmuls the counter sees (CPU's fused kernel it does not count).
+    with FlopCounterMode(display=False) as counter:
+        logits, _ = model(idx, return_attention=True)
+    forward = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        logits, _ = model(idx, return_attention=True)
+        lm_loss(logits, idx).backward()
+    training = counter.get_total_flops()
+    ours = flops_per_token(cfg, seq_len)
+    assert ours.forward * B * seq_len == pytest.approx(forward, rel=0.05)
+    assert ours.training * B * seq_len == pytest.approx(training, rel=0.05)
+    assert calc.training_flops(cfg, B * seq_len, seq_len) == ours.training * B * seq_len
+
+
+def test_inference_flops_match_the_counter_with_and_without_a_cache():
+    cfg = tiny_config()
+    model = GPT(cfg).eval()
+    t = 20
+    idx = torch.randint(0, cfg.vocab_size, (1, t))
+    cache = KVCache(cfg.n_layer, 1, cfg.n_head, t, cfg.head_dim)
+    with torch.no_grad():
+        model(idx[:, : t - 1], cache, torch.arange(t - 1))
+        with FlopCounterMode(display=False) as counter:
+            model(idx[:, t - 1 :], cache, torch.arange(t - 1, t), return_attention=True)
+        cached = counter.get_total_flops()
+        with FlopCounterMode(display=False) as counter:
+            model(idx, return_attention=True)
+        uncached = counter.get_total_flops()
+    assert calc.inference_flops_per_token(cfg, t) == pytest.approx(cached, rel=0.05)
+    assert calc.inference_flops_per_token(cfg, t, kv_cache=False) == pytest.approx(uncached, rel=0.05)
+
+
+def test_flops_conventions():
+    cfg = GPTConfig.from_preset("gpt2")
+    f = flops_per_token(cfg)
+    d, L, T, V = 768, 12, 1024, 50257
+    N = count_params(cfg).matmul_weights + d * V
+    assert f.forward == 2 * N + 4 * L * T * d
+    assert f.training == 6 * N + 12 * L * T * d == 3 * f.forward == f.forward + f.backward
+    assert calc.six_n(cfg) == 6 * 124_439_808
+    with pytest.raises(ConfigError, match="seq_len"):
+        flops_per_token(cfg, 2048)
+    with pytest.raises(ConfigError, match="tokens"):
+        calc.training_flops(cfg, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_cache_bytes_equal_the_real_cache(dtype):
+    cfg = tiny_config(n_layer=3)
+    cache = KVCache(cfg.n_layer, 5, cfg.n_head, cfg.block_size, cfg.head_dim, dtype=getattr(torch, dtype))
+    real = cache.k.nbytes + cache.v.nbytes
+    assert calc.kv_cache_bytes(cfg, cfg.block_size, batch_size=5, dtype=dtype) == real
+    assert calc.kv_cache_bytes(cfg, dtype=dtype) * cfg.block_size * 5 == real
+    # GPT-2 small: 2 x 12 layers x 768 values x 4 bytes = 72 KiB a token
+    assert calc.kv_cache_bytes(GPTConfig()) == 73_728
+
+
+def _saved_bytes(model: GPT, idx: torch.Tensor, dtype: str) -> int:
+    """Bytes of the tensors autograd saves for backward (parameters excluded), plus the logits."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+        logits = model(idx)
+        lm_loss(logits, idx)
+    saved[logits.untyped_storage().data_ptr()] = logits.untyped_storage().nbytes()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("overrides", [{}, dict(dropout=0.1), dict(tie_weights=False, bias=False, n_head=2)])
+def test_activation_estimate_matches_what_autograd_saves(dtype, overrides):
+    cfg = tiny_config(**overrides)
+    model = GPT(cfg).train()
+    B, T = 3, 24
+    real = _saved_bytes(model, torch.randint(0, cfg.vocab_size, (B, T)), dtype)
+    memory = calc.training_memory(cfg, B, T, dtype=dtype)
+    assert memory.activations + memory.autocast_weights == pytest.approx(real, rel=0.01)
+    assert (memory.autocast_weights > 0) == (dtype == "bfloat16")
+
+
+def test_training_memory_parts():
+    cfg = GPTConfig.from_preset("gpt2")
+    m = calc.training_memory(cfg, 4, 512, dtype="bf16")
+    n = 124_439_808
+    assert (m.weights, m.gradients, m.optimizer) == (4 * n, 4 * n, 8 * n)  # float32 master weights under autocast
+    assert m.total == m.weights + m.gradients + m.optimizer + m.activations + m.autocast_weights
+    assert m.dtype == "bfloat16" and m.param_dtype == "float32"
+    # activations grow linearly with the batch (up to the positions, shared by every row)
+    a1, a2, a4 = (calc.activation_bytes(cfg, b, 512) for b in (1, 2, 4))
+    assert a4 - a2 == 2 * (a2 - a1) and a4 == pytest.approx(4 * a1, rel=1e-5)
+    with pytest.raises(ConfigError, match="batch_size"):
+        calc.training_memory(cfg, 0)
+    with pytest.raises(ConfigError, match="dtype"):
+        calc.training_memory(cfg, 1, dtype="int3")
+
+
+def test_chinchilla_published_cases():
+    gopher_budget = compute_optimal(flops=5.76e23)  # Gopher's compute: Chinchilla is 70B on 1.4T
+    assert gopher_budget.params == pytest.approx(69.3e9, rel=0.005)
+    assert gopher_budget.tokens == pytest.approx(1.39e12, rel=0.005)
+    assert gopher_budget.tokens == 20 * gopher_budget.params
+    chinchilla = compute_optimal(params=70e9)
+    assert chinchilla.tokens == pytest.approx(1.4e12) and chinchilla.flops == pytest.approx(5.88e23)
+    assert compute_optimal(tokens=1.4e12).params == pytest.approx(70e9)
+    # L(N, D) = 1.69 + 406.4 / N^0.34 + 410.7 / D^0.28, worked by hand for Chinchilla
+    assert chinchilla.loss == pytest.approx(1.69 + 406.4 / 70e9**0.34 + 410.7 / 1.4e12**0.28)
+    assert chinchilla.loss == pytest.approx(1.937, abs=0.001)
+    # Gopher (280B on 300B tokens) spent about as much compute for a worse predicted loss
+    assert CHINCHILLA_FIT.loss(280e9, 300e9) > chinchilla.loss
+    # Two budgets that agree are accepted; a different ratio plans Gopher's own run
+    assert compute_optimal(params=70e9, tokens=1.4e12, flops=5.88e23).params == 70e9
+    gopher = compute_optimal(params=280e9, tokens=300e9, tokens_per_param=300 / 280)
+    assert gopher.flops == pytest.approx(5.04e23)
+
+
+def test_the_fits_own_optimum_minimises_its_loss():
+    C = 1e21
+    N, D = CHINCHILLA_FIT.optimal(C)
+    assert 6 * N * D == pytest.approx(C)
+    best = CHINCHILLA_FIT.loss(N, D)
+    for scale in (0.8, 1.25):  # along the same compute: N up, D down or the reverse
+        assert CHINCHILLA_FIT.loss(N * scale, D / scale) > best
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(), "give a budget"),
+        (dict(flops=0), "flops"),
+        (dict(params=-70e9), "params"),
+        (dict(tokens=math.nan), "tokens"),
+        (dict(flops=math.inf), "flops"),
+        (dict(flops=1e21, params=1e9), "disagree"),
+        (dict(params=280e9, tokens=300e9), "disagree"),
+        (dict(flops=1e21, tokens_per_param=0), "tokens_per_param"),
+    ],
+)
+def test_chinchilla_bad_budgets(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        compute_optimal(**kwargs)
+
+
+def test_parse_count_and_formats():
+    assert calc.parse_count("70B") == 70e9 and calc.parse_count("1.4T") == 1.4e12
+    assert calc.parse_count("5.76e23") == 5.76e23 and calc.parse_count("124M") == 124e6
+    assert calc.parse_count("1,000") == 1000
+    for bad in ("abc", "-1", "0", "1e400", "nan", "12 parsecs"):
+        with pytest.raises(ConfigError, match="--x"):
+            calc.parse_count(bad, "--x")
+    assert calc.format_count(124_439_808) == "124M" and calc.format_count(1.386e12) == "1.39T"
+    assert calc.format_bytes(73_728) == "72 KiB" and calc.format_flops(5.76e23) == "5.76e+23 FLOP"
+
+
+def test_calc_never_imports_torch():
+    # L0: the calculators are arithmetic on a config; they import only config, errors and each other.
+    for path in Path(calc.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [("." * node.level) + (node.module or "")]
+            else:
+                continue
+            for module in modules:
+                assert not module.split(".")[0] in ("torch", "numpy"), (path.name, module)
+                if module.startswith(".."):
+                    assert module in ("..config", "..errors"), (path.name, module)
+
+
+def test_measured_throughput_is_consistent():
+    cfg = tiny_config(block_size=16)
+    t = measure_training_throughput(cfg, batch_size=2, steps=2, warmup=1, device="cpu")
+    assert t.flops_per_second > 0 and t.tokens_per_second > 0
+    assert t.flops_per_second == pytest.approx(t.tokens_per_second * flops_per_token(cfg, 16).training)
+    assert t.tokens_per_second == pytest.approx(2 * 16 / t.step_seconds)
+    assert t.params == count_params(cfg).total and t.to_dict()["config"]["n_layer"] == 2
+    with pytest.raises(ConfigError, match="device"):
+        measure_training_throughput(cfg, device="tpu")
