@@ -1,0 +1,701 @@
+"""Text sources -> token files + meta.json, and training batches from them.
+
+A prepared data folder holds:
+
+    train.bin, val.bin   token ids, raw little-endian uint16 (vocab <= 65,536) or uint32, np.memmap-able
+    tokenizer.json       the tokenizer, as tinygpt JSON
+    meta.json            what the files hold: tokenizer kind, dtype, vocab size, tokens / characters /
+                         UTF-8 bytes per split (for bits per char or byte), sources, error handling
+
+How text is read:
+
+- A SOURCE is a text file, a folder (every text file below it, in sorted path order; hidden entries
+  and binary files, those with a NUL byte in their first 8 KiB, are skipped), or a built-in corpus:
+  `python-stdlib` (this interpreter's standard-library .py files, read in place, each decoded as
+  Python itself decodes it) or `shakespeare` (tiny-shakespeare, downloaded once into the cache).
+  An existing path wins over a built-in name.
+- Files are UTF-8. A leading BOM is dropped; line endings are kept as they are (CRLF stays CRLF,
+  so the model learns what the files hold). Invalid UTF-8 stops with the file and byte offset
+  (errors="strict"), or becomes U+FFFD and is counted (errors="replace").
+- Files are streamed in chunks, never read whole: 100 MB of text prepares in a few hundred MB.
+  The character tokenizer takes two passes (collect the alphabet, then encode, vectorized through
+  a code-point lookup table); BPE trains from the first pass and encodes in batches in the second.
+- Text is cut into pieces only where GPT-2's pre-tokenizer splits anyway (before a space or after a
+  lone newline, next to non-space characters), so the tokens equal those of encoding each file whole.
+- Documents (files) are separated by `<|endoftext|>` for BPE and GPT-2; character vocabularies have
+  no separator and files follow each other as they are.
+- The validation split is the last `val_fraction` of the characters: contiguous text, the same on
+  every run. Counts of characters and bytes cover text only, not separators.
+- Everything is written into a hidden temporary folder next to `out_dir` and renamed into place at
+  the end: an interrupted prepare leaves no half-written data folder, and a folder that is not a
+  tinygpt data folder is never overwritten.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import os
+import re
+import shutil
+import sysconfig
+import tokenize
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import DataError, TokenizerError
+from .tokenizer import (
+    DEFAULT_BPE_VOCAB,
+    KINDS,
+    BPETokenizer,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    _read_json,
+    _write_json_atomic,
+    check_bpe_vocab_size,
+    load_tokenizer,
+)
+
+FORMAT = "tinygpt-data"
+VERSION = 1
+DATA_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
+BUILTIN_CORPORA = ("python-stdlib", "shakespeare")
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+DOWNLOAD_TIMEOUT_S = 10.0
+MAX_VAL_FRACTION = 0.5
+
+READ_BYTES = 1 << 20  # bytes per read from a file
+PIECE_CHARS = 1 << 16  # text is re-cut into pieces of about this many characters at safe token boundaries
+ENCODE_CHARS = 1 << 21  # characters per batch handed to the tokenizer (BPE encodes a batch's pieces in parallel)
+MAX_CARRY_CHARS = 1 << 24  # a piece with no safe boundary is cut anyway past this length
+BINARY_SNIFF_BYTES = 8192
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, bytes done, bytes total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+@dataclass(frozen=True)
+class Document:
+    """One file of a source; `encoding` is its declared encoding (UTF-8 except for some stdlib files)."""
+
+    path: Path
+    size: int
+    encoding: str = "utf-8"
+
+
+@dataclass
+class Source:
+    """A resolved SOURCE argument: the files it stands for."""
+
+    name: str
+    path: Path
+    documents: list[Document] = field(default_factory=list)
+    skipped: int = 0  # binary files (folders) or files Python cannot decode (python-stdlib)
+
+    @property
+    def size(self) -> int:
+        return sum(d.size for d in self.documents)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "files": len(self.documents), "skipped": self.skipped, "bytes": self.size}
+
+
+def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[Path] = ()) -> list[Source]:
+    """Turn SOURCE arguments into lists of files.
+
+    Args:
+        sources: text files, folders, or built-in corpus names (python-stdlib, shakespeare).
+        exclude: folders never to read from (prepare passes its output folder).
+    """
+    sources = [str(s) for s in sources]
+    if not sources:
+        raise DataError("no source given: name a text file, a folder, or a built-in corpus (python-stdlib, shakespeare)")
+    exclude = [Path(p).resolve() for p in exclude]
+    out = []
+    for name in sources:
+        path = Path(name).expanduser()
+        if path.is_file():
+            out.append(Source(name, path.resolve(), [Document(path.resolve(), path.stat().st_size)]))
+        elif path.is_dir():
+            out.append(_folder_source(name, path.resolve(), exclude))
+        elif path.exists():
+            raise DataError(f"source is neither a file nor a folder: {name}")
+        elif name == "python-stdlib":
+            out.append(_python_stdlib_source())
+        elif name == "shakespeare":
+            p = shakespeare_path()
+            out.append(Source(name, p, [Document(p, p.stat().st_size)]))
+        else:
+            raise DataError(f"source not found: {name} (a text file, a folder, or a built-in corpus: {', '.join(BUILTIN_CORPORA)})")
+    return out
+
+
+def _walk_files(root: Path, exclude: list[Path], skip_dirs: tuple[str, ...] = ()) -> list[Path]:
+    """Regular files below root, in sorted path order, skipping hidden entries and excluded folders."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = [
+            d for d in dirnames if not d.startswith(".") and d not in skip_dirs and (here / d).resolve() not in exclude
+        ]
+        found += [here / f for f in filenames if not f.startswith(".") and (here / f).is_file()]
+    return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\0" in f.read(BINARY_SNIFF_BYTES)
+
+
+def _folder_source(name: str, root: Path, exclude: list[Path]) -> Source:
+    src = Source(name, root)
+    for p in _walk_files(root, exclude):
+        size = p.stat().st_size
+        if size == 0:
+            continue
+        if _is_binary(p):
+            src.skipped += 1
+        else:
+            src.documents.append(Document(p, size))
+    if not src.documents:
+        raise DataError(f"no text files in {name}" + (f" ({src.skipped} binary files skipped)" if src.skipped else ""))
+    return src
+
+
+def python_stdlib_root() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
+def _python_stdlib_source() -> Source:
+    # Each file decoded as Python decodes it (PEP 263: a few test modules are latin-1 or koi8-r);
+    # files Python itself refuses (deliberately broken test fixtures) are skipped.
+    root = python_stdlib_root()
+    src = Source("python-stdlib", root)
+    for p in _walk_files(root, [], skip_dirs=("site-packages", "dist-packages", "__pycache__")):
+        if p.suffix != ".py" or p.stat().st_size == 0:
+            continue
+        try:
+            with open(p, "rb") as f:
+                encoding, _ = tokenize.detect_encoding(f.readline)
+        except SyntaxError:
+            src.skipped += 1
+            continue
+        encoding = codecs.lookup(encoding).name
+        src.documents.append(Document(p, p.stat().st_size, "utf-8" if encoding == "utf-8-sig" else encoding))
+    if not src.documents:
+        raise DataError(f"no .py files found in the standard library folder {root}")
+    return src
+
+
+def cache_dir() -> Path:
+    """Where downloaded corpora are kept: $TINYGPT_CACHE, else $XDG_CACHE_HOME/tinygpt, else ~/.cache/tinygpt."""
+    if os.environ.get("TINYGPT_CACHE"):
+        return Path(os.environ["TINYGPT_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "tinygpt"
+
+
+def shakespeare_path(timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
+    """tiny-shakespeare (1.1 MB), from the cache or downloaded into it once."""
+    path = cache_dir() / "shakespeare.txt"
+    if path.is_file():
+        return path
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=timeout) as r:
+            text = r.read()
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"cannot download tiny-shakespeare ({getattr(e, 'reason', None) or e}); offline, fetch it elsewhere "
+            f"from {SHAKESPEARE_URL} and run `tinygpt prepare path/to/shakespeare.txt`"
+        ) from None
+    if not text.startswith(b"First Citizen"):
+        raise DataError(f"the download from {SHAKESPEARE_URL} is not tiny-shakespeare; prepare a local copy instead")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading text
+
+
+# Substitutions made so far by errors="replace" (process-wide: the BPE trainer may pull text from
+# another thread, so a thread-local count would miss some). prepare() reads the difference.
+_replaced = [0]
+
+
+def _count_and_replace(e: UnicodeError) -> tuple[str, int]:
+    """errors="replace", counting: the same U+FFFD per bad sequence as Python's own "replace"."""
+    if not isinstance(e, UnicodeDecodeError):
+        raise e
+    _replaced[0] += 1
+    return "\ufffd", e.end
+
+
+codecs.register_error("tinygpt-count-replace", _count_and_replace)
+
+
+def _read_chunks(doc: Document, errors: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[str]:
+    """Decoded text of one file, chunk by chunk; a UTF-8 BOM is dropped."""
+    handler = "tinygpt-count-replace" if errors == "replace" else "strict"
+    decoder = codecs.getincrementaldecoder(doc.encoding)(handler)
+    offset = 0  # file position of the next byte to read
+    with open(doc.path, "rb") as f:
+        while True:
+            data = f.read(READ_BYTES)
+            if offset == 0 and doc.encoding == "utf-8" and data.startswith(codecs.BOM_UTF8):
+                data, offset = data[3:], 3
+            state = decoder.getstate()
+            pending = len(state[0]) if isinstance(state[0], bytes) else 0  # bytes held from the last chunk
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                at = offset - pending + e.start
+                bad = e.object[e.start : e.start + 4].hex(" ")
+                raise DataError(
+                    f"{doc.path}: invalid {_codec_label(doc.encoding)} at byte {at:,} ({bad}); "
+                    "use --errors replace to substitute U+FFFD"
+                ) from None
+            offset += len(data)
+            if on_bytes is not None:
+                on_bytes(len(data))
+            if text:
+                yield text
+            if not data:
+                return
+
+
+def _codec_label(encoding: str) -> str:
+    return "UTF-8" if encoding == "utf-8" else encoding
+
+
+# A cut is safe where GPT-2's pre-tokenizer splits no matter what follows or precedes: just before
+# a space that precedes a non-space, or just after a newline that sits between two non-spaces.
+_SAFE_CUT = re.compile(r" (?=\S)|(?<=\S\n)(?=\S)")
+
+
+def _safe_cut(text: str, lo: int, hi: int) -> int:
+    """The last safe cut c with lo < c <= hi, or -1. Looks in the last 4 KiB first (the usual case)."""
+    for start in dict.fromkeys((max(lo + 1, hi - 4096), lo + 1)):
+        cuts = [m.start() for m in _SAFE_CUT.finditer(text, start, hi + 1)]
+        if cuts:
+            return cuts[-1]
+    return -1
+
+
+def _pieces(chunks: Iterable[str], size: int | None = None) -> Iterator[str]:
+    """Re-cut a document's text chunks into pieces of about `size` characters at safe token boundaries."""
+    size = size or PIECE_CHARS
+    buf = ""
+    for chunk in chunks:
+        buf = buf + chunk if buf else chunk
+        pos = 0
+        while len(buf) - pos > size:
+            cut = _safe_cut(buf, pos, pos + size)
+            if cut < 0:  # no safe cut before pos + size: take the first one after it, if the buffer has one
+                m = _SAFE_CUT.search(buf, pos + size)
+                cut = m.start() if m else -1
+            if cut < 0:
+                if len(buf) - pos < MAX_CARRY_CHARS:
+                    break  # wait for more text
+                cut = pos + size
+            yield buf[pos:cut]
+            pos = cut
+        buf = buf[pos:]
+    if buf:
+        yield buf
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing token files
+
+
+class _SplitWriter:
+    """Encodes text in batches and appends the ids to train.bin, then (after switch_to_val) val.bin."""
+
+    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, folder: Path) -> None:
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.folder = folder
+        self.split = "train"
+        self.counts = {f"{s}_{k}": 0 for s in ("train", "val") for k in ("tokens", "chars", "bytes")}
+        self._file = open(folder / "train.bin", "wb")
+        self._pending: list[str] = []
+        self._pending_chars = 0
+
+    def add_text(self, text: str) -> None:
+        if not text:
+            return
+        self._pending.append(text)
+        self._pending_chars += len(text)
+        self.counts[f"{self.split}_chars"] += len(text)
+        self.counts[f"{self.split}_bytes"] += len(text.encode("utf-8"))
+        if self._pending_chars >= ENCODE_CHARS:
+            self.flush()
+
+    def add_separator(self, token_id: int) -> None:
+        self.flush()
+        self._write(np.array([token_id], dtype=np.uint32))
+
+    def flush(self) -> None:
+        if self._pending:
+            self._write(self.tokenizer.encode_to_array(self._pending))
+            self._pending, self._pending_chars = [], 0
+
+    def _write(self, ids: np.ndarray) -> None:
+        ids.astype(self.dtype, copy=False).tofile(self._file)
+        self.counts[f"{self.split}_tokens"] += len(ids)
+
+    def switch_to_val(self) -> None:
+        self._close_file()
+        self.split = "val"
+        self._file = open(self.folder / "val.bin", "wb")
+
+    def _close_file(self) -> None:
+        self.flush()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def close(self) -> None:
+        if self.split == "train":
+            self.switch_to_val()  # an empty val.bin (val_fraction 0)
+        self._close_file()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (vocab_size <= 65,536), else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _make_tokenizer(kind: str | Tokenizer | None, vocab_size: int | None, tokenizer_file: str | os.PathLike | None) -> Tokenizer | str:
+    """A ready tokenizer, or "char"/"bpe" when one must be learned from the corpus first."""
+    if kind is not None and not isinstance(kind, str):
+        if vocab_size is not None or tokenizer_file is not None:
+            raise DataError("vocab_size and tokenizer_file do not apply to a ready tokenizer object")
+        return kind
+    if kind is not None and kind not in KINDS:
+        raise DataError(f"unknown tokenizer {kind!r} (expected one of {', '.join(KINDS)})")
+    if vocab_size is not None:
+        if kind != "bpe" or tokenizer_file is not None:
+            raise DataError("--vocab-size applies only when training a BPE tokenizer (--tokenizer bpe)")
+        try:
+            check_bpe_vocab_size(vocab_size)
+        except TokenizerError as e:
+            raise DataError(str(e)) from None
+    if tokenizer_file is None:
+        if kind == "gpt2":
+            return GPT2Tokenizer.from_tiktoken()
+        return kind or "char"
+    if kind == "gpt2":
+        return GPT2Tokenizer.from_file(tokenizer_file)
+    path = Path(tokenizer_file).expanduser()
+    is_tinygpt = (path / "tokenizer.json").is_file() if path.is_dir() else path.suffix == ".json" and _is_tinygpt_json(path)
+    if kind is None and not is_tinygpt:
+        return GPT2Tokenizer.from_file(path)  # GPT-2's own files
+    tok = load_tokenizer(path)
+    if kind is not None and tok.kind != kind:
+        raise DataError(f"{tokenizer_file} holds a {tok.kind} tokenizer, not {kind}")
+    return tok
+
+
+def _is_tinygpt_json(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return b'"tinygpt-tokenizer"' in f.read(256)
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare
+
+
+def prepare(
+    sources: list[str],
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | Tokenizer | None = "char",
+    vocab_size: int | None = None,
+    val_fraction: float = 0.1,
+    errors: str = "strict",
+    tokenizer_file: str | os.PathLike | None = None,
+    progress: ProgressFn | None = None,
+) -> dict[str, Any]:
+    """Tokenize text sources into a data folder for training. Returns the meta.json contents.
+
+    Args:
+        sources: text files, folders, or built-in corpora ("python-stdlib", "shakespeare").
+        out_dir: the data folder to write; an existing one is replaced only if it is a tinygpt data folder.
+        tokenizer: "char" (learned from the corpus), "bpe" (byte-level BPE trained on the corpus),
+            "gpt2" (GPT-2's BPE), a ready Tokenizer, or None to take the kind from `tokenizer_file`.
+        vocab_size: the BPE vocabulary to train (default 4096).
+        val_fraction: the share of characters, from the end, held out for validation (0 to 0.5).
+        errors: "strict" stops at invalid UTF-8 naming the file and byte offset; "replace"
+            substitutes U+FFFD and counts the substitutions.
+        tokenizer_file: GPT-2's vocab.json + merges.txt or .tiktoken file (gpt2), or a tinygpt
+            tokenizer.json / data or run folder to reuse its tokenizer (char, bpe).
+        progress: called as progress(phase, bytes_done, bytes_total) while files are read.
+    """
+    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction <= MAX_VAL_FRACTION or math.isnan(val_fraction):
+        raise DataError(f"val fraction must be between 0 and {MAX_VAL_FRACTION}, got {val_fraction}")
+    if errors not in ("strict", "replace"):
+        raise DataError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    out = Path(out_dir).expanduser().resolve()
+    _check_out_dir(out)
+    tok_or_kind = _make_tokenizer(tokenizer, vocab_size, tokenizer_file)
+    srcs = resolve_sources(sources, exclude=[out])
+    docs = [d for s in srcs for d in s.documents]
+    total_bytes = sum(d.size for d in docs)
+
+    def pieces_of(doc: Document, phase: str, done: list[int]) -> Iterator[str]:
+        def on_bytes(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(phase, done[0], total_bytes)
+
+        return _pieces(_read_chunks(doc, errors, on_bytes))
+
+    # Pass 1: count characters (for the split), check there is text, learn the vocabulary.
+    seen = np.zeros(0x110000, dtype=bool) if tok_or_kind == "char" else None
+    chars_in = [0] * len(srcs)  # per source: characters, and whether any is not whitespace
+    has_text = [False] * len(srcs)
+    replaced_before = _replaced[0]
+
+    def first_pass() -> Iterator[str]:
+        done = [0]
+        for i, src in enumerate(srcs):
+            for doc in src.documents:
+                for piece in pieces_of(doc, "train bpe" if tok_or_kind == "bpe" else "read", done):
+                    chars_in[i] += len(piece)
+                    if seen is not None:
+                        seen[np.frombuffer(piece.encode("utf-32-le"), dtype=np.uint32)] = True
+                    if not has_text[i] and not piece.isspace():
+                        has_text[i] = True
+                    yield piece
+
+    if tok_or_kind == "bpe":
+        bpe_vocab = vocab_size or DEFAULT_BPE_VOCAB
+        tok = BPETokenizer.train(first_pass(), bpe_vocab, show_progress=progress is not None)
+    else:
+        for _ in first_pass():
+            pass
+        tok = CharTokenizer(map(chr, np.flatnonzero(seen).tolist())) if tok_or_kind == "char" and seen.any() else tok_or_kind
+    replacements = _replaced[0] - replaced_before
+    for i, src in enumerate(srcs):
+        if not has_text[i]:
+            raise DataError(f"source {src.name} is empty" if chars_in[i] == 0 else f"source {src.name} holds only whitespace")
+    total_chars = sum(chars_in)
+    n_val = round(val_fraction * total_chars)
+    if val_fraction > 0 and n_val == 0 and total_chars > 1:
+        n_val = 1
+    split_at = total_chars - n_val  # characters before the split go to train
+    dtype = token_dtype(tok.vocab_size)
+
+    # Pass 2: encode into a hidden temporary folder, then rename it into place.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        writer = _SplitWriter(tok, dtype, tmp)
+        try:
+            pos, done = 0, [0]
+            for k, doc in enumerate(docs):
+                if k and tok.eot_id is not None:
+                    writer.add_separator(tok.eot_id)  # between documents only
+                for piece in pieces_of(doc, "encode", done):
+                    if writer.split == "train" and pos + len(piece) > split_at:
+                        writer.add_text(piece[: split_at - pos])
+                        writer.switch_to_val()
+                        writer.add_text(piece[split_at - pos :])
+                    else:
+                        writer.add_text(piece)
+                    pos += len(piece)
+            writer.close()
+        except TokenizerError as e:  # a reused char vocabulary that lacks characters of this corpus
+            writer.abort()
+            raise DataError(f"the tokenizer cannot encode this corpus: {e}") from None
+        except BaseException:
+            writer.abort()
+            raise
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tokenizer": tok.kind,
+            "vocab_size": tok.vocab_size,
+            "dtype": dtype.name,
+            **writer.counts,
+            "val_fraction": val_fraction,
+            "documents": len(docs),
+            "eot_id": tok.eot_id,
+            "sources": [s.to_meta() for s in srcs],
+            "errors": errors,
+            "replacements": replacements,
+        }
+        if tok_or_kind == "bpe":
+            meta["requested_vocab_size"] = bpe_vocab
+        tok.save(tmp / "tokenizer.json")
+        _write_json_atomic(tmp / "meta.json", meta, indent=2)
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse to write over anything but an empty folder or a tinygpt data folder."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise DataError(f"{out} exists and is not a folder")
+    entries = set(os.listdir(out))
+    if not entries:
+        return
+    if "meta.json" in entries and entries <= set(DATA_FILES):
+        try:
+            if _read_json(out / "meta.json", DataError).get("format") == FORMAT:
+                return
+        except (DataError, AttributeError, OSError):
+            pass
+    raise DataError(f"refusing to overwrite {out}: it is not a tinygpt data folder (choose another --out)")
+
+
+def _replace_folder(new: Path, out: Path) -> None:
+    """Move the finished folder into place; an old data folder is moved aside first, then removed."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        os.rename(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(new, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and batches
+
+
+@dataclass
+class DataSet:
+    """A prepared data folder: token arrays (read-only memmaps), the tokenizer and meta.json."""
+
+    path: Path
+    meta: dict[str, Any]
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.train.dtype
+
+
+_META_INTS = ("vocab_size", "train_tokens", "val_tokens", "train_chars", "val_chars", "train_bytes", "val_bytes")
+
+
+def load_data(path: str | os.PathLike) -> DataSet:
+    """Open a data folder written by `prepare`, checking that its files agree with meta.json.
+
+    Args:
+        path: the data folder.
+    """
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise DataError(f"data folder not found: {p}" if not p.exists() else f"{p} is not a folder")
+    if not (p / "meta.json").is_file():
+        raise DataError(f"{p} is not a tinygpt data folder (no meta.json); make one with `tinygpt prepare SOURCE --out {p}`")
+    meta = _read_json(p / "meta.json", DataError)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DataError(f"{p / 'meta.json'} is not a tinygpt data description (no \"format\": \"{FORMAT}\")")
+    if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
+        raise DataError(f"{p / 'meta.json'}: data format version {meta.get('version')!r} is not supported (this tinygpt reads {VERSION})")
+    for key in _META_INTS:
+        if not isinstance(meta.get(key), int) or isinstance(meta[key], bool) or meta[key] < 0:
+            raise DataError(f"{p / 'meta.json'}: {key} must be a non-negative integer, got {meta.get(key)!r}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise DataError(f"{p / 'meta.json'}: dtype must be uint16 or uint32, got {meta.get('dtype')!r}")
+    dtype = np.dtype(meta["dtype"])
+    if meta["vocab_size"] > np.iinfo(dtype).max + 1:
+        raise DataError(f"{p / 'meta.json'}: a vocabulary of {meta['vocab_size']:,} does not fit {dtype.name}")
+    try:
+        tok = load_tokenizer(p)
+    except TokenizerError as e:
+        raise DataError(str(e)) from None
+    if tok.kind != meta.get("tokenizer") or tok.vocab_size != meta["vocab_size"]:
+        raise DataError(
+            f"{p}: tokenizer.json ({tok.kind}, {tok.vocab_size:,} tokens) disagrees with meta.json "
+            f"({meta.get('tokenizer')}, {meta['vocab_size']:,} tokens)"
+        )
+    arrays = {split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"]) for split in ("train", "val")}
+    return DataSet(p, meta, arrays["train"], arrays["val"], tok)
+
+
+def _open_tokens(path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> np.ndarray:
+    if not path.is_file():
+        raise DataError(f"{path} is missing")
+    size = path.stat().st_size
+    if size != n_tokens * dtype.itemsize:
+        other = np.dtype(np.uint32 if dtype == np.uint16 else np.uint16)
+        hint = f"; it is the size of {n_tokens:,} {other.name} tokens" if size == n_tokens * other.itemsize else ""
+        raise DataError(
+            f"{path} holds {size:,} bytes but meta.json says {n_tokens:,} {dtype.name} tokens "
+            f"({n_tokens * dtype.itemsize:,} bytes){hint}"
+        )
+    if n_tokens == 0:
+        arr = np.zeros(0, dtype=dtype)
+        arr.flags.writeable = False
+        return arr
+    arr = np.memmap(path, dtype=dtype, mode="r")
+    # An id past the vocabulary would crash the embedding later with an obscure index error.
+    top = max(int(arr[i : i + (1 << 24)].max()) for i in range(0, len(arr), 1 << 24))
+    if top >= vocab_size:
+        raise DataError(f"{path} holds token id {top:,}, outside the vocabulary of {vocab_size:,}")
+    return arr
+
+
+def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets at the given offsets: x = tokens[o:o+T], y = tokens[o+1:o+T+1].
+
+    Args:
+        tokens: a split's token ids (a memmap from `load_data`).
+        offsets: (B,) start positions, each in [0, len(tokens) - block_size - 1].
+        block_size: T, the sequence length.
+
+    Returns:
+        x, y: int64 tensors of shape (B, T) on the CPU.
+    """
+    offs = offsets.numpy(force=True) if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
+    offs = offs.astype(np.int64, copy=False).reshape(-1)
+    n = len(tokens)
+    if n < block_size + 1:
+        raise DataError(f"a batch of block size {block_size} needs at least {block_size + 1} tokens; this split has {n:,}")
+    if offs.size and (offs.min() < 0 or offs.max() > n - block_size - 1):
+        raise DataError(f"batch offsets must lie in [0, {n - block_size - 1}], got {offs.min()}..{offs.max()}")
+    # Row o of the window view is tokens[o:o+T+1]; indexing it copies just the B rows.
+    windows = np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[offs]  # (B, T+1)
+    chunk = torch.from_numpy(windows.astype(np.int64))  # (B, T+1)
+    return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()

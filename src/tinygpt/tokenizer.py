@@ -1,0 +1,662 @@
+"""Tokenizers: text <-> token ids, each saved as one JSON file (never a pickle).
+
+Three kinds share one small protocol (`Tokenizer`):
+
+- `CharTokenizer`: one id per distinct character of the corpus, in sorted order (nanoGPT's
+  shakespeare_char). Text with characters outside the vocabulary is refused, naming them.
+- `BPETokenizer`: byte-level BPE trained on the user's corpus with Hugging Face `tokenizers`.
+  Text is a sequence of UTF-8 bytes to it, so any string round-trips exactly.
+- `GPT2Tokenizer`: GPT-2's own BPE through `tiktoken`, from local files. The saved JSON carries
+  the ranks, so a data or run folder never needs the network again.
+
+Encoding treats all text as text: the literal string "<|endoftext|>" is never turned into the
+separator token (tiktoken's `encode_ordinary`). Documents are separated by the data pipeline,
+which inserts `eot_id` between them. Decoding renders the separator as "<|endoftext|>".
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import itertools
+import json
+import operator
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .errors import TokenizerError
+
+FORMAT = "tinygpt-tokenizer"
+VERSION = 1
+KINDS = ("char", "bpe", "gpt2")
+EOT = "<|endoftext|>"
+# GPT-2's pre-tokenizer split (tiktoken's r50k/gpt2 pattern): contractions, letters, digits,
+# other symbols, whitespace. BPE merges never cross these pieces.
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+BPE_MIN_VOCAB = 257  # the 256 byte tokens + <|endoftext|>
+BPE_MAX_VOCAB = 1 << 20
+DEFAULT_BPE_VOCAB = 4096
+MAX_CODEPOINT = 0x10FFFF
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What every tokenizer offers. `eot_id` is the document separator, where the kind has one."""
+
+    kind: str
+    vocab_size: int
+    eot_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def save(self, path: str | os.PathLike) -> None: ...
+
+
+class _TokenizerBase:
+    """The parts all kinds share: id checking, decode via bytes, batch/array encoding, save."""
+
+    kind: str = ""
+    vocab_size: int = 0
+    eot_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray:
+        """Token ids of the texts, encoded one by one and concatenated, as a uint32 array."""
+        if isinstance(texts, str):
+            texts = [texts]
+        lists = self.encode_batch(texts)
+        return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.uint32, count=sum(map(len, lists)))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`. Byte sequences that are not valid UTF-8 (a character cut between tokens)
+        decode to U+FFFD; use `IncrementalDecoder` to stream text token by token."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the tokenizer as one JSON file (into `path/tokenizer.json` if path is a folder)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        _write_json_atomic(path, self.to_dict())
+
+    def _check_ids(self, ids: Iterable[int] | int) -> list[int]:
+        """ids as a list of Python ints, each in [0, vocab_size). Accepts lists, numpy arrays and tensors."""
+        if hasattr(ids, "tolist"):  # numpy arrays and torch tensors, including 0-d ones
+            ids = ids.tolist()
+        if isinstance(ids, int):
+            ids = [ids]
+        try:
+            out = [operator.index(i) for i in ids]
+        except TypeError:
+            raise TokenizerError("token ids must be integers") from None
+        if out and (min(out) < 0 or max(out) >= self.vocab_size):
+            bad = next(i for i in out if not 0 <= i < self.vocab_size)
+            raise TokenizerError(f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
+        return out
+
+    def _header(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "kind": self.kind, "vocab_size": self.vocab_size}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Character level
+
+
+class CharTokenizer(_TokenizerBase):
+    """One token per character; ids follow the order of `chars` (sorted when built from text)."""
+
+    kind = "char"
+
+    def __init__(self, chars: Iterable[str]) -> None:
+        """Args:
+        chars: the vocabulary, one single-character string per id.
+        """
+        chars = list(chars)
+        if not chars:
+            raise TokenizerError("a character vocabulary needs at least one character")
+        for c in chars:
+            if not isinstance(c, str) or len(c) != 1:
+                raise TokenizerError(f"character vocabulary entries must be single characters, got {c!r}")
+            if 0xD800 <= ord(c) <= 0xDFFF:
+                raise TokenizerError(f"character vocabulary holds a lone surrogate {c!r}")
+        if len(set(chars)) != len(chars):
+            raise TokenizerError("character vocabulary has duplicate entries")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.eot_id = None
+        self._table: np.ndarray | None = None
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """The sorted set of characters of `text` as the vocabulary."""
+        return cls(sorted(set(text)))
+
+    @property
+    def table(self) -> np.ndarray:
+        """Code point -> id lookup (int32, -1 for characters outside the vocabulary)."""
+        if self._table is None:
+            table = np.full(MAX_CODEPOINT + 1, -1, dtype=np.int32)
+            table[[ord(c) for c in self.chars]] = np.arange(self.vocab_size, dtype=np.int32)
+            self._table = table
+        return self._table
+
+    def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray:
+        # Vectorized: UTF-32 code points through a lookup table, no per-character Python loop.
+        text = texts if isinstance(texts, str) else "".join(texts)
+        codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        ids = self.table[codepoints]
+        if ids.size and ids.min() < 0:
+            raise TokenizerError(_unknown_chars_message(text, np.flatnonzero(ids < 0)))
+        return ids.astype(np.uint32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode_to_array(t).tolist() for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(map(self.chars.__getitem__, self._check_ids(ids)))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self.decode(ids).encode("utf-8")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._header(), "chars": self.chars}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
+        chars = data.get("chars")
+        if not isinstance(chars, list):
+            raise TokenizerError('a char tokenizer needs "chars", a list of characters')
+        return cls(chars)
+
+
+def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> str:
+    """Name the characters outside the vocabulary and where they are (0-based character positions)."""
+    where: dict[str, list[int]] = {}
+    for p in positions.tolist():
+        where.setdefault(text[p], []).append(p)
+    parts = []
+    for c, ps in list(where.items())[:show]:
+        at = ", ".join(map(str, ps[:show])) + (f" (+{len(ps) - show} more)" if len(ps) > show else "")
+        parts.append(f"{c!r} (U+{ord(c):04X}) at position {at}")
+    more = f"; and {len(where) - show} more" if len(where) > show else ""
+    n = len(positions)
+    return f"{n} character{'s' if n != 1 else ''} not in the tokenizer's vocabulary: " + "; ".join(parts) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# Byte-level BPE trained with Hugging Face `tokenizers`
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte, as byte-level BPE vocabularies spell tokens.
+
+    Bytes that are printable Latin-1 (except space) stand for themselves; the other 68 bytes are
+    mapped, in order, to code points 256, 257, ... so every token is a visible string.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+
+
+def _token_bytes(token: str) -> bytes:
+    try:
+        return bytes(_UNICODE_TO_BYTE[c] for c in token)
+    except KeyError:
+        raise TokenizerError(f"token {token!r} is not spelled in GPT-2's byte-level alphabet") from None
+
+
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    """Refuse a BPE vocabulary size that cannot work: below 257 (256 bytes + <|endoftext|>) or absurdly large."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        raise TokenizerError(f"vocab size must be an integer, got {vocab_size!r}")
+    if vocab_size < BPE_MIN_VOCAB:
+        raise TokenizerError(
+            f"vocab size {vocab_size} is too small for byte-level BPE: it needs at least {BPE_MIN_VOCAB} "
+            "(the 256 byte tokens and <|endoftext|>)"
+        )
+    if vocab_size > BPE_MAX_VOCAB:
+        raise TokenizerError(f"vocab size {vocab_size:,} is too large for BPE (at most {BPE_MAX_VOCAB:,})")
+
+
+class BPETokenizer(_TokenizerBase):
+    """Byte-level BPE (GPT-2's scheme) trained on your corpus with Hugging Face `tokenizers`."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        """Args:
+        hf_tokenizer: a `tokenizers.Tokenizer` with a BPE model and ByteLevel pre-tokenizer.
+        """
+        model = json.loads(hf_tokenizer.to_str())
+        if (model.get("model") or {}).get("type") != "BPE":
+            raise TokenizerError("the embedded tokenizer is not a BPE model")
+        if (model.get("pre_tokenizer") or {}).get("type") != "ByteLevel":
+            raise TokenizerError("the embedded tokenizer is not byte-level (its pre_tokenizer is not ByteLevel)")
+        self._tok = hf_tokenizer
+        # Literal "<|endoftext|>" in user text stays text; only the data pipeline inserts the separator.
+        self._tok.encode_special_tokens = True
+        vocab = hf_tokenizer.get_vocab(with_added_tokens=True)
+        self.vocab_size = len(vocab)
+        if sorted(vocab.values()) != list(range(self.vocab_size)):
+            raise TokenizerError("the BPE vocabulary's ids are not 0..N-1")
+        added = {i: t.content for i, t in hf_tokenizer.get_added_tokens_decoder().items()}
+        table: list[bytes] = [b""] * self.vocab_size
+        for token, i in vocab.items():
+            table[i] = added[i].encode("utf-8") if i in added else _token_bytes(token)
+        self._bytes = table
+        self.eot_id = hf_tokenizer.token_to_id(EOT)
+
+    @classmethod
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int = DEFAULT_BPE_VOCAB,
+        *,
+        min_frequency: int = 2,
+        show_progress: bool = False,
+    ) -> BPETokenizer:
+        """Learn a byte-level BPE vocabulary from an iterable of texts.
+
+        Args:
+            texts: the corpus, in pieces of any size (streamed, never joined in memory).
+            vocab_size: the target size, including the 256 byte tokens and <|endoftext|>. A small
+                corpus may stop short of it: the result has as many tokens as merges were found.
+            min_frequency: a pair must occur this often to be merged.
+            show_progress: let `tokenizers` draw its own progress bars.
+        """
+        check_bpe_vocab_size(vocab_size)
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=show_progress,
+        )
+        # The Rust trainer pulls from our iterator; keep any error it raises so it surfaces as itself.
+        failure: list[BaseException] = []
+
+        def guarded() -> Iterable[str]:
+            try:
+                yield from texts
+            except BaseException as e:
+                failure.append(e)
+                raise
+
+        try:
+            tok.train_from_iterator(guarded(), trainer=trainer)
+        except BaseException:
+            if failure:
+                raise failure[0] from None
+            raise
+        return cls(tok)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        texts = list(texts)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("encode expects str")
+        try:
+            encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        except Exception as e:  # tokenizers refuses strings it cannot hold, e.g. lone surrogates
+            raise TokenizerError(f"cannot encode text: {e}") from None
+        return [e.ids for e in encodings]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(map(self._bytes.__getitem__, self._check_ids(ids)))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying `tokenizers.Tokenizer` (for export to Hugging Face formats)."""
+        return self._tok
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self._header(), "eot": EOT, "tokenizer": json.loads(self._tok.to_str())}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        inner = data.get("tokenizer")
+        if not isinstance(inner, dict):
+            raise TokenizerError('a bpe tokenizer needs "tokenizer", the Hugging Face tokenizer JSON object')
+        try:
+            tok = HFTokenizer.from_str(json.dumps(inner))
+        except Exception as e:
+            raise TokenizerError(f"the embedded Hugging Face tokenizer does not load: {e}") from None
+        return cls(tok)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2's BPE through tiktoken
+
+
+class GPT2Tokenizer(_TokenizerBase):
+    """GPT-2's BPE (50,257 tokens) run by `tiktoken`; ids equal tiktoken's "gpt2" encoding."""
+
+    kind = "gpt2"
+
+    def __init__(
+        self,
+        ranks: dict[bytes, int],
+        special_tokens: dict[str, int] | None = None,
+        *,
+        pat_str: str = GPT2_PATTERN,
+        name: str = "gpt2",
+    ) -> None:
+        """Args:
+        ranks: token bytes -> rank (= token id); the merge order of byte-pair encoding.
+        special_tokens: text -> id for tokens outside the merges, e.g. {"<|endoftext|>": 50256}.
+        pat_str: the pre-tokenizer regex (GPT-2's by default).
+        name: a label for tiktoken.
+        """
+        import tiktoken
+
+        special_tokens = dict(special_tokens or {})
+        ids = sorted([*ranks.values(), *special_tokens.values()])
+        if not ranks or ids != list(range(len(ids))):
+            raise TokenizerError("GPT-2 token ids (ranks and special tokens) must be exactly 0..N-1")
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise TokenizerError(f"the vocabulary lacks {len(missing)} of the 256 single-byte tokens")
+        self._ranks = ranks
+        self._special = special_tokens
+        self._pat_str = pat_str
+        try:
+            self._enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special_tokens)
+        except Exception as e:
+            raise TokenizerError(f"tiktoken refused the vocabulary: {e}") from None
+        self.vocab_size = len(ids)
+        self.eot_id = special_tokens.get(EOT)
+
+    @classmethod
+    def from_tiktoken(cls, name: str = "gpt2", timeout: float = 10.0) -> GPT2Tokenizer:
+        """tiktoken's own encoding: from its cache, else downloaded (with a short network timeout)."""
+        import tiktoken
+
+        old = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(timeout)  # tiktoken's download sets no timeout of its own
+        try:
+            enc = tiktoken.get_encoding(name)
+        except Exception as e:
+            raise TokenizerError(
+                f"GPT-2's BPE files are not in tiktoken's cache and could not be downloaded ({type(e).__name__}); "
+                "pass --tokenizer-file PATH with a local GPT-2 vocab.json + merges.txt or gpt2.tiktoken"
+            ) from None
+        finally:
+            socket.setdefaulttimeout(old)
+        ranks = {b: enc.encode_single_token(b) for b in enc.token_byte_values()}
+        special = {t: enc.encode_single_token(t) for t in enc.special_tokens_set}
+        return cls(ranks, special, pat_str=enc._pat_str, name=enc.name)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> GPT2Tokenizer:
+        """Load GPT-2's BPE from local files.
+
+        Args:
+            path: a `vocab.json` + `merges.txt` pair (Hugging Face's names; OpenAI's `encoder.json`
+                + `vocab.bpe` too), given as either file or their folder; a tiktoken `.tiktoken`
+                file (e.g. `gpt2.tiktoken`); or a tinygpt tokenizer JSON of kind gpt2.
+        """
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise TokenizerError(f"tokenizer file not found: {p}")
+        if p.is_dir():
+            for vocab_name, merges_name in (("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")):
+                if (p / vocab_name).is_file() and (p / merges_name).is_file():
+                    return cls.from_vocab_merges(p / vocab_name, p / merges_name)
+            tiktoken_files = sorted(p.glob("*.tiktoken"))
+            if tiktoken_files:
+                return cls.from_tiktoken_file(tiktoken_files[0])
+            if (p / "tokenizer.json").is_file():
+                return _as_gpt2(load_tokenizer(p / "tokenizer.json"), p)
+            raise TokenizerError(f"no GPT-2 tokenizer files in {p} (expected vocab.json + merges.txt or *.tiktoken)")
+        if p.suffix == ".tiktoken":
+            return cls.from_tiktoken_file(p)
+        if p.suffix in (".txt", ".bpe"):
+            vocab = _sibling(p, [("merges.txt", "vocab.json"), ("vocab.bpe", "encoder.json")], ["vocab.json", "encoder.json"])
+            return cls.from_vocab_merges(vocab, p)
+        data = _read_json(p, TokenizerError)
+        if isinstance(data, dict) and data.get("format") == FORMAT:
+            return _as_gpt2(tokenizer_from_dict(data, where=str(p)), p)
+        merges = _sibling(p, [("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")], ["merges.txt", "vocab.bpe"])
+        return cls.from_vocab_merges(p, merges, vocab=data)
+
+    @classmethod
+    def from_vocab_merges(
+        cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, *, vocab: Any = None
+    ) -> GPT2Tokenizer:
+        """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them."""
+        if vocab is None:
+            vocab = _read_json(Path(vocab_path), TokenizerError)
+        if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+            raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> id")
+        special = {EOT: vocab[EOT]} if EOT in vocab else {}
+        try:
+            ranks = {_token_bytes(t): i for t, i in vocab.items() if t not in special}
+        except TokenizerError as e:
+            raise TokenizerError(f"{vocab_path}: {e}") from None
+        if len(ranks) + len(special) != len(vocab):
+            raise TokenizerError(f"{vocab_path}: two tokens spell the same bytes")
+        # tiktoken merges by rank; that equals merging in merges.txt order only if each merge's
+        # result ranks after the previous one, as in GPT-2's files. Check it rather than assume it.
+        try:
+            lines = Path(merges_path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read {merges_path}: {e}") from None
+        last = -1
+        for n, line in enumerate(lines, start=1):
+            if not line.strip() or line.startswith("#"):
+                continue
+            parts = line.split()
+            merged = vocab.get("".join(parts)) if len(parts) == 2 else None
+            if merged is None or parts[0] not in vocab or parts[1] not in vocab:
+                raise TokenizerError(f"{merges_path}:{n}: {line!r} is not a merge of two tokens into one in {Path(vocab_path).name}")
+            if merged <= last:
+                raise TokenizerError(f"{merges_path}:{n}: merge ranks are not in id order, unlike GPT-2's files")
+            last = merged
+        return cls(ranks, special)
+
+    @classmethod
+    def from_tiktoken_file(cls, path: str | os.PathLike) -> GPT2Tokenizer:
+        """A tiktoken BPE file: one `base64(token) rank` per line; <|endoftext|> follows the last rank."""
+        ranks: dict[bytes, int] = {}
+        try:
+            text = Path(path).read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read {path} as a .tiktoken file: {e}") from None
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise TokenizerError(f"{path}:{n}: expected 'base64-token rank', got {line[:60]!r}") from None
+        return cls(ranks, {EOT: len(ranks)})
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return self._enc.encode_ordinary_batch(list(texts))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return self._enc.decode_bytes(self._check_ids(ids))
+
+    @property
+    def encoding(self) -> Any:
+        """The underlying `tiktoken.Encoding`."""
+        return self._enc
+
+    def to_dict(self) -> dict[str, Any]:
+        by_rank = sorted(self._ranks.items(), key=lambda kv: kv[1])
+        return {
+            **self._header(),
+            "pat_str": self._pat_str,
+            "special_tokens": self._special,
+            # ranks[i] is the base64 of the token whose rank is i (ranks are 0..n-1, checked on load)
+            "ranks": [base64.b64encode(b).decode("ascii") for b, _ in by_rank],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GPT2Tokenizer:
+        ranks_b64, special, pat = data.get("ranks"), data.get("special_tokens", {}), data.get("pat_str", GPT2_PATTERN)
+        if not isinstance(ranks_b64, list) or not isinstance(special, dict) or not isinstance(pat, str):
+            raise TokenizerError('a gpt2 tokenizer needs "ranks" (a list), "special_tokens" (an object) and "pat_str"')
+        try:
+            ranks = {base64.b64decode(t, validate=True): i for i, t in enumerate(ranks_b64)}
+        except (TypeError, ValueError):
+            raise TokenizerError('"ranks" holds an entry that is not base64') from None
+        if len(ranks) != len(ranks_b64):
+            raise TokenizerError('"ranks" holds duplicate tokens')
+        return cls(ranks, special, pat_str=pat)
+
+
+def _sibling(path: Path, renames: list[tuple[str, str]], fallbacks: list[str]) -> Path:
+    """The other file of a vocab/merges pair: same name pattern (gpt2-vocab.json -> gpt2-merges.txt) or the usual name."""
+    names = [path.name.replace(a, b) for a, b in renames if a in path.name] + fallbacks
+    for name in names:
+        if name != path.name and (path.parent / name).is_file():
+            return path.parent / name
+    raise TokenizerError(f"{path}: its partner file is missing (looked for {', '.join(dict.fromkeys(names))} beside it)")
+
+
+def _as_gpt2(tokenizer: Tokenizer, where: Path) -> GPT2Tokenizer:
+    if not isinstance(tokenizer, GPT2Tokenizer):
+        raise TokenizerError(f"{where} holds a {tokenizer.kind} tokenizer, not GPT-2's")
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def _read_json(path: Path, error: type[Exception]) -> Any:
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path} is not valid JSON: {e}") from None
+
+
+def _write_json_atomic(path: Path, obj: Any, indent: int | None = None) -> None:
+    """Write JSON to a temp file beside `path`, fsync, rename: readers see the old or the new file, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=indent)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+_KIND_CLASSES: dict[str, Any] = {"char": CharTokenizer, "bpe": BPETokenizer, "gpt2": GPT2Tokenizer}
+
+
+def tokenizer_from_dict(data: Any, *, where: str = "tokenizer") -> Tokenizer:
+    """Rebuild a tokenizer from its `to_dict()` form, refusing anything else with TokenizerError."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise TokenizerError(f'{where}: not a tinygpt tokenizer file (no "format": "{FORMAT}")')
+    version = data.get("version")
+    if not isinstance(version, int) or version > VERSION:
+        raise TokenizerError(f"{where}: tokenizer format version {version!r} is not supported (this tinygpt reads {VERSION})")
+    kind = data.get("kind")
+    if kind not in _KIND_CLASSES:
+        raise TokenizerError(f"{where}: unknown tokenizer kind {kind!r} (expected one of {', '.join(KINDS)})")
+    try:
+        tok = _KIND_CLASSES[kind].from_dict(data)
+    except TokenizerError as e:
+        raise TokenizerError(f"{where}: {e}") from None
+    except Exception as e:  # anything else in a damaged file is still a damaged file
+        raise TokenizerError(f"{where}: corrupt {kind} tokenizer ({type(e).__name__}: {e})") from None
+    if "vocab_size" in data and data["vocab_size"] != tok.vocab_size:
+        raise TokenizerError(f"{where}: says vocab_size {data['vocab_size']} but holds {tok.vocab_size} tokens")
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a tokenizer saved by tinygpt.
+
+    Args:
+        path: a tokenizer JSON file, or a folder (a data folder or a run) holding `tokenizer.json`.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise TokenizerError(f"no tokenizer.json in {p}")
+        p = p / "tokenizer.json"
+    elif not p.is_file():
+        raise TokenizerError(f"tokenizer file not found: {p}")
+    return tokenizer_from_dict(_read_json(p, TokenizerError), where=str(p))
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming
+
+
+class IncrementalDecoder:
+    """Turn a stream of token ids into text as it is generated.
+
+    A byte-level token can end in the middle of a UTF-8 character (an emoji is often 2-4 tokens);
+    push() returns only complete characters and holds the rest back until the next ids finish
+    them. flush() releases what is left (an unfinished character becomes U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, ids: Iterable[int] | int) -> str:
+        """Add token ids (a list, an int, an array or a tensor); return the newly completed text."""
+        return self._utf8.decode(self.tokenizer.decode_bytes(ids))
+
+    def flush(self) -> str:
+        """The text still held back, at the end of the stream; resets the decoder."""
+        text = self._utf8.decode(b"", final=True)
+        self._utf8.reset()
+        return text
