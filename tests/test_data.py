@@ -14,7 +14,7 @@ from test_tokenizer import reference_encoding, write_gpt2_files
 from tinygpt import cli, data
 from tinygpt.data import DataSet, get_batch, load_data, prepare, resolve_sources
 from tinygpt.errors import DataError, TinyGPTError
-from tinygpt.tokenizer import EOT, CharTokenizer, load_tokenizer
+from tinygpt.tokenizer import load_tokenizer
 
 META_KEYS = {
     "format", "version", "tokenizer", "dtype", "vocab_size", "train_tokens", "val_tokens", "train_chars",
@@ -126,7 +126,9 @@ def test_prepare_gpt2_with_local_files(tmp_path):
     meta = prepare([str(tmp_path / "one.txt"), str(tmp_path / "two.txt")], tmp_path / "data",
                    tokenizer="gpt2", tokenizer_file=tmp_path / "gpt2" / "vocab.json", val_fraction=0)  # fmt: skip
     ref = reference_encoding(ranks)
-    assert tokens(tmp_path / "data", "train").tolist() == ref.encode_ordinary("the cat") + [len(ranks)] + ref.encode_ordinary("on the mat")
+    assert tokens(tmp_path / "data", "train").tolist() == ref.encode_ordinary("the cat") + [
+        len(ranks)
+    ] + ref.encode_ordinary("on the mat")
     assert meta["tokenizer"] == "gpt2" and meta["eot_id"] == len(ranks)
     # the data folder is self-contained: its tokenizer loads without the GPT-2 files
     os.rename(tmp_path / "gpt2", tmp_path / "gone")
@@ -221,7 +223,7 @@ def test_reuse_a_tokenizer(tmp_path):
     prepare([str(tmp_path / "a.txt")], tmp_path / "d1")
     meta = prepare([str(tmp_path / "b.txt")], tmp_path / "d2", tokenizer=None, tokenizer_file=tmp_path / "d1")
     assert load_tokenizer(tmp_path / "d2").chars == ["a", "b", "c"] and meta["vocab_size"] == 3
-    with pytest.raises(DataError, match=r"cannot encode this corpus: .*'d' \(U\+0064\)"):
+    with pytest.raises(DataError, match=r"1 characters outside the reused tokenizer's vocabulary: 'd' \(U\+0064\)"):
         prepare([str(tmp_path / "c.txt")], tmp_path / "d3", tokenizer_file=tmp_path / "d1" / "tokenizer.json")
     with pytest.raises(DataError, match="holds a char tokenizer, not bpe"):
         prepare([str(tmp_path / "b.txt")], tmp_path / "d3", tokenizer="bpe", tokenizer_file=tmp_path / "d1")
@@ -344,6 +346,7 @@ def test_load_data_refuses_bad_folders(prepared, tmp_path):
     with pytest.raises(DataError, match="not a tinygpt data folder .*tinygpt prepare"):
         load_data(tmp_path / "empty")
     n = json.loads((prepared / "meta.json").read_text())["train_tokens"]
+    wrong_dtype = rf"train.bin holds {2 * n:,} bytes but meta.json says {n:,} uint32 tokens .*size of {n:,} uint16"
     cases = [
         (lambda: (prepared / "meta.json").write_text("{oops"), "meta.json is not valid JSON"),
         (lambda: edit_meta(prepared, format="other"), "not a tinygpt data description"),
@@ -352,7 +355,7 @@ def test_load_data_refuses_bad_folders(prepared, tmp_path):
         (lambda: edit_meta(prepared, dtype="float32"), "dtype must be uint16 or uint32"),
         (lambda: edit_meta(prepared, vocab_size=70000), "does not fit uint16"),
         (lambda: edit_meta(prepared, vocab_size=5), "disagrees with meta.json"),
-        (lambda: edit_meta(prepared, dtype="uint32"), rf"train.bin holds {2 * n:,} bytes but meta.json says {n:,} uint32 tokens .*size of {n:,} uint16"),
+        (lambda: edit_meta(prepared, dtype="uint32"), wrong_dtype),
         (lambda: (prepared / "val.bin").unlink(), "val.bin is missing"),
         (lambda: (prepared / "tokenizer.json").write_text("[]"), "not a tinygpt tokenizer file"),
     ]  # fmt: skip
@@ -400,7 +403,9 @@ def test_get_batch_uint32_memmap(tmp_path):
 
 def test_cli_prepare_prints_a_summary(tmp_path, capsys):
     make_corpus(tmp_path / "corpus")
-    assert cli.main(["prepare", str(tmp_path / "corpus"), "--out", str(tmp_path / "data"), "--val-fraction", "0.2"]) == 0
+    assert (
+        cli.main(["prepare", str(tmp_path / "corpus"), "--out", str(tmp_path / "data"), "--val-fraction", "0.2"]) == 0
+    )
     out = capsys.readouterr().out
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert f"prepared {tmp_path / 'data'}" in out and "(3 files," in out
@@ -439,9 +444,20 @@ def test_cli_prepare_subprocess_exit_codes(tmp_path):
     (tmp_path / "ok.txt").write_text("a small text to tokenize\n" * 10)
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "tinygpt", "prepare", *args], capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "tinygpt", "prepare", *args], capture_output=True, text=True, timeout=120
+        )
 
-    r = run(str(tmp_path / "ok.txt"), "--out", str(tmp_path / "data"), "--tokenizer", "bpe", "--vocab-size", "300", "--progress")
+    r = run(
+        str(tmp_path / "ok.txt"),
+        "--out",
+        str(tmp_path / "data"),
+        "--tokenizer",
+        "bpe",
+        "--vocab-size",
+        "300",
+        "--progress",
+    )
     assert r.returncode == 0, r.stderr
     assert "tokenizer  bpe" in r.stdout and load_data(tmp_path / "data").meta["tokenizer"] == "bpe"
     r = run(str(tmp_path / "ok.txt"), "--out", str(tmp_path / "d2"), "--tokenizer", "sentencepiece")

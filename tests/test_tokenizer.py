@@ -106,7 +106,9 @@ def test_bpe_round_trips_any_text(bpe, text):
     assert all(0 <= i < bpe.vocab_size for i in ids)
 
 
-@pytest.mark.parametrize("text", ["", "\x00", "a\x00b", "😀🚀", "日本語", "\r\n\r\n", "\ufeffBOM", "ÿ\x7f\x80", "tab\tz  end  "])
+@pytest.mark.parametrize(
+    "text", ["", "\x00", "a\x00b", "😀🚀", "日本語", "\r\n\r\n", "\ufeffBOM", "ÿ\x7f\x80", "tab\tz  end  "]
+)
 def test_bpe_round_trips_edge_texts(bpe, text):
     assert bpe.decode(bpe.encode(text)) == text
 
@@ -180,7 +182,7 @@ MERGES = [
 
 
 def write_gpt2_files(folder, merges=MERGES):
-    """A small vocabulary in GPT-2's exact file format: 256 byte tokens in GPT-2's order, one id per merge, then <|endoftext|>."""
+    """A small vocabulary in GPT-2's file format: 256 byte tokens in GPT-2's order, a token per merge, <|endoftext|>."""
     folder.mkdir(parents=True, exist_ok=True)
     byte_to_unicode = _byte_to_unicode()
     vocab = {byte_to_unicode[b]: i for i, b in enumerate(byte_to_unicode)}
@@ -197,10 +199,19 @@ def write_gpt2_files(folder, merges=MERGES):
 def reference_encoding(ranks):
     import tiktoken_ext.openai_public as openai_public
 
-    return tiktoken.Encoding("ref", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)})
+    return tiktoken.Encoding(
+        "ref", pat_str=openai_public.r50k_pat_str, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
+    )
 
 
-GPT2_TEXTS = ["the cat sat on the mat", "  The theory\n\n\tof everything's café ", "日本語 😀 x=1+2", f"a{EOT}b", "", "\x00"]
+GPT2_TEXTS = [
+    "the cat sat on the mat",
+    "  The theory\n\n\tof everything's café ",
+    "日本語 😀 x=1+2",
+    f"a{EOT}b",
+    "",
+    "\x00",
+]
 
 
 def test_gpt2_from_vocab_and_merges_equals_tiktoken(tmp_path, monkeypatch):
@@ -285,10 +296,16 @@ def test_gpt2_offline_without_cache_names_the_option(monkeypatch):
         (b"\xff\xfe", "not valid JSON"),
         ('{"model": {"type": "BPE"}}', "not a tinygpt tokenizer file"),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "wordpiece"}', "unknown tokenizer kind 'wordpiece'"),
-        ('{"format": "tinygpt-tokenizer", "version": 99, "kind": "char", "chars": ["a"]}', "version 99 is not supported"),
+        (
+            '{"format": "tinygpt-tokenizer", "version": 99, "kind": "char", "chars": ["a"]}',
+            "version 99 is not supported",
+        ),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "char"}', 'needs "chars"'),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "char", "chars": ["a", 5]}', "single characters"),
-        ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "char", "chars": ["a"], "vocab_size": 2}', "says vocab_size 2"),
+        (
+            '{"format": "tinygpt-tokenizer", "version": 1, "kind": "char", "chars": ["a"], "vocab_size": 2}',
+            "says vocab_size 2",
+        ),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "bpe", "tokenizer": {"model": 1}}', "does not load"),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "gpt2", "ranks": ["!!"]}', "not base64"),
         ('{"format": "tinygpt-tokenizer", "version": 1, "kind": "gpt2", "ranks": ["YQ=="]}', "single-byte tokens"),

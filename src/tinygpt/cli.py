@@ -233,7 +233,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     files = sum(s["files"] for s in meta["sources"])
     size = sum(s["bytes"] for s in meta["sources"])
     names = ", ".join(s["name"] for s in meta["sources"])
-    print(f"prepared {args.out} in {time.perf_counter() - start:.1f}s from {names} ({files:,} file{'s' if files != 1 else ''}, {size / 1e6:.1f} MB)")
+    seconds = time.perf_counter() - start
+    plural = "s" if files != 1 else ""
+    print(f"prepared {args.out} in {seconds:.1f}s from {names} ({files:,} file{plural}, {size / 1e6:.1f} MB)")
     vocab = f"{meta['vocab_size']:,}"
     if meta.get("requested_vocab_size", meta["vocab_size"]) != meta["vocab_size"]:
         vocab += f" (of {meta['requested_vocab_size']:,} asked: the corpus had no more merges)"
@@ -324,12 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="char (default), bpe (trained on the corpus) or gpt2 (GPT-2's BPE)",
     )
     p.add_argument("--vocab-size", type=int, metavar="N", help="BPE vocabulary size to train (default 4096)")
-    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help="share held out for validation, 0-0.5 (default 0.1)")
-    p.add_argument("--errors", choices=("strict", "replace"), default="strict", help="invalid UTF-8: stop (default) or substitute U+FFFD")
+    p.add_argument(
+        "--val-fraction", type=float, default=0.1, metavar="F", help="share held out for validation, 0-0.5 (0.1)"
+    )
+    p.add_argument(
+        "--errors", choices=("strict", "replace"), default="strict", help="invalid UTF-8: stop (default) or put U+FFFD"
+    )
     p.add_argument(
         "--tokenizer-file",
         metavar="PATH",
-        help="GPT-2's vocab.json + merges.txt (or a .tiktoken file), or a tinygpt tokenizer.json / data folder to reuse",
+        help="GPT-2's vocab.json + merges.txt or .tiktoken file, or a tinygpt tokenizer.json / data folder to reuse",
     )
     p.add_argument("--progress", action="store_true", help="show progress bars")
     p.set_defaults(func=cmd_prepare)

@@ -17,7 +17,8 @@ How text is read:
 - Files are UTF-8. A leading BOM is dropped; line endings are kept as they are (CRLF stays CRLF,
   so the model learns what the files hold). Invalid UTF-8 stops with the file and byte offset
   (errors="strict"), or becomes U+FFFD and is counted (errors="replace").
-- Files are streamed in chunks, never read whole: 100 MB of text prepares in a few hundred MB.
+- Files are streamed in chunks, never read whole: 100 MB of text prepares in under 500 MB of
+  memory (benchmarks/prepare_memory.py measures it).
   The character tokenizer takes two passes (collect the alphabet, then encode, vectorized through
   a code-point lookup table); BPE trains from the first pass and encodes in batches in the second.
 - Text is cut into pieces only where GPT-2's pre-tokenizer splits anyway (before a space or after a
@@ -44,10 +45,9 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from .errors import DataError, TokenizerError
 from .tokenizer import (
@@ -62,6 +62,9 @@ from .tokenizer import (
     check_bpe_vocab_size,
     load_tokenizer,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "tinygpt-data"
 VERSION = 1
@@ -107,7 +110,13 @@ class Source:
         return sum(d.size for d in self.documents)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"name": self.name, "path": str(self.path), "files": len(self.documents), "skipped": self.skipped, "bytes": self.size}
+        return {
+            "name": self.name,
+            "path": str(self.path),
+            "files": len(self.documents),
+            "skipped": self.skipped,
+            "bytes": self.size,
+        }
 
 
 def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[Path] = ()) -> list[Source]:
@@ -119,7 +128,9 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
     """
     sources = [str(s) for s in sources]
     if not sources:
-        raise DataError("no source given: name a text file, a folder, or a built-in corpus (python-stdlib, shakespeare)")
+        raise DataError(
+            "no source given: name a text file, a folder, or a built-in corpus (python-stdlib, shakespeare)"
+        )
     exclude = [Path(p).resolve() for p in exclude]
     out = []
     for name in sources:
@@ -136,7 +147,9 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
             p = shakespeare_path()
             out.append(Source(name, p, [Document(p, p.stat().st_size)]))
         else:
-            raise DataError(f"source not found: {name} (a text file, a folder, or a built-in corpus: {', '.join(BUILTIN_CORPORA)})")
+            raise DataError(
+                f"source not found: {name} (a text file, a folder, or a built-in corpus: {', '.join(BUILTIN_CORPORA)})"
+            )
     return out
 
 
@@ -386,12 +399,16 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _make_tokenizer(kind: str | Tokenizer | None, vocab_size: int | None, tokenizer_file: str | os.PathLike | None) -> Tokenizer | str:
-    """A ready tokenizer, or "char"/"bpe" when one must be learned from the corpus first."""
+def _check_tokenizer_args(
+    kind: str | Tokenizer | None, vocab_size: int | None, tokenizer_file: str | os.PathLike | None
+) -> None:
+    """Refuse impossible tokenizer settings before any file is read."""
     if kind is not None and not isinstance(kind, str):
+        if not isinstance(kind, Tokenizer):
+            raise DataError(f"tokenizer must be one of {', '.join(KINDS)} or a Tokenizer, got {type(kind).__name__}")
         if vocab_size is not None or tokenizer_file is not None:
             raise DataError("vocab_size and tokenizer_file do not apply to a ready tokenizer object")
-        return kind
+        return
     if kind is not None and kind not in KINDS:
         raise DataError(f"unknown tokenizer {kind!r} (expected one of {', '.join(KINDS)})")
     if vocab_size is not None:
@@ -401,6 +418,12 @@ def _make_tokenizer(kind: str | Tokenizer | None, vocab_size: int | None, tokeni
             check_bpe_vocab_size(vocab_size)
         except TokenizerError as e:
             raise DataError(str(e)) from None
+
+
+def _make_tokenizer(kind: str | Tokenizer | None, tokenizer_file: str | os.PathLike | None) -> Tokenizer | str:
+    """A ready tokenizer, or "char"/"bpe" when one must be learned from the corpus first."""
+    if kind is not None and not isinstance(kind, str):
+        return kind
     if tokenizer_file is None:
         if kind == "gpt2":
             return GPT2Tokenizer.from_tiktoken()
@@ -408,7 +431,9 @@ def _make_tokenizer(kind: str | Tokenizer | None, vocab_size: int | None, tokeni
     if kind == "gpt2":
         return GPT2Tokenizer.from_file(tokenizer_file)
     path = Path(tokenizer_file).expanduser()
-    is_tinygpt = (path / "tokenizer.json").is_file() if path.is_dir() else path.suffix == ".json" and _is_tinygpt_json(path)
+    is_tinygpt = (
+        (path / "tokenizer.json").is_file() if path.is_dir() else path.suffix == ".json" and _is_tinygpt_json(path)
+    )
     if kind is None and not is_tinygpt:
         return GPT2Tokenizer.from_file(path)  # GPT-2's own files
     tok = load_tokenizer(path)
@@ -455,14 +480,19 @@ def prepare(
             tokenizer.json / data or run folder to reuse its tokenizer (char, bpe).
         progress: called as progress(phase, bytes_done, bytes_total) while files are read.
     """
-    if not isinstance(val_fraction, (int, float)) or not 0 <= val_fraction <= MAX_VAL_FRACTION or math.isnan(val_fraction):
+    if (
+        not isinstance(val_fraction, (int, float))
+        or not 0 <= val_fraction <= MAX_VAL_FRACTION
+        or math.isnan(val_fraction)
+    ):
         raise DataError(f"val fraction must be between 0 and {MAX_VAL_FRACTION}, got {val_fraction}")
     if errors not in ("strict", "replace"):
         raise DataError(f"errors must be 'strict' or 'replace', got {errors!r}")
     out = Path(out_dir).expanduser().resolve()
     _check_out_dir(out)
-    tok_or_kind = _make_tokenizer(tokenizer, vocab_size, tokenizer_file)
+    _check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
     srcs = resolve_sources(sources, exclude=[out])
+    tok_or_kind = _make_tokenizer(tokenizer, tokenizer_file)
     docs = [d for s in srcs for d in s.documents]
     total_bytes = sum(d.size for d in docs)
 
@@ -475,7 +505,8 @@ def prepare(
         return _pieces(_read_chunks(doc, errors, on_bytes))
 
     # Pass 1: count characters (for the split), check there is text, learn the vocabulary.
-    seen = np.zeros(0x110000, dtype=bool) if tok_or_kind == "char" else None
+    # the corpus alphabet: a char vocabulary to learn, or one to check a reused vocabulary against
+    seen = np.zeros(0x110000, dtype=bool) if tok_or_kind == "char" or isinstance(tok_or_kind, CharTokenizer) else None
     chars_in = [0] * len(srcs)  # per source: characters, and whether any is not whitespace
     has_text = [False] * len(srcs)
     replaced_before = _replaced[0]
@@ -498,11 +529,22 @@ def prepare(
     else:
         for _ in first_pass():
             pass
-        tok = CharTokenizer(map(chr, np.flatnonzero(seen).tolist())) if tok_or_kind == "char" and seen.any() else tok_or_kind
     replacements = _replaced[0] - replaced_before
     for i, src in enumerate(srcs):
         if not has_text[i]:
-            raise DataError(f"source {src.name} is empty" if chars_in[i] == 0 else f"source {src.name} holds only whitespace")
+            raise DataError(
+                f"source {src.name} is empty" if chars_in[i] == 0 else f"source {src.name} holds only whitespace"
+            )
+    if tok_or_kind == "char":
+        tok = CharTokenizer(map(chr, np.flatnonzero(seen).tolist()))
+    elif tok_or_kind != "bpe":
+        tok = tok_or_kind
+    if isinstance(tok, CharTokenizer) and seen is not None and (tok.table[seen] < 0).any():
+        missing = [chr(c) for c in np.flatnonzero(seen & (tok.table < 0)).tolist()]
+        shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise DataError(f"the corpus has {len(missing)} characters outside the reused tokenizer's vocabulary: {shown}")
     total_chars = sum(chars_in)
     n_val = round(val_fraction * total_chars)
     if val_fraction > 0 and n_val == 0 and total_chars > 1:
@@ -531,7 +573,7 @@ def prepare(
                         writer.add_text(piece)
                     pos += len(piece)
             writer.close()
-        except TokenizerError as e:  # a reused char vocabulary that lacks characters of this corpus
+        except TokenizerError as e:  # text a reused tokenizer cannot take (checked above for char; a safety net)
             writer.abort()
             raise DataError(f"the tokenizer cannot encode this corpus: {e}") from None
         except BaseException:
@@ -553,6 +595,8 @@ def prepare(
         }
         if tok_or_kind == "bpe":
             meta["requested_vocab_size"] = bpe_vocab
+        if tokenizer_file is not None:
+            meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
         tok.save(tmp / "tokenizer.json")
         _write_json_atomic(tmp / "meta.json", meta, indent=2)
         _replace_folder(tmp, out)
@@ -627,12 +671,17 @@ def load_data(path: str | os.PathLike) -> DataSet:
     if not p.is_dir():
         raise DataError(f"data folder not found: {p}" if not p.exists() else f"{p} is not a folder")
     if not (p / "meta.json").is_file():
-        raise DataError(f"{p} is not a tinygpt data folder (no meta.json); make one with `tinygpt prepare SOURCE --out {p}`")
+        raise DataError(
+            f"{p} is not a tinygpt data folder (no meta.json); make one with `tinygpt prepare SOURCE --out {p}`"
+        )
     meta = _read_json(p / "meta.json", DataError)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DataError(f"{p / 'meta.json'} is not a tinygpt data description (no \"format\": \"{FORMAT}\")")
+        raise DataError(f'{p / "meta.json"} is not a tinygpt data description (no "format": "{FORMAT}")')
     if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:
-        raise DataError(f"{p / 'meta.json'}: data format version {meta.get('version')!r} is not supported (this tinygpt reads {VERSION})")
+        raise DataError(
+            f"{p / 'meta.json'}: data format version {meta.get('version')!r} is not supported "
+            f"(this tinygpt reads {VERSION})"
+        )
     for key in _META_INTS:
         if not isinstance(meta.get(key), int) or isinstance(meta[key], bool) or meta[key] < 0:
             raise DataError(f"{p / 'meta.json'}: {key} must be a non-negative integer, got {meta.get(key)!r}")
@@ -650,7 +699,10 @@ def load_data(path: str | os.PathLike) -> DataSet:
             f"{p}: tokenizer.json ({tok.kind}, {tok.vocab_size:,} tokens) disagrees with meta.json "
             f"({meta.get('tokenizer')}, {meta['vocab_size']:,} tokens)"
         )
-    arrays = {split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"]) for split in ("train", "val")}
+    arrays = {
+        split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"])
+        for split in ("train", "val")
+    }
     return DataSet(p, meta, arrays["train"], arrays["val"], tok)
 
 
@@ -688,11 +740,15 @@ def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int) -> tup
     Returns:
         x, y: int64 tensors of shape (B, T) on the CPU.
     """
+    import torch  # here, not at the top: preparing data needs no torch (a smaller memory floor)
+
     offs = offsets.numpy(force=True) if isinstance(offsets, torch.Tensor) else np.asarray(offsets)
     offs = offs.astype(np.int64, copy=False).reshape(-1)
     n = len(tokens)
     if n < block_size + 1:
-        raise DataError(f"a batch of block size {block_size} needs at least {block_size + 1} tokens; this split has {n:,}")
+        raise DataError(
+            f"a batch of block size {block_size} needs at least {block_size + 1} tokens; this split has {n:,}"
+        )
     if offs.size and (offs.min() < 0 or offs.max() > n - block_size - 1):
         raise DataError(f"batch offsets must lie in [0, {n - block_size - 1}], got {offs.min()}..{offs.max()}")
     # Row o of the window view is tokens[o:o+T+1]; indexing it copies just the B rows.

@@ -456,7 +456,9 @@ class GPT2Tokenizer(_TokenizerBase):
         if p.suffix == ".tiktoken":
             return cls.from_tiktoken_file(p)
         if p.suffix in (".txt", ".bpe"):
-            vocab = _sibling(p, [("merges.txt", "vocab.json"), ("vocab.bpe", "encoder.json")], ["vocab.json", "encoder.json"])
+            vocab = _sibling(
+                p, [("merges.txt", "vocab.json"), ("vocab.bpe", "encoder.json")], ["vocab.json", "encoder.json"]
+            )
             return cls.from_vocab_merges(vocab, p)
         data = _read_json(p, TokenizerError)
         if isinstance(data, dict) and data.get("format") == FORMAT:
@@ -471,7 +473,9 @@ class GPT2Tokenizer(_TokenizerBase):
         """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them."""
         if vocab is None:
             vocab = _read_json(Path(vocab_path), TokenizerError)
-        if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+        if not isinstance(vocab, dict) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
+        ):
             raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> id")
         special = {EOT: vocab[EOT]} if EOT in vocab else {}
         try:
@@ -493,7 +497,9 @@ class GPT2Tokenizer(_TokenizerBase):
             parts = line.split()
             merged = vocab.get("".join(parts)) if len(parts) == 2 else None
             if merged is None or parts[0] not in vocab or parts[1] not in vocab:
-                raise TokenizerError(f"{merges_path}:{n}: {line!r} is not a merge of two tokens into one in {Path(vocab_path).name}")
+                raise TokenizerError(
+                    f"{merges_path}:{n}: {line!r} is not a merge of two tokens into one in {Path(vocab_path).name}"
+                )
             if merged <= last:
                 raise TokenizerError(f"{merges_path}:{n}: merge ranks are not in id order, unlike GPT-2's files")
             last = merged
@@ -556,12 +562,14 @@ class GPT2Tokenizer(_TokenizerBase):
 
 
 def _sibling(path: Path, renames: list[tuple[str, str]], fallbacks: list[str]) -> Path:
-    """The other file of a vocab/merges pair: same name pattern (gpt2-vocab.json -> gpt2-merges.txt) or the usual name."""
+    """The other file of a vocab/merges pair: by name pattern (gpt2-vocab.json -> gpt2-merges.txt) or usual name."""
     names = [path.name.replace(a, b) for a, b in renames if a in path.name] + fallbacks
     for name in names:
         if name != path.name and (path.parent / name).is_file():
             return path.parent / name
-    raise TokenizerError(f"{path}: its partner file is missing (looked for {', '.join(dict.fromkeys(names))} beside it)")
+    raise TokenizerError(
+        f"{path}: its partner file is missing (looked for {', '.join(dict.fromkeys(names))} beside it)"
+    )
 
 
 def _as_gpt2(tokenizer: Tokenizer, where: Path) -> GPT2Tokenizer:
@@ -604,7 +612,9 @@ def tokenizer_from_dict(data: Any, *, where: str = "tokenizer") -> Tokenizer:
         raise TokenizerError(f'{where}: not a tinygpt tokenizer file (no "format": "{FORMAT}")')
     version = data.get("version")
     if not isinstance(version, int) or version > VERSION:
-        raise TokenizerError(f"{where}: tokenizer format version {version!r} is not supported (this tinygpt reads {VERSION})")
+        raise TokenizerError(
+            f"{where}: tokenizer format version {version!r} is not supported (this tinygpt reads {VERSION})"
+        )
     kind = data.get("kind")
     if kind not in _KIND_CLASSES:
         raise TokenizerError(f"{where}: unknown tokenizer kind {kind!r} (expected one of {', '.join(KINDS)})")
