@@ -216,6 +216,11 @@ def test_shakespeare_offline_names_the_local_file_alternative(tmp_path, monkeypa
         prepare(["shakespeare"], tmp_path / "data")
 
 
+def test_a_single_source_may_be_a_plain_string(tmp_path):
+    (tmp_path / "t.txt").write_text("just text")
+    assert prepare(str(tmp_path / "t.txt"), tmp_path / "data")["documents"] == 1
+
+
 def test_reuse_a_tokenizer(tmp_path):
     (tmp_path / "a.txt").write_text("abcabc")
     (tmp_path / "b.txt").write_text("cab")

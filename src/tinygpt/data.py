@@ -126,6 +126,8 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
         sources: text files, folders, or built-in corpus names (python-stdlib, shakespeare).
         exclude: folders never to read from (prepare passes its output folder).
     """
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]  # one source, not a sequence of one-letter names
     sources = [str(s) for s in sources]
     if not sources:
         raise DataError(
