@@ -12,3 +12,25 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     torch.manual_seed(0)
+
+
+def make_text(n_lines: int = 600, seed: int = 0) -> str:
+    """A small synthetic corpus with learnable structure (tests make their own data)."""
+    import random
+
+    rng = random.Random(seed)
+    subjects = ["the cat", "a dog", "my friend", "the old king", "a small bird"]
+    verbs = ["sees", "likes", "follows", "draws", "finds"]
+    objects = ["the moon", "a red apple", "the river", "two stones", "a quiet song"]
+    return "".join(f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)}.\n" for _ in range(n_lines))
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory):
+    """A prepared character-level data folder built from make_text()."""
+    from tinygpt.data import prepare
+
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "text.txt").write_text(make_text())
+    prepare([str(root / "text.txt")], root / "data", tokenizer="char")
+    return root / "data"

@@ -64,6 +64,177 @@ def cmd_lesson(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_NONFINITE = 3
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
+                "activation", "init")
+
+
+def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
+    """Model and training overrides from the config file, then the flags (flags win)."""
+    import dataclasses
+    import tomllib
+
+    from .config import TrainConfig, parse_duration
+
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values: dict = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                values = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{args.config}: not valid TOML ({e})") from None
+        unknown = sorted(set(values) - train_fields - set(MODEL_FIELDS) - {"preset"})
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown key(s): {', '.join(unknown)}")
+    for name in (*MODEL_FIELDS, *train_fields, "preset"):
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+    if isinstance(values.get("max_time"), str):
+        values["max_time"] = parse_duration(values["max_time"], "--max-time")
+    preset = values.pop("preset", None)
+    model = {k: v for k, v in values.items() if k in MODEL_FIELDS}
+    train = {k: v for k, v in values.items() if k in train_fields}
+    return model, train, preset
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a GPT on a prepared data folder; checkpoints and metrics.jsonl go to the run folder."""
+    from .config import GPTConfig, TrainConfig, from_mapping
+    from .data import load_data
+    from .errors import NonFiniteError
+    from .train import default_model_config, read_train_config, train
+
+    model_over, train_over, preset = _train_settings(args)
+    if args.resume:
+        saved, _ = read_train_config(args.out)
+        train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
+        model_cfg = None
+        if model_over or preset:
+            from .checkpoint import load_config
+
+            base = GPTConfig.from_preset(preset).to_dict() if preset else load_config(args.out).to_dict()
+            model_cfg = from_mapping(GPTConfig, {**base, **model_over})
+    else:
+        train_cfg = from_mapping(TrainConfig, train_over)
+        meta = load_data(args.data).meta
+        vocab = int(meta["vocab_size"])
+        if preset:
+            base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
+        else:
+            base = default_model_config(vocab, int(meta["train_tokens"]), int(meta["val_tokens"])).to_dict()
+        model_cfg = from_mapping(GPTConfig, {**base, **model_over})
+    try:
+        result = train(args.data, args.out, model_cfg, train_cfg, resume=args.resume, progress=not args.quiet)
+    except NonFiniteError as e:
+        print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
+        return EXIT_NONFINITE
+    val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
+    print(
+        f"{result.stopped}: {result.step} steps, {result.tokens:,} tokens in {result.elapsed:.1f}s{loss}{val}; "
+        f"saved to {result.run}"
+    )
+    return EXIT_SIGNAL.get(result.stopped, 0)
+
+
+def _load_run(run: str, device: str):
+    from .checkpoint import load, load_tokenizer
+    from .device import resolve_device
+
+    model = load(run, device=resolve_device(device))
+    return model, load_tokenizer(run)
+
+
+def _encode_prompt(tokenizer, prompt: str) -> list[int]:
+    if prompt:
+        return tokenizer.encode(prompt)
+    if tokenizer.eot_id is not None:
+        return [tokenizer.eot_id]
+    try:
+        return tokenizer.encode("\n")
+    except TinyGPTError:
+        return [0]
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Generate text from a trained run, streaming it to the terminal as it is chosen."""
+    import torch
+
+    from .config import SampleConfig
+    from .generate import StopText, generate_stream
+    from .tokenizer import IncrementalDecoder
+
+    if args.num_samples < 1 or args.max_new_tokens < 0:
+        raise ConfigError("--num-samples must be >= 1 and --max-new-tokens >= 0")
+    sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    repetition_penalty=args.repetition_penalty)
+    SampleConfig(**sampling)  # check the settings before loading anything
+    model, tokenizer = _load_run(args.run, args.device)
+    device = next(model.parameters()).device
+    ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
+    stop_tokens = [tokenizer.eot_id] if tokenizer.eot_id is not None else None
+    out = sys.stdout
+    for i in range(args.num_samples):
+        if i:
+            out.write("\n" + "-" * 40 + "\n")
+        out.write(args.prompt)
+        decoder, stopper = IncrementalDecoder(tokenizer), StopText(args.stop or ())
+        for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens,
+                                     generator=generator, **sampling):
+            if stop_tokens and int(token[0]) in stop_tokens:
+                break
+            out.write(stopper.push(decoder.push([int(token[0])])))
+            out.flush()
+            if stopper.done:
+                break
+        out.write(stopper.push(decoder.flush()) + stopper.flush() + "\n")
+        out.flush()
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text."""
+    import json
+
+    import numpy as np
+
+    from .data import load_data
+    from .train import evaluate, read_train_config
+
+    model, tokenizer = _load_run(args.run, args.device)
+    if args.text:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        chars, nbytes, where = len(text), len(text.encode("utf-8")), args.text
+    else:
+        data = args.data or read_train_config(args.run)[1]
+        if data is None:
+            raise ConfigError("give --data DIR or --text FILE")
+        dataset = load_data(data)
+        if dataset.meta["tokenizer"] != tokenizer.kind or int(dataset.meta["vocab_size"]) > model.config.vocab_size:
+            raise ConfigError(f"{data} was prepared with a different tokenizer than {args.run}'s")
+        tokens, chars, nbytes = dataset.val, int(dataset.meta["val_chars"]), int(dataset.meta["val_bytes"])
+        where = f"the val split of {data}"
+    result = evaluate(model, tokens, batch_size=args.batch_size)
+    # the first token is never predicted: count the characters of the predicted share only
+    share = result["tokens"] / max(1, len(tokens))
+    unit, per = ("char", chars) if tokenizer.kind == "char" else ("byte", nbytes)
+    report = {
+        "loss": result["loss"],
+        "perplexity": math.exp(result["loss"]),
+        f"bits_per_{unit}": result["nll"] / math.log(2) / (per * share),
+        "tokens": result["tokens"],
+    }
+    print(f"{where}: {result['tokens']:,} tokens")
+    print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  bits per {unit} {report[f'bits_per_{unit}']:.4f}")
+    if args.json:
+        print(json.dumps(report))
+
 def _int_flag(value: str | None, flag: str) -> int | None:
     """An integer flag parsed here rather than by argparse, so a bad value is a one-line error."""
     if value is None:
@@ -280,6 +451,69 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("lesson", help="a guided tour of the lesson's worked examples", description=cmd_lesson.__doc__)
     p.set_defaults(func=cmd_lesson)
+
+    p = sub.add_parser("train", help="train a GPT on a prepared data folder", description=cmd_train.__doc__)
+    p.add_argument("--data", required=True, help="a folder written by `tinygpt prepare`")
+    p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
+    p.add_argument("--preset", help="start from a preset: lesson, stretch, baby, gpt2, ...")
+    p.add_argument("--config", help="a TOML file with any of the settings below (flags override it)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    m = p.add_argument_group("model (default: sized for the data)")
+    m.add_argument("--n-layer", type=int)
+    m.add_argument("--n-head", type=int)
+    m.add_argument("--n-embd", type=int)
+    m.add_argument("--block-size", type=int)
+    m.add_argument("--dropout", type=float)
+    m.add_argument("--vocab-size", type=int, help="default: the data's vocabulary")
+    m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--activation", choices=["gelu", "gelu_tanh"])
+    m.add_argument("--init", choices=["gpt2", "torch"])
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, help="sequences per micro-step, per process (12)")
+    t.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (1)")
+    t.add_argument("--lr", type=float, help="peak learning rate (1e-3)")
+    t.add_argument("--min-lr", type=float, help="end of the cosine decay (lr/10)")
+    t.add_argument("--warmup", type=int, help="linear warmup steps (100)")
+    t.add_argument("--max-iters", type=int, help="optimizer steps (2000 unless --max-time is given)")
+    t.add_argument("--max-time", help="wall-clock budget, e.g. 90s, 5m, 1h")
+    t.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (0.1)")
+    t.add_argument("--beta1", type=float)
+    t.add_argument("--beta2", type=float)
+    t.add_argument("--grad-clip", type=float, help="max gradient norm, 0 = off (1.0)")
+    t.add_argument("--eval-interval", type=int, help="steps between evaluations and checkpoints (250)")
+    t.add_argument("--eval-iters", type=int, help="batches per evaluation (20)")
+    t.add_argument("--seed", type=int, help="initialization, dropout and batch order (1337)")
+    t.add_argument("--device", help="auto, cpu, cuda, mps")
+    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sample", help="generate text from a run", description=cmd_sample.__doc__)
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of text)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, help="makes sampling reproducible")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--stop", action="append", metavar="TEXT", help="stop when TEXT is generated (repeatable)")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("eval", help="loss, perplexity and bits per char/byte", description=cmd_eval.__doc__)
+    p.add_argument("run", help="a run folder")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--data", help="a prepared data folder: its val split (default: the run's own data)")
+    src.add_argument("--text", help="any UTF-8 text file")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
         "params", help="parameters, FLOPs and memory of a model, from its config",

@@ -201,6 +201,81 @@ class SampleConfig:
         return self.greedy or self.temperature == 0
 
 
+@dataclass
+class TrainConfig:
+    """How a model is trained. Every field is a `tinygpt train` flag and a config-file key.
+
+    Args:
+        batch_size: sequences per micro-step, per process.
+        grad_accum: micro-steps per optimizer step.
+        lr: peak learning rate, reached after `warmup` steps.
+        min_lr: the floor of the cosine decay (default lr / 10).
+        warmup: steps of linear warmup.
+        max_iters: optimizer steps; the cosine decay spans them. Without it and without max_time, 2000.
+        max_time: wall-clock budget in seconds; training stops at whichever limit comes first.
+        weight_decay: AdamW weight decay, applied to matrices and embeddings only.
+        beta1, beta2: AdamW betas.
+        grad_clip: clip the global gradient norm to this (0 turns clipping off).
+        eval_interval: steps between evaluations and checkpoints.
+        eval_iters: batches per split in each evaluation.
+        seed: seeds the model's initialization, dropout and the batch order.
+        device: auto, cpu, cuda, cuda:N or mps.
+        dtype: auto, float32, bfloat16 or float16 (CUDA only): the autocast dtype.
+        compile: torch.compile the model for training.
+    """
+
+    batch_size: int = 12
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float | None = None
+    warmup: int = 100
+    max_iters: int | None = None
+    max_time: float | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_interval: int = 250
+    eval_iters: int = 20
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "eval_interval", "eval_iters"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
+                   f"must be an integer >= 1, got {value!r}")
+        for name in ("warmup", "seed"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
+                   f"must be an integer >= 0, got {value!r}")
+        if self.max_iters is not None:
+            _check(isinstance(self.max_iters, int) and self.max_iters >= 1, "max_iters",
+                   f"must be an integer >= 1, got {self.max_iters!r}")
+        if self.max_time is not None:
+            _check(self.max_time > 0 and math.isfinite(self.max_time), "max_time",
+                   f"must be a positive duration, got {self.max_time!r}")
+        _check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr!r}")
+        if self.min_lr is not None:
+            _check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr!r}")
+        _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)!r}")
+        _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 turns clipping off), got {self.grad_clip!r}")
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        return from_mapping(cls, data)
+
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 # Days, hours, minutes, seconds: largest first, each at most once, spaces allowed between parts.
 _DURATION = re.compile(r"\s*".join(f"(?:{_NUMBER}\\s*{unit})?" for unit in "dhms"))

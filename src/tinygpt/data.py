@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import DataError, TokenizerError
+from .fileio import read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     KINDS,
@@ -57,8 +58,6 @@ from .tokenizer import (
     CharTokenizer,
     GPT2Tokenizer,
     Tokenizer,
-    _read_json,
-    _write_json_atomic,
     check_bpe_vocab_size,
     load_tokenizer,
 )
@@ -600,7 +599,7 @@ def prepare(
         if tokenizer_file is not None:
             meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
         tok.save(tmp / "tokenizer.json")
-        _write_json_atomic(tmp / "meta.json", meta, indent=2)
+        write_json(tmp / "meta.json", meta)
         _replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -618,7 +617,7 @@ def _check_out_dir(out: Path) -> None:
         return
     if "meta.json" in entries and entries <= set(DATA_FILES):
         try:
-            if _read_json(out / "meta.json", DataError).get("format") == FORMAT:
+            if read_json(out / "meta.json", DataError).get("format") == FORMAT:
                 return
         except (DataError, AttributeError, OSError):
             pass
@@ -676,7 +675,7 @@ def load_data(path: str | os.PathLike) -> DataSet:
         raise DataError(
             f"{p} is not a tinygpt data folder (no meta.json); make one with `tinygpt prepare SOURCE --out {p}`"
         )
-    meta = _read_json(p / "meta.json", DataError)
+    meta = read_json(p / "meta.json", DataError)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DataError(f'{p / "meta.json"} is not a tinygpt data description (no "format": "{FORMAT}")')
     if not isinstance(meta.get("version"), int) or meta["version"] > VERSION:

@@ -15,3 +15,19 @@ class TokenizerError(TinyGPTError, ValueError):
 
 class DataError(TinyGPTError, ValueError):
     """A text source or a prepared data folder cannot be used."""
+
+
+class CheckpointError(TinyGPTError):
+    """A run folder or one of its files is missing, corrupt, or disagrees with itself."""
+
+
+class TrainingError(TinyGPTError):
+    """Training cannot start or continue (data too short, a resume that does not match, ...)."""
+
+
+class NonFiniteError(TrainingError):
+    """A non-finite loss or gradient norm; training stopped before the optimizer step."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.step = step

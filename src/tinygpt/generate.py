@@ -133,3 +133,40 @@ def generate(
     if not new:
         return idx.clone()
     return torch.cat([idx.long(), torch.stack(new, dim=1)], dim=1)
+
+
+class StopText:
+    """Cuts streamed text at the first of some stop strings.
+
+    `push(chunk)` returns the text that is safe to show: text that might be the beginning of a
+    stop string is held back until the next chunk settles it. `done` turns True once a stop string
+    appears; the stop string itself and anything after it are dropped.
+    """
+
+    def __init__(self, stops: Iterable[str] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.done = False
+
+    def push(self, chunk: str) -> str:
+        if self.done:
+            return ""
+        self.pending += chunk
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.done = True
+            out, self.pending = self.pending[: min(hits)], ""
+            return out
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = k
+                    break
+        out = self.pending[: len(self.pending) - hold]
+        self.pending = self.pending[len(out) :]
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.done else self.pending), ""
+        return out

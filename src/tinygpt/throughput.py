@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from .calc import count_params, dtype_name, flops_per_token
-from .config import GPTConfig
+from .config import GPTConfig, TrainConfig
+from .device import DTYPES, autocast, resolve_device
 from .errors import ConfigError
 from .model import GPT, lm_loss
+from .train import make_optimizer
 
 # Probe models. On a CPU one the size of what a laptop trains in minutes (~1M parameters); on a GPU
 # GPT-2 small, since a tiny model there measures kernel-launch overhead rather than compute.
@@ -55,10 +57,6 @@ class Throughput:
         return {**asdict(self), "config": self.config.to_dict()}
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def measure_training_throughput(
     config: GPTConfig | None = None,
     *,
@@ -77,14 +75,10 @@ def measure_training_throughput(
         steps: timed steps.
         warmup: untimed steps first (allocations, kernel choices, AdamW's state).
         dtype: "float32", or "bfloat16" for autocast over float32 weights.
-        device: "cpu" or "cuda" (default: cuda when available).
+        device: "cpu", "cuda" or "mps" (default: the best available, as training picks it).
         seed: for the weights and the tokens.
     """
-    device = device or default_device()
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"device: expected cpu or cuda, got {device!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda is not available on this machine")
+    device = resolve_device(device or "auto").type
     dtype = dtype_name(dtype)
     if dtype == "float16":
         raise ConfigError("dtype: training is measured in float32 or bfloat16")
@@ -95,13 +89,12 @@ def measure_training_throughput(
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = GPT(config).to(device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-4), torch.device(device))
     tokens = torch.randint(0, config.vocab_size, (B, T + 1), generator=generator).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
     def step() -> None:
-        with autocast:
+        with autocast(torch.device(device), DTYPES[dtype]):
             loss = lm_loss(model(x), y)
         loss.backward()
         optimizer.step()

@@ -30,6 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .errors import TokenizerError
+from .fileio import read_json, write_json
 
 FORMAT = "tinygpt-tokenizer"
 VERSION = 1
@@ -104,7 +105,7 @@ class _TokenizerBase:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
-        _write_json_atomic(path, self.to_dict())
+        write_json(path, self.to_dict(), indent=None)
 
     def _check_ids(self, ids: Iterable[int] | int) -> list[int]:
         """ids as a list of Python ints, each in [0, vocab_size). Accepts lists, numpy arrays and tensors."""
@@ -460,7 +461,7 @@ class GPT2Tokenizer(_TokenizerBase):
                 p, [("merges.txt", "vocab.json"), ("vocab.bpe", "encoder.json")], ["vocab.json", "encoder.json"]
             )
             return cls.from_vocab_merges(vocab, p)
-        data = _read_json(p, TokenizerError)
+        data = read_json(p, TokenizerError)
         if isinstance(data, dict) and data.get("format") == FORMAT:
             return _as_gpt2(tokenizer_from_dict(data, where=str(p)), p)
         merges = _sibling(p, [("vocab.json", "merges.txt"), ("encoder.json", "vocab.bpe")], ["merges.txt", "vocab.bpe"])
@@ -472,7 +473,7 @@ class GPT2Tokenizer(_TokenizerBase):
     ) -> GPT2Tokenizer:
         """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them."""
         if vocab is None:
-            vocab = _read_json(Path(vocab_path), TokenizerError)
+            vocab = read_json(Path(vocab_path), TokenizerError)
         if not isinstance(vocab, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
         ):
@@ -582,27 +583,6 @@ def _as_gpt2(tokenizer: Tokenizer, where: Path) -> GPT2Tokenizer:
 # Files
 
 
-def _read_json(path: Path, error: type[Exception]) -> Any:
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path} is not valid JSON: {e}") from None
-
-
-def _write_json_atomic(path: Path, obj: Any, indent: int | None = None) -> None:
-    """Write JSON to a temp file beside `path`, fsync, rename: readers see the old or the new file, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, ensure_ascii=False, indent=indent)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 _KIND_CLASSES: dict[str, Any] = {"char": CharTokenizer, "bpe": BPETokenizer, "gpt2": GPT2Tokenizer}
 
 
@@ -642,7 +622,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         p = p / "tokenizer.json"
     elif not p.is_file():
         raise TokenizerError(f"tokenizer file not found: {p}")
-    return tokenizer_from_dict(_read_json(p, TokenizerError), where=str(p))
+    return tokenizer_from_dict(read_json(p, TokenizerError), where=str(p))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,196 @@
+"""Run folders: weights in safetensors, config.json, the tokenizer, and the training state.
+
+    RUN/config.json         the GPTConfig, as JSON
+    RUN/model.safetensors   the weights (a tied head is stored once, as wte.weight)
+    RUN/tokenizer.json      the tokenizer, when there is one
+    RUN/train_state.pt      optimizer, schedule, RNG states, data position, step (training runs)
+
+Every file is written atomically: to a temporary file in the same folder, fsync, rename. The
+weights and the training state are two files, so a save renames the weights first and the state
+last; a kill between the two renames leaves the new state complete as `train_state.pt.tmp`, and
+the next resume finishes the rename (both files carry the step, so the pair is checked).
+Nothing here unpickles: safetensors for tensors, torch.load(weights_only=True) for the state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .config import GPTConfig
+from .errors import CheckpointError, ConfigError
+from .fileio import atomic_write, fsync_dir, read_json, write_json
+from .model import GPT
+from .tokenizer import load_tokenizer as tokenizer_load
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+TOKENIZER = "tokenizer.json"
+STATE = "train_state.pt"
+TIED_KEY = "lm_head.weight"
+
+
+def _weights(model: GPT) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    if model.config.tie_weights:
+        state.pop(TIED_KEY)  # the same tensor as wte.weight
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def save(model: GPT, path: str | Path, tokenizer=None, *, step: int | None = None) -> Path:
+    """Write a run folder that `tinygpt.load` reads: config.json, model.safetensors, tokenizer.json.
+
+    Args:
+        model: the GPT (a compiled or wrapped model: pass the underlying module).
+        path: the folder; created if needed. Files already there are replaced atomically.
+        tokenizer: saved beside the weights when given.
+        step: the training step the weights belong to (stored in the safetensors metadata).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write_json(path / CONFIG, model.config.to_dict())
+    if tokenizer is not None:
+        tokenizer.save(path / TOKENIZER)
+    metadata = {"format": "pt", "step": str(step if step is not None else -1)}
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(_weights(model), str(tmp), metadata=metadata))
+    return path
+
+
+def load_config(path: str | Path) -> GPTConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such run folder")
+    if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+        raise CheckpointError(f"{path}: not a tinygpt run (it needs {CONFIG} and {WEIGHTS})")
+    try:
+        return GPTConfig.from_dict(read_json(path / CONFIG, CheckpointError))
+    except ConfigError as e:
+        raise CheckpointError(f"{path / CONFIG}: {e}") from None
+
+
+def _read_weights(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+
+
+def weights_step(path: str | Path) -> int:
+    """The training step stored with a run's weights (-1 when saved outside training)."""
+    _, meta = _read_weights(Path(path) / WEIGHTS)
+    return int(meta.get("step", -1))
+
+
+def load(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
+) -> GPT:
+    """Load a run folder's model, in eval mode.
+
+    Args:
+        path: a folder written by `tinygpt.save` or `tinygpt train`.
+        device: where to put the weights.
+        allow_nonfinite: accept NaN or infinite weights (refused by default).
+
+    Raises:
+        CheckpointError: not a run, a corrupt file, or a config.json that disagrees with the weights.
+    """
+    path = Path(path)
+    config = load_config(path)
+    tensors, _ = _read_weights(path / WEIGHTS)
+    with torch.device("meta"):
+        model = GPT(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if config.tie_weights:
+        expected.pop(TIED_KEY)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise CheckpointError(f"{path}: config.json disagrees with the weights ({detail})")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if t.shape != shape:
+            raise CheckpointError(
+                f"{path}: config.json disagrees with the weights: {name} has shape {tuple(t.shape)}, "
+                f"the config needs {tuple(shape)}"
+            )
+        if not t.is_floating_point():
+            raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+        if not allow_nonfinite and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{path}: {name} holds NaN or infinite values")
+    if config.tie_weights:
+        tensors[TIED_KEY] = tensors["wte.weight"]
+    model.load_state_dict(tensors, strict=True, assign=True)
+    if config.tie_weights:
+        model.lm_head.weight = model.wte.weight  # assign=True replaced the Parameter; tie again
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in a run (or data) folder."""
+    path = Path(path)
+    file = path / TOKENIZER if path.is_dir() else path
+    if not file.exists():
+        raise CheckpointError(f"{path}: no {TOKENIZER} here")
+    return tokenizer_load(file)
+
+
+# ---- training state ---------------------------------------------------------------------------
+
+
+def save_training(run: Path, model: GPT, state: dict[str, Any], tokenizer=None) -> None:
+    """Save weights and training state as one consistent pair (see the module docstring)."""
+    run = Path(run)
+    step = int(state["step"])
+    state_tmp = run / (STATE + ".tmp")
+    weights_replaced = False
+    try:
+        torch.save(state, state_tmp)  # complete and synced before the weights are replaced
+        with open(state_tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        save(model, run, tokenizer, step=step)
+        weights_replaced = True
+        os.replace(state_tmp, run / STATE)
+    except BaseException:
+        if not weights_replaced:  # a failed save (ENOSPC, ...) leaves the previous pair as it was
+            state_tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(run)
+
+
+def _read_state(file: Path) -> dict[str, Any]:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated zip, or an object that weights_only refuses to build
+        raise CheckpointError(f"{file}: unreadable training state ({type(e).__name__}: {e})") from None
+
+
+def load_training(run: str | Path) -> dict[str, Any]:
+    """The training state of a run, matched to its weights; finishes a save cut short by a kill."""
+    run = Path(run)
+    step = weights_step(run)
+    pending = run / (STATE + ".tmp")
+    if pending.exists():
+        try:
+            candidate = _read_state(pending)
+        except CheckpointError:
+            candidate = None
+        if candidate is not None and int(candidate.get("step", -2)) == step:
+            os.replace(pending, run / STATE)  # the kill came between the two renames: roll forward
+        else:
+            pending.unlink()
+    if not (run / STATE).exists():
+        raise CheckpointError(f"{run}: no {STATE}, so there is no training to resume")
+    state = _read_state(run / STATE)
+    if int(state.get("step", -2)) != step:
+        raise CheckpointError(f"{run}: training state is for step {state.get('step')} but the weights for {step}")
+    return state

@@ -1,0 +1,51 @@
+"""Device, dtype and autocast, resolved in one place."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """"auto" picks cuda, then mps, then cpu; an explicit name must be available here."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but no CUDA device is available")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device: mps was asked for but MPS is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype for training or inference. "auto": bfloat16 on CUDA GPUs that support it,
+    else float32 (float32 is the accurate default on CPU; pass bfloat16 to use autocast there)."""
+    if name == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if name not in DTYPES:
+        raise ConfigError(f"dtype: must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    if DTYPES[name] is torch.float16 and device.type != "cuda":
+        raise ConfigError("dtype: float16 needs a CUDA device (use bfloat16 on CPU)")
+    return DTYPES[name]
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Mixed precision for the forward pass when dtype is lower than float32; a no-op otherwise."""
+    if dtype is torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

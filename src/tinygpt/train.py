@@ -1,0 +1,367 @@
+"""The one training loop: AdamW, warmup + cosine, clipping, accumulation, mixed precision,
+evaluation, checkpoints and exact resume. It returns a TrainResult or raises; it never exits."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint
+from .config import GPTConfig, TrainConfig
+from .data import get_batch, load_data
+from .device import autocast, resolve_device, resolve_dtype
+from .errors import NonFiniteError, TrainingError
+from .fileio import atomic_write, read_json, write_json
+from .model import GPT, lm_loss
+
+DEFAULT_MAX_ITERS = 2000
+METRICS = "metrics.jsonl"
+TRAIN_CONFIG = "train_config.json"
+CALIBRATION_STEPS = 5  # steps timed before a --max-time run fixes its schedule's length
+
+
+@dataclass
+class TrainResult:
+    run: Path
+    step: int  # optimizer steps done in total
+    train_loss: float | None  # the last step's loss
+    val_loss: float | None  # the last evaluation's
+    stopped: str  # "max_iters", "max_time", "SIGINT", "SIGTERM" or "requested"
+    tokens: int  # training tokens seen in total
+    elapsed: float  # seconds of this invocation
+
+
+def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if max_iters is None:  # a time budget whose length is not known yet
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup) / max(1, max_iters - cfg.warmup))
+    return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (not on biases and LayerNorm gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=device.type == "cuda")
+
+
+def default_model_config(vocab_size: int, train_tokens: int, val_tokens: int) -> GPTConfig:
+    """A model that suits the data when no model flags are given: the lesson's `stretch` model for a
+    corpus of a million tokens or more, a 4-layer, 128-wide model below that; the context is
+    shortened when a split is too small to hold one."""
+    if train_tokens >= 1_000_000:
+        cfg = GPTConfig.from_preset("stretch", vocab_size=vocab_size)
+    else:
+        cfg = GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    shortest = min(train_tokens, val_tokens) if val_tokens else train_tokens
+    block = cfg.block_size
+    while block > 8 and block + 1 > shortest:
+        block //= 2
+    cfg.block_size = block
+    return cfg
+
+
+def sample_offsets(n_tokens: int, block_size: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Random start positions of `batch_size` windows of block_size + 1 tokens."""
+    return torch.randint(0, n_tokens - block_size, (batch_size,), generator=generator)
+
+
+@torch.no_grad()
+def estimate_loss(model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype) -> float:
+    """Mean loss over eval_iters random batches; the same batches at every evaluation."""
+    block = model.config.block_size
+    g = torch.Generator().manual_seed(cfg.seed + 1)
+    losses = []
+    for _ in range(cfg.eval_iters):
+        x, y = get_batch(tokens, sample_offsets(len(tokens), block, cfg.batch_size, g), block)
+        with autocast(device, dtype):
+            losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
+    return float(np.mean(losses))
+
+
+@torch.no_grad()
+def evaluate(model: GPT, tokens: np.ndarray, *, batch_size: int = 8, device=None, dtype=torch.float32) -> dict:
+    """Loss over a whole token stream, cut into consecutive windows of block_size + 1 tokens.
+
+    Returns {"loss": mean nats per predicted token, "tokens": predicted tokens, "nll": total nats}.
+    """
+    device = device or next(model.parameters()).device
+    block = model.config.block_size
+    n = len(tokens)
+    if n < 2:
+        raise TrainingError(f"need at least 2 tokens to evaluate, got {n}")
+    starts = list(range(0, n - 1, block))
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        chunk = starts[i : i + batch_size]
+        # the last window may be shorter: evaluate same-length windows together
+        for length, group in _group_by_length(chunk, block, n):
+            x = torch.stack([torch.from_numpy(np.asarray(tokens[s : s + length], dtype=np.int64)) for s in group])
+            y = torch.stack([torch.from_numpy(np.asarray(tokens[s + 1 : s + length + 1], dtype=np.int64)) for s in group])
+            with autocast(device, dtype):
+                logits = model(x.to(device))
+            total += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), y.to(device).reshape(-1), reduction="sum"
+            ).item()
+            count += y.numel()
+    return {"loss": total / count, "tokens": count, "nll": total}
+
+
+def _group_by_length(starts: list[int], block: int, n: int):
+    groups: dict[int, list[int]] = {}
+    for s in starts:
+        groups.setdefault(min(block, n - 1 - s), []).append(s)
+    return groups.items()
+
+
+class _Stop:
+    """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and returns."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def __call__(self, signum, frame) -> None:
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        self.signal = signal.Signals(signum).name
+
+
+@contextmanager
+def _signals(stop: _Stop):
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _metrics_upto(run: Path, step: int) -> None:
+    """On resume, drop metric lines logged after the checkpoint (those steps are redone)."""
+    file = run / METRICS
+    if not file.exists():
+        return
+    kept = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    atomic_write(file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+
+
+def train(
+    data: str | Path,
+    out: str | Path,
+    model_config: GPTConfig | None = None,
+    train_config: TrainConfig | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    should_stop: Callable[[int], bool] | None = None,
+) -> TrainResult:
+    """Train a GPT on a prepared data folder and keep it in a run folder.
+
+    Args:
+        data: a folder written by `tinygpt prepare`.
+        out: the run folder (created; refused if it already holds a run unless resuming).
+        model_config: the architecture; None picks one for the data (see default_model_config).
+            A vocab_size smaller than the data's vocabulary is refused.
+        train_config: the optimization settings (TrainConfig()).
+        resume: continue the run in `out` from its last checkpoint; with the same settings the
+            result is bitwise equal to an uninterrupted run (CPU, float32).
+        progress: show a progress bar and evaluation lines on stderr.
+        should_stop: called after every optimizer step with the step number; True stops
+            training there (saving first), as a signal would.
+
+    Raises:
+        TrainingError: bad data or settings; NonFiniteError when the loss or the gradient norm is
+        not finite (nothing is saved then, the last checkpoint stays as it was).
+    """
+    cfg = train_config or TrainConfig()
+    run = Path(out)
+    dataset = load_data(data)
+    vocab = int(dataset.meta["vocab_size"])
+    state: dict[str, Any] | None = None
+    if resume:
+        saved = checkpoint.load_config(run)
+        if model_config is not None and model_config != saved:
+            raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
+        model_config = saved
+        state = checkpoint.load_training(run)
+    else:
+        if (run / checkpoint.WEIGHTS).exists():
+            raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
+        if model_config is None:
+            model_config = default_model_config(vocab, len(dataset.train), len(dataset.val))
+    if model_config.vocab_size < vocab:
+        raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
+    block = model_config.block_size
+    for split in ("train", "val"):
+        n = len(getattr(dataset, split))
+        if n < block + 1:
+            raise TrainingError(
+                f"the {split} split has {n} tokens, fewer than block_size + 1 = {block + 1}; "
+                "use more text or a smaller --block-size"
+            )
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    if state is None:
+        model = GPT(model_config).to(device)
+    else:
+        model = checkpoint.load(run, device=device)
+    model.train()
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    data_rng = torch.Generator().manual_seed(cfg.seed)
+
+    step, tokens_seen, horizon = 0, 0, cfg.max_iters
+    if horizon is None and cfg.max_time is None:
+        horizon = DEFAULT_MAX_ITERS
+    if state is not None:
+        step, tokens_seen = int(state["step"]), int(state["tokens"])
+        if cfg.max_iters is None and state["max_iters"] is not None:
+            horizon = int(state["max_iters"])
+        optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        data_rng.set_state(state["rng"]["data"])
+        if device.type == "cuda" and "cuda" in state["rng"]:
+            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+        _metrics_upto(run, step)
+    run.mkdir(parents=True, exist_ok=True)
+    write_json(run / TRAIN_CONFIG, {"data": str(Path(data).resolve()), "train": cfg.to_dict()})
+    if state is None:
+        (run / METRICS).write_text("")
+
+    step_model = torch.compile(model) if cfg.compile else model
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * block
+    no_clip = math.inf
+
+    def save() -> None:
+        rng = {"torch": torch.get_rng_state(), "data": data_rng.get_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        train_state = {
+            "step": step, "tokens": tokens_seen, "max_iters": horizon, "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
+        }
+        checkpoint.save_training(run, model, train_state, dataset.tokenizer)
+
+    def evaluate_now() -> float:
+        model.eval()
+        losses = {s: estimate_loss(model, getattr(dataset, s), cfg, device, dtype) for s in ("train", "val")}
+        model.train()
+        log({"step": step, "tokens": tokens_seen, "train_loss": losses["train"], "val_loss": losses["val"]})
+        if progress:
+            bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+        return losses["val"]
+
+    metrics = open(run / METRICS, "a")
+
+    def log(record: dict) -> None:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=horizon, initial=step, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    stop = _Stop()
+    started = time.perf_counter()
+    loss_value: float | None = None
+    val_loss: float | None = None
+    stopped = "max_iters"
+    step_times: list[float] = []
+    try:
+        with _signals(stop):
+            while horizon is None or step < horizon:
+                t0 = time.perf_counter()
+                lr = lr_at(step, cfg, horizon)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum = torch.zeros((), device=device)
+                for _ in range(cfg.grad_accum):
+                    offsets = sample_offsets(len(dataset.train), block, cfg.batch_size, data_rng)
+                    x, y = get_batch(dataset.train, offsets, block)
+                    with autocast(device, dtype):
+                        loss = lm_loss(step_model(x.to(device)), y.to(device)) / cfg.grad_accum
+                    scaler.scale(loss).backward()
+                    loss_sum += loss.detach()
+                loss_value = loss_sum.item()
+                if not math.isfinite(loss_value):
+                    raise NonFiniteError(f"step {step + 1}: the loss is {loss_value}; stopped before the update", step + 1)
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or no_clip).item()
+                if not math.isfinite(grad_norm) and not scaler.is_enabled():
+                    raise NonFiniteError(
+                        f"step {step + 1}: the gradient norm is {grad_norm}; stopped before the update", step + 1
+                    )
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                tokens_seen += tokens_per_step
+                dt = time.perf_counter() - t0
+                step_times.append(dt)
+                log({"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                     "tokens_per_s": tokens_per_step / dt, "time": time.perf_counter() - started})
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+
+                elapsed = time.perf_counter() - started
+                if horizon is None and len(step_times) > CALIBRATION_STEPS:
+                    horizon = step + _steps_left(cfg, elapsed, step_times[1:])
+                    bar.total = horizon
+                    bar.refresh()
+                if step % cfg.eval_interval == 0:
+                    val_loss = evaluate_now()
+                    save()
+                if stop.signal or (should_stop and should_stop(step)):
+                    stopped = stop.signal or "requested"
+                    break
+                if cfg.max_time is not None and time.perf_counter() - started >= cfg.max_time:
+                    stopped = "max_time"
+                    break
+            if step % cfg.eval_interval != 0 or step == 0:
+                val_loss = evaluate_now()
+                save()
+    finally:
+        bar.close()
+        metrics.close()
+    return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, time.perf_counter() - started)
+
+
+def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> int:
+    """How many more steps fit in the time budget, counting the evaluations they bring."""
+    per_step = float(np.median(step_times))
+    # an evaluation runs 2 x eval_iters forward passes; a forward is about a third of a training step
+    per_step *= 1 + (2 * cfg.eval_iters) / (3 * cfg.grad_accum * cfg.eval_interval)
+    return max(1, int((cfg.max_time - elapsed) / per_step))
+
+
+def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
+    """The training settings a run was last trained with, and its data folder."""
+    saved = read_json(Path(run) / TRAIN_CONFIG, TrainingError)
+    try:
+        return TrainConfig.from_dict(saved["train"]), saved.get("data")
+    except (KeyError, TypeError, ValueError) as e:
+        raise TrainingError(f"{run}: {TRAIN_CONFIG} is not valid ({e})") from None

@@ -1,0 +1,149 @@
+"""prepare -> train -> sample -> eval through the command line, signals, kills and bad input."""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import make_text
+
+SMALL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
+         "--eval-iters", "2", "--device", "cpu", "--quiet"]
+
+
+def tinygpt(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "tinygpt", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "tinygpt", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def assert_clean_error(r, *fragments):
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    (root / "text.txt").write_text(make_text())
+    r = tinygpt("prepare", root / "text.txt", "--out", root / "data", "--tokenizer", "char")
+    assert r.returncode == 0, r.stderr
+    return root / "data"
+
+
+def test_prepare_train_sample_eval(data, tmp_path):
+    run = tmp_path / "run"
+    r = tinygpt("train", "--data", data, "--out", run, "--max-iters", 50, "--eval-interval", 25, *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert "50 steps" in r.stdout
+    r = tinygpt("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("the cat") and len(r.stdout) > 40
+    again = tinygpt("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
+    assert again.stdout == r.stdout
+    r = tinygpt("sample", run, "--prompt", "the", "--greedy", "--max-new-tokens", 60, "--stop", ".")
+    assert r.returncode == 0 and "." not in r.stdout
+    r = tinygpt("sample", run, "--num-samples", 2, "--max-new-tokens", 10, "--top-k", 5, "--top-p", 0.9)
+    assert r.returncode == 0 and r.stdout.count("-" * 40) == 1
+    r = tinygpt("eval", run, "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {"loss", "perplexity", "bits_per_char"} <= set(report)
+    assert report["perplexity"] == pytest.approx(2.718281828 ** report["loss"], rel=1e-6)
+    assert report["loss"] < 3.0
+    text = tmp_path / "held_out.txt"
+    text.write_text(make_text(50, seed=9))
+    r = tinygpt("eval", run, "--text", text, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1])["loss"] < 3.0
+
+
+def test_config_file_and_flag_override(data, tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('n_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 8\nmax_iters = 3\nlr = 0.002\nmax_time = "1m"\n')
+    r = tinygpt("train", "--data", data, "--out", tmp_path / "run", "--config", cfg, "--max-iters", 2, "--quiet")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())["train"]
+    assert saved["max_iters"] == 2 and saved["lr"] == 0.002 and saved["max_time"] == 60
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["n_layer"] == 1
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_finishes_step_saves_and_exits(data, tmp_path, sig, code):
+    run = tmp_path / "run"
+    p = start("train", "--data", data, "--out", run, "--max-iters", 100000, "--eval-interval", 100000, *SMALL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (run / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    while time.time() < deadline and len((run / "metrics.jsonl").read_text().splitlines()) < 3:
+        time.sleep(0.2)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    assert "Traceback" not in err
+    r = tinygpt("train", "--data", data, "--out", run, "--resume", "--max-iters", 0 + 1000000, "--max-time", "1s",
+                "--quiet")
+    assert r.returncode == 0, r.stderr
+
+
+def test_kill_at_random_moments_then_resume(data, tmp_path):
+    run = tmp_path / "run"
+    rng = random.Random(0)
+    args = ["train", "--data", data, "--out", run, "--max-iters", 400, "--eval-interval", 2, *SMALL]
+    p = start(*args)
+    for trial in range(4):
+        time.sleep(rng.uniform(2.0, 4.0) if trial == 0 else rng.uniform(0.3, 1.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        p = start(*(args + ["--resume"]) if (run / "model.safetensors").exists() else args)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    r = tinygpt("train", "--data", data, "--out", run, "--resume", "--max-iters", 400, "--max-time", "1s", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(("max_time", "max_iters"))
+
+
+def test_bad_inputs(data, tmp_path):
+    assert_clean_error(tinygpt("train", "--data", tmp_path / "nope", "--out", tmp_path / "r", *SMALL))
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--n-embd", "30", "--n-head", "4"),
+                       "n_embd")
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--block-size", "100000"),
+                       "block_size")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("n_layers = 2\n")
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layers")
+    bad.write_text('n_layer = "two"\n')
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layer")
+    bad.write_text("n_layer = \n")
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "TOML")
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--max-time", "soon"), "--max-time")
+    assert_clean_error(tinygpt("sample", tmp_path), "not a tinygpt run")
+    assert_clean_error(tinygpt("eval", tmp_path / "missing"), "no such run folder")
+    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "x", "--resume"))
+
+
+def test_bad_run_files(data, tmp_path):
+    run = tmp_path / "run"
+    assert tinygpt("train", "--data", data, "--out", run, "--max-iters", 2, *SMALL).returncode == 0
+    assert_clean_error(tinygpt("sample", run, "--prompt", "\u2603"), "\u2603")  # a character outside the vocabulary
+    assert_clean_error(tinygpt("sample", run, "--temperature", "-1"), "temperature")
+    weights = (run / "model.safetensors").read_bytes()
+    (run / "model.safetensors").write_bytes(weights[:100])
+    assert_clean_error(tinygpt("sample", run), "corrupt or truncated")
+    (run / "model.safetensors").write_bytes(weights)
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
+    assert_clean_error(tinygpt("eval", run), "disagrees with the weights")
+    (run / "config.json").write_text("nope")
+    assert_clean_error(tinygpt("sample", run), "not valid JSON")

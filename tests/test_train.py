@@ -1,0 +1,109 @@
+import json
+import math
+
+import pytest
+import torch
+
+from tinygpt import GPTConfig
+from tinygpt.checkpoint import load
+from tinygpt.config import TrainConfig
+from tinygpt.errors import NonFiniteError, TrainingError
+from tinygpt.train import lr_at, train
+
+MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+
+
+def cfg(**kw):
+    base = dict(batch_size=4, max_iters=20, eval_interval=5, eval_iters=2, warmup=3, device="cpu", dtype="float32")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_lr_schedule():
+    c = TrainConfig(lr=1.0, min_lr=0.1, warmup=10)
+    assert lr_at(0, c, 110) == pytest.approx(0.1)
+    assert lr_at(9, c, 110) == pytest.approx(1.0)
+    assert lr_at(60, c, 110) == pytest.approx(0.55)
+    assert lr_at(110, c, 110) == pytest.approx(0.1)
+    assert lr_at(500, c, 110) == pytest.approx(0.1)
+    assert TrainConfig(lr=1e-3).final_lr == pytest.approx(1e-4)
+
+
+def test_train_writes_a_run_and_metrics(char_data, tmp_path):
+    result = train(char_data, tmp_path / "run", MODEL, cfg(), progress=False)
+    assert result.step == 20 and result.stopped == "max_iters"
+    names = {p.name for p in (tmp_path / "run").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "train_state.pt", "metrics.jsonl"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(steps[0])
+    assert [r["step"] for r in evals] == [5, 10, 15, 20]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert load(tmp_path / "run").config == MODEL
+
+
+@pytest.mark.parametrize("stop_at", [1, 7, 10])
+def test_resume_is_bitwise_equal(char_data, tmp_path, stop_at):
+    c = cfg(grad_accum=2)
+    train(char_data, tmp_path / "straight", MODEL, c, progress=False)
+    first = train(char_data, tmp_path / "resumed", MODEL, c, progress=False, should_stop=lambda s: s == stop_at)
+    assert first.step == stop_at and first.stopped == "requested"
+    second = train(char_data, tmp_path / "resumed", None, c, resume=True, progress=False)
+    assert second.step == 20
+    a, b = load(tmp_path / "straight").state_dict(), load(tmp_path / "resumed").state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    metrics = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(m)["step"] for m in metrics if "loss" in json.loads(m)] == list(range(1, 21))
+
+
+def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch):
+    import tinygpt.train as train_module
+
+    run = tmp_path / "run"
+    train(char_data, run, MODEL, cfg(max_iters=5), progress=False)
+    before = load(run).state_dict()
+    real = train_module.lm_loss
+    calls = {"n": 0}
+
+    def poisoned(logits, targets):
+        calls["n"] += 1
+        loss = real(logits, targets)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    monkeypatch.setattr(train_module, "lm_loss", poisoned)
+    with pytest.raises(NonFiniteError, match="step 8") as info:
+        train(char_data, run, None, cfg(max_iters=20), resume=True, progress=False)
+    assert info.value.step == 8
+    after = load(run).state_dict()  # the last good checkpoint is untouched and finite
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_max_time_stops_and_saves(char_data, tmp_path):
+    result = train(char_data, tmp_path / "run", MODEL, cfg(max_iters=None, max_time=1.5, eval_interval=1000),
+                   progress=False)
+    assert result.stopped in ("max_time", "max_iters") and result.step >= 1
+    assert load(tmp_path / "run") is not None
+    assert result.elapsed < 10
+
+
+def test_refuses_existing_run_and_short_data(char_data, tmp_path):
+    train(char_data, tmp_path / "run", MODEL, cfg(max_iters=1), progress=False)
+    with pytest.raises(TrainingError, match="already holds a run"):
+        train(char_data, tmp_path / "run", MODEL, cfg(max_iters=1), progress=False)
+    big = GPTConfig(**{**MODEL.to_dict(), "block_size": 100_000})
+    with pytest.raises(TrainingError, match="fewer than block_size"):
+        train(char_data, tmp_path / "other", big, cfg(), progress=False)
+    small_vocab = GPTConfig(**{**MODEL.to_dict(), "vocab_size": 3})
+    with pytest.raises(TrainingError, match="vocab"):
+        train(char_data, tmp_path / "other", small_vocab, cfg(), progress=False)
+
+
+def test_gradient_clipping_logs_norm_before_clipping(char_data, tmp_path):
+    train(char_data, tmp_path / "run", MODEL, cfg(max_iters=3, grad_clip=1e-6, lr=1e-2), progress=False)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in lines if "grad_norm" in r]
+    assert all(n > 1e-3 for n in norms)  # the logged norm is the one before clipping
+    assert all(math.isfinite(n) for n in norms)
