@@ -26,3 +26,10 @@ def test_public_api_is_small():
     assert set(tinygpt.__all__) >= {"GPT", "GPTConfig", "generate"}
     for name in tinygpt.__all__:
         assert hasattr(tinygpt, name)
+
+
+def test_api_names_are_the_functions_not_the_modules():
+    import tinygpt.generate  # noqa: F401  (importing the submodules must not shadow the functions)
+    import tinygpt.train  # noqa: F401
+
+    assert callable(tinygpt.generate) and callable(tinygpt.train) and callable(tinygpt.load)

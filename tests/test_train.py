@@ -1,3 +1,4 @@
+import importlib
 import json
 import math
 
@@ -60,7 +61,7 @@ def test_resume_is_bitwise_equal(char_data, tmp_path, stop_at):
 
 
 def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch):
-    import tinygpt.train as train_module
+    train_module = importlib.import_module("tinygpt.train")
 
     run = tmp_path / "run"
     train(char_data, run, MODEL, cfg(max_iters=5), progress=False)

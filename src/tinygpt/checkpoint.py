@@ -26,7 +26,6 @@ from .config import GPTConfig
 from .errors import CheckpointError, ConfigError
 from .fileio import atomic_write, fsync_dir, read_json, write_json
 from .model import GPT
-from .tokenizer import load_tokenizer as tokenizer_load
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -133,15 +132,6 @@ def load(
     if config.tie_weights:
         model.lm_head.weight = model.wte.weight  # assign=True replaced the Parameter; tie again
     return model.to(device).eval()
-
-
-def load_tokenizer(path: str | Path):
-    """The tokenizer saved in a run (or data) folder."""
-    path = Path(path)
-    file = path / TOKENIZER if path.is_dir() else path
-    if not file.exists():
-        raise CheckpointError(f"{path}: no {TOKENIZER} here")
-    return tokenizer_load(file)
 
 
 # ---- training state ---------------------------------------------------------------------------

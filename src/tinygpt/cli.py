@@ -141,7 +141,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _load_run(run: str, device: str):
-    from .checkpoint import load, load_tokenizer
+    from .checkpoint import load
+    from .tokenizer import load_tokenizer
     from .device import resolve_device
 
     model = load(run, device=resolve_device(device))
