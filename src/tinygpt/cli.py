@@ -221,6 +221,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise ConfigError(f"{data} was prepared with a different tokenizer than {args.run}'s")
         tokens, chars, nbytes = dataset.val, int(dataset.meta["val_chars"]), int(dataset.meta["val_bytes"])
         where = f"the val split of {data}"
+    if args.max_tokens is not None:
+        if args.max_tokens < 2:
+            raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+        if args.max_tokens < len(tokens):
+            tokens = np.asarray(tokens[: args.max_tokens])
+            kept = tokenizer.decode_bytes(tokens.tolist())
+            chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
     result = evaluate(model, tokens, batch_size=args.batch_size)
     # the first token is never predicted: count the characters of the predicted share only
     share = result["tokens"] / max(1, len(tokens))
@@ -512,6 +519,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--data", help="a prepared data folder: its val split (default: the run's own data)")
     src.add_argument("--text", help="any UTF-8 text file")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens (a quicker estimate)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_eval)
