@@ -106,7 +106,7 @@ def test_kill_at_random_moments_then_resume(data, tmp_path):
         time.sleep(rng.uniform(2.0, 4.0) if trial == 0 else rng.uniform(0.3, 1.5))
         p.send_signal(signal.SIGKILL)
         p.wait()
-        p = start(*(args + ["--resume"]) if (run / "model.safetensors").exists() else args)
+        p = start(*args, "--resume")  # a run killed before its first save starts afresh
     p.send_signal(signal.SIGKILL)
     p.wait()
     r = tinygpt("train", "--data", data, "--out", run, "--resume", "--max-iters", 400, "--max-time", "1s", "--quiet")
@@ -130,7 +130,9 @@ def test_bad_inputs(data, tmp_path):
     assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--max-time", "soon"), "--max-time")
     assert_clean_error(tinygpt("sample", tmp_path), "not a tinygpt run")
     assert_clean_error(tinygpt("eval", tmp_path / "missing"), "no such run folder")
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "x", "--resume"))
+    # --resume where there is nothing to resume yet starts a new run
+    r = tinygpt("train", "--data", data, "--out", tmp_path / "x", "--resume", "--max-iters", 1, *SMALL)
+    assert r.returncode == 0 and "starting a new run" in r.stderr
 
 
 def test_bad_run_files(data, tmp_path):

@@ -105,10 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .config import GPTConfig, TrainConfig, from_mapping
     from .data import load_data
     from .errors import NonFiniteError
-    from .train import default_model_config, read_train_config, train
+    from .train import default_model_config, has_checkpoint, read_train_config, train
 
     model_over, train_over, preset = _train_settings(args)
-    if args.resume:
+    resume = args.resume and has_checkpoint(args.out)
+    if args.resume and not resume:
+        print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
+    if resume:
         saved, _ = read_train_config(args.out)
         train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
         model_cfg = None
@@ -127,7 +130,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             base = default_model_config(vocab, int(meta["train_tokens"]), int(meta["val_tokens"])).to_dict()
         model_cfg = from_mapping(GPTConfig, {**base, **model_over})
     try:
-        result = train(args.data, args.out, model_cfg, train_cfg, resume=args.resume, progress=not args.quiet)
+        result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
     except NonFiniteError as e:
         print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
         return EXIT_NONFINITE

@@ -206,7 +206,7 @@ def train(
         model_config = saved
         state = checkpoint.load_training(run)
     else:
-        if (run / checkpoint.WEIGHTS).exists():
+        if has_checkpoint(run):
             raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
         if model_config is None:
             model_config = default_model_config(vocab, len(dataset.train), len(dataset.val))
@@ -356,6 +356,11 @@ def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> in
     # an evaluation runs 2 x eval_iters forward passes; a forward is about a third of a training step
     per_step *= 1 + (2 * cfg.eval_iters) / (3 * cfg.grad_accum * cfg.eval_interval)
     return max(1, int((cfg.max_time - elapsed) / per_step))
+
+
+def has_checkpoint(run: str | Path) -> bool:
+    """Whether a run folder holds weights to resume from (a run killed before its first save holds none)."""
+    return (Path(run) / checkpoint.WEIGHTS).exists()
 
 
 def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
