@@ -34,14 +34,21 @@ STATE = "train_state.pt"
 TIED_KEY = "lm_head.weight"
 
 
-def _weights(model: GPT) -> dict[str, torch.Tensor]:
-    state = model.state_dict()
+def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    state = dict(model.state_dict() if state is None else state)
     if model.config.tie_weights:
-        state.pop(TIED_KEY)  # the same tensor as wte.weight
+        state.pop(TIED_KEY, None)  # the same tensor as wte.weight
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
 
 
-def save(model: GPT, path: str | Path, tokenizer=None, *, step: int | None = None) -> Path:
+def save(
+    model: GPT,
+    path: str | Path,
+    tokenizer=None,
+    *,
+    step: int | None = None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write a run folder that `tinygpt.load` reads: config.json, model.safetensors, tokenizer.json.
 
     Args:
@@ -49,6 +56,8 @@ def save(model: GPT, path: str | Path, tokenizer=None, *, step: int | None = Non
         path: the folder; created if needed. Files already there are replaced atomically.
         tokenizer: saved beside the weights when given.
         step: the training step the weights belong to (stored in the safetensors metadata).
+        state_dict: the weights to write instead of model.state_dict() (a sharded model's,
+            gathered in full).
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -56,7 +65,7 @@ def save(model: GPT, path: str | Path, tokenizer=None, *, step: int | None = Non
     if tokenizer is not None:
         tokenizer.save(path / TOKENIZER)
     metadata = {"format": "pt", "step": str(step if step is not None else -1)}
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(_weights(model), str(tmp), metadata=metadata))
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(_weights(model, state_dict), str(tmp), metadata=metadata))
     return path
 
 
@@ -137,8 +146,10 @@ def load(
 # ---- training state ---------------------------------------------------------------------------
 
 
-def save_training(run: Path, model: GPT, state: dict[str, Any], tokenizer=None) -> None:
-    """Save weights and training state as one consistent pair (see the module docstring)."""
+def save_training(
+    run: Path, model: GPT, state: dict[str, Any], tokenizer=None, *, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Save weights and training state as one consistent pair (see the module docstring); state_dict as in save()."""
     run = Path(run)
     step = int(state["step"])
     state_tmp = run / (STATE + ".tmp")
@@ -147,7 +158,7 @@ def save_training(run: Path, model: GPT, state: dict[str, Any], tokenizer=None) 
         torch.save(state, state_tmp)  # complete and synced before the weights are replaced
         with open(state_tmp, "rb+") as f:
             os.fsync(f.fileno())
-        save(model, run, tokenizer, step=step)
+        save(model, run, tokenizer, step=step, state_dict=state_dict)
         weights_replaced = True
         os.replace(state_tmp, run / STATE)
     except BaseException:

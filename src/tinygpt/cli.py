@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from .errors import ConfigError, TinyGPTError
@@ -92,8 +93,9 @@ def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
         flag = getattr(args, name, None)
         if flag is not None:
             values[name] = flag
-    if isinstance(values.get("max_time"), str):
-        values["max_time"] = parse_duration(values["max_time"], "--max-time")
+    for name in ("max_time", "dist_timeout"):
+        if isinstance(values.get(name), str):
+            values[name] = parse_duration(values[name], "--" + name.replace("_", "-"))
     preset = values.pop("preset", None)
     model = {k: v for k, v in values.items() if k in MODEL_FIELDS}
     train = {k: v for k, v in values.items() if k in train_fields}
@@ -101,7 +103,11 @@ def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train a GPT on a prepared data folder; checkpoints and metrics.jsonl go to the run folder."""
+    """Train a GPT on a prepared data folder; checkpoints and metrics.jsonl go to the run folder.
+
+    Under `torchrun --nproc_per_node=N -m tinygpt train ...` the N processes train one model
+    (DDP, or FSDP2 with --fsdp); --batch-size is per process; rank 0 writes and prints.
+    """
     from .config import GPTConfig, TrainConfig, from_mapping
     from .data import load_data
     from .errors import NonFiniteError
@@ -109,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     model_over, train_over, preset = _train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
-    if args.resume and not resume:
+    if args.resume and not resume and os.environ.get("RANK", "0") == "0":
         print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
     if resume:
         saved, _ = read_train_config(args.out)
@@ -129,17 +135,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         else:
             base = default_model_config(vocab, int(meta["train_tokens"]), int(meta["val_tokens"])).to_dict()
         model_cfg = from_mapping(GPTConfig, {**base, **model_over})
-    try:
-        result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
-    except NonFiniteError as e:
-        print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
-        return EXIT_NONFINITE
-    val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-    loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
-    print(
-        f"{result.stopped}: {result.step} steps, {result.tokens:,} tokens in {result.elapsed:.1f}s{loss}{val}; "
-        f"saved to {result.run}"
-    )
+    from .device import resolve_device
+    from .distributed import process_group
+
+    # under torchrun the processes stay in one group until rank 0 has printed: torchrun ends the
+    # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
+    with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
+        try:
+            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
+        except NonFiniteError as e:
+            if ctx.is_main:
+                print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
+            return EXIT_NONFINITE
+        if ctx.is_main:
+            val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+            loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
+            procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
+            print(
+                f"{result.stopped}: {result.step} steps{procs}, {result.tokens:,} tokens in {result.elapsed:.1f}s"
+                f"{loss}{val}; saved to {result.run}",
+                flush=True,
+            )
+        ctx.barrier()
     return EXIT_SIGNAL.get(result.stopped, 0)
 
 
@@ -499,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--device", help="auto, cpu, cuda, mps")
     t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    t.add_argument("--dist-timeout", metavar="T",
+                   help="under torchrun: how long a process waits for the others before the job fails (10m)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate text from a run", description=cmd_sample.__doc__)
@@ -599,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (TinyGPTError, ValueError, OSError) as e:
-        print(f"tinygpt: error: {e}", file=sys.stderr)
+        rank = os.environ.get("RANK", "0")  # under torchrun every process may report
+        print(f"tinygpt: error: {'' if rank == '0' else f'[rank {rank}] '}{e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

@@ -222,6 +222,9 @@ class TrainConfig:
         device: auto, cpu, cuda, cuda:N or mps.
         dtype: auto, float32, bfloat16 or float16 (CUDA only): the autocast dtype.
         compile: torch.compile the model for training.
+        fsdp: under torchrun, shard parameters, gradients and optimizer state across the processes
+            (FSDP2) instead of replicating them (DDP); one process has nothing to shard.
+        dist_timeout: seconds a process waits for the others in a collective before the job fails.
     """
 
     batch_size: int = 12
@@ -241,6 +244,8 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     compile: bool = False
+    fsdp: bool = False
+    dist_timeout: float = 600.0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "eval_interval", "eval_iters"):
@@ -263,6 +268,8 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)!r}")
+        _check(self.dist_timeout > 0 and math.isfinite(self.dist_timeout), "dist_timeout",
+               f"must be a positive duration, got {self.dist_timeout!r}")
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 turns clipping off), got {self.grad_clip!r}")
 
     @property

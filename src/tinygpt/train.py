@@ -1,10 +1,12 @@
 """The one training loop: AdamW, warmup + cosine, clipping, accumulation, mixed precision,
-evaluation, checkpoints and exact resume. It returns a TrainResult or raises; it never exits."""
+evaluation, checkpoints and exact resume, on one process or several (torchrun: DDP or FSDP2).
+It returns a TrainResult or raises; it never exits."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -18,11 +20,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .config import GPTConfig, TrainConfig
 from .data import get_batch, load_data
 from .device import autocast, resolve_device, resolve_dtype
-from .errors import NonFiniteError, TrainingError
+from .errors import NonFiniteError, TinyGPTError, TrainingError
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
 
@@ -30,6 +32,7 @@ DEFAULT_MAX_ITERS = 2000
 METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run fixes its schedule's length
+DEBUG_ENV = "TINYGPT_DEBUG_DIR"  # see _Trace
 
 
 @dataclass
@@ -84,14 +87,26 @@ def sample_offsets(n_tokens: int, block_size: int, batch_size: int, generator: t
     return torch.randint(0, n_tokens - block_size, (batch_size,), generator=generator)
 
 
+def share(offsets: torch.Tensor, rank: int, batch_size: int) -> torch.Tensor:
+    """Process `rank`'s slice of a global batch drawn for all processes (batch_size each)."""
+    return offsets[rank * batch_size : (rank + 1) * batch_size]
+
+
 @torch.no_grad()
-def estimate_loss(model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype) -> float:
-    """Mean loss over eval_iters random batches; the same batches at every evaluation."""
+def estimate_loss(
+    model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype, *, rank: int = 0, world_size: int = 1
+) -> float:
+    """Mean loss over eval_iters random batches; the same batches at every evaluation.
+
+    With several processes each batch holds batch_size x world_size sequences and this process
+    evaluates its own slice; the mean of the processes' results is the loss over the whole batch.
+    """
     block = model.config.block_size
     g = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
     for _ in range(cfg.eval_iters):
-        x, y = get_batch(tokens, sample_offsets(len(tokens), block, cfg.batch_size, g), block)
+        offsets = sample_offsets(len(tokens), block, cfg.batch_size * world_size, g)
+        x, y = get_batch(tokens, share(offsets, rank, cfg.batch_size), block)
         with autocast(device, dtype):
             losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
     return float(np.mean(losses))
@@ -190,11 +205,42 @@ def train(
         should_stop: called after every optimizer step with the step number; True stops
             training there (saving first), as a signal would.
 
+    Several processes: launched by torchrun (WORLD_SIZE > 1), every process calls train() with the
+    same arguments. They join one process group (gloo on CPU, NCCL with one GPU per process),
+    train one model on global batches of batch_size x processes sequences (DDP, or FSDP2 with
+    train_config.fsdp), and agree every step on whether to stop, so a signal to any of them stops
+    all at the same step. Only rank 0 writes the run folder and shows progress; each returns the
+    same result. A group the caller already created is used and left open.
+
     Raises:
-        TrainingError: bad data or settings; NonFiniteError when the loss or the gradient norm is
-        not finite (nothing is saved then, the last checkpoint stays as it was).
+        TrainingError: bad data or settings, or (several processes) another process died or
+        stopped answering within train_config.dist_timeout; NonFiniteError when the loss or the
+        gradient norm is not finite (nothing is saved then, the last checkpoint stays as it was).
     """
     cfg = train_config or TrainConfig()
+    with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
+        try:
+            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop)
+        except Exception as e:
+            if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
+                raise
+            kept = "its last checkpoint is kept" if has_checkpoint(out) else "no checkpoint yet"
+            raise TrainingError(
+                f"process {ctx.rank}: lost contact with the other processes ({distributed.describe_failure(e)}); "
+                f"{out}: {kept}"
+            ) from e
+
+
+def _train(
+    ctx: distributed.Dist,
+    data: str | Path,
+    out: str | Path,
+    model_config: GPTConfig | None,
+    cfg: TrainConfig,
+    resume: bool,
+    progress: bool,
+    should_stop: Callable[[int], bool] | None,
+) -> TrainResult:
     run = Path(out)
     dataset = load_data(data)
     vocab = int(dataset.meta["vocab_size"])
@@ -204,7 +250,7 @@ def train(
         if model_config is not None and model_config != saved:
             raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
         model_config = saved
-        state = checkpoint.load_training(run)
+        state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
     else:
         if has_checkpoint(run):
             raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
@@ -221,15 +267,22 @@ def train(
                 "use more text or a smaller --block-size"
             )
 
-    device = resolve_device(cfg.device)
+    device = ctx.device
     dtype = resolve_dtype(cfg.dtype, device)
+    fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
+    if fsdp and dtype is torch.float16:
+        raise TrainingError("--fsdp trains in float32 or bfloat16: float16 needs loss scaling across the shards")
     torch.manual_seed(cfg.seed)
+    home = torch.device("cpu") if fsdp else device  # fully_shard moves each process's shard to the device
     if state is None:
-        model = GPT(model_config).to(device)
+        model = GPT(model_config).to(home)  # the same seed builds the same model in every process
     else:
-        model = checkpoint.load(run, device=device)
+        model = checkpoint.load(run, device=home)
     model.train()
+    wrapped = distributed.wrap(model, ctx, fsdp=fsdp)
     optimizer = make_optimizer(model, cfg, device)
+    if ctx.rank > 0:  # each process draws its own dropout masks
+        torch.manual_seed(cfg.seed + ctx.rank)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
     data_rng = torch.Generator().manual_seed(cfg.seed)
 
@@ -240,51 +293,65 @@ def train(
         step, tokens_seen = int(state["step"]), int(state["tokens"])
         if cfg.max_iters is None and state["max_iters"] is not None:
             horizon = int(state["max_iters"])
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(model, optimizer, state["optimizer"])
         if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        data_rng.set_state(state["rng"]["data"])
-        if device.type == "cuda" and "cuda" in state["rng"]:
-            torch.cuda.set_rng_state(state["rng"]["cuda"], device)
-        _metrics_upto(run, step)
-    run.mkdir(parents=True, exist_ok=True)
-    write_json(run / TRAIN_CONFIG, {"data": str(Path(data).resolve()), "train": cfg.to_dict()})
-    if state is None:
-        (run / METRICS).write_text("")
+        _restore_rng(state["rng"], ctx, device, cfg.seed + ctx.rank + 1_000_003 * step)
+        data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
+        if ctx.is_main:
+            _metrics_upto(run, step)
+    if ctx.is_main:
+        run.mkdir(parents=True, exist_ok=True)
+        write_json(run / TRAIN_CONFIG, {"data": str(Path(data).resolve()), "train": cfg.to_dict()})
+        if state is None:
+            (run / METRICS).write_text("")
 
-    step_model = torch.compile(model) if cfg.compile else model
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * block
+    step_model = torch.compile(wrapped) if cfg.compile else wrapped
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * block * ctx.world_size
     no_clip = math.inf
+    show = progress and ctx.is_main
+    trace = _Trace(os.environ.get(DEBUG_ENV), ctx)
 
     def save() -> None:
         rng = {"torch": torch.get_rng_state(), "data": data_rng.get_state()}
         if device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(device)
+        if ctx.enabled:  # every process's dropout stream, so a resume on as many processes is exact
+            rng["torch_ranks"] = ctx.gather(torch.get_rng_state())
+            if device.type == "cuda":
+                rng["cuda_ranks"] = ctx.gather(torch.cuda.get_rng_state(device))
+        weights, optimizer_state = distributed.full_state(model, optimizer, ctx)  # gathered under FSDP
+        if not ctx.is_main:
+            return
         train_state = {
-            "step": step, "tokens": tokens_seen, "max_iters": horizon, "optimizer": optimizer.state_dict(),
+            "step": step, "tokens": tokens_seen, "max_iters": horizon, "optimizer": optimizer_state,
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
         }
-        checkpoint.save_training(run, model, train_state, dataset.tokenizer)
+        checkpoint.save_training(run, model, train_state, dataset.tokenizer, state_dict=weights)
 
     def evaluate_now() -> float:
         model.eval()
-        losses = {s: estimate_loss(model, getattr(dataset, s), cfg, device, dtype) for s in ("train", "val")}
+        losses = {
+            s: ctx.mean(estimate_loss(model, getattr(dataset, s), cfg, device, dtype, rank=ctx.rank,
+                                      world_size=ctx.world_size))
+            for s in ("train", "val")
+        }
         model.train()
         log({"step": step, "tokens": tokens_seen, "train_loss": losses["train"], "val_loss": losses["val"]})
-        if progress:
+        if show:
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses["val"]
 
-    metrics = open(run / METRICS, "a")
+    metrics = open(run / METRICS, "a") if ctx.is_main else None
 
     def log(record: dict) -> None:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=horizon, initial=step, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    bar = tqdm(total=horizon, initial=step, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True)
     stop = _Stop()
     started = time.perf_counter()
     loss_value: float | None = None
@@ -299,18 +366,24 @@ def train(
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device)
-                for _ in range(cfg.grad_accum):
-                    offsets = sample_offsets(len(dataset.train), block, cfg.batch_size, data_rng)
+                for micro in range(cfg.grad_accum):
+                    # every process draws the whole global batch from the same generator and takes its slice
+                    offsets = sample_offsets(len(dataset.train), block, cfg.batch_size * ctx.world_size, data_rng)
+                    offsets = share(offsets, ctx.rank, cfg.batch_size)
+                    trace.batch(offsets)
                     x, y = get_batch(dataset.train, offsets, block)
-                    with autocast(device, dtype):
-                        loss = lm_loss(step_model(x.to(device)), y.to(device)) / cfg.grad_accum
-                    scaler.scale(loss).backward()
+                    # gradients are reduced across processes once, in the last micro-step's backward
+                    with distributed.gradient_sync(wrapped, micro == cfg.grad_accum - 1):
+                        with autocast(device, dtype):
+                            loss = lm_loss(step_model(x.to(device)), y.to(device)) / cfg.grad_accum
+                        scaler.scale(loss).backward()
                     loss_sum += loss.detach()
-                loss_value = loss_sum.item()
+                loss_value = ctx.mean(loss_sum)  # the global batch's loss, the same in every process
                 if not math.isfinite(loss_value):
                     raise NonFiniteError(f"step {step + 1}: the loss is {loss_value}; stopped before the update", step + 1)
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or no_clip).item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or no_clip)
+                grad_norm = distributed.full_value(grad_norm).item()  # over all shards under FSDP
                 if not math.isfinite(grad_norm) and not scaler.is_enabled():
                     raise NonFiniteError(
                         f"step {step + 1}: the gradient norm is {grad_norm}; stopped before the update", step + 1
@@ -320,6 +393,7 @@ def train(
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
                 tokens_seen += tokens_per_step
+                trace.step(step)
                 dt = time.perf_counter() - t0
                 step_times.append(dt)
                 log({"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
@@ -329,25 +403,90 @@ def train(
 
                 elapsed = time.perf_counter() - started
                 if horizon is None and len(step_times) > CALIBRATION_STEPS:
-                    horizon = step + _steps_left(cfg, elapsed, step_times[1:])
+                    # clocks differ between processes: they agree on the shortest schedule
+                    horizon = int(ctx.min(step + _steps_left(cfg, elapsed, step_times[1:])))
                     bar.total = horizon
                     bar.refresh()
                 if step % cfg.eval_interval == 0:
                     val_loss = evaluate_now()
                     save()
-                if stop.signal or (should_stop and should_stop(step)):
-                    stopped = stop.signal or "requested"
+                # one small all-reduce a step: a signal or a time limit seen by any process stops all of them here
+                sigterm, sigint, requested, time_up = ctx.max([
+                    stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(step)),
+                    cfg.max_time is not None and time.perf_counter() - started >= cfg.max_time,
+                ])
+                if sigterm or sigint or requested:
+                    stopped = "SIGTERM" if sigterm else "SIGINT" if sigint else "requested"
                     break
-                if cfg.max_time is not None and time.perf_counter() - started >= cfg.max_time:
+                if time_up:
                     stopped = "max_time"
                     break
             if step % cfg.eval_interval != 0 or step == 0:
                 val_loss = evaluate_now()
                 save()
+            trace.end(step, stopped, model)
+            ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
+        trace.close()
     return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, time.perf_counter() - started)
+
+
+def _restore_rng(rng: dict[str, Any], ctx: distributed.Dist, device: torch.device, fresh_seed: int) -> None:
+    """Put back this process's RNG state (dropout). A run saved by as many processes gives each its
+    own stream back; with another process count rank 0 continues rank 0's and the others start anew."""
+    cuda = device.type == "cuda"
+    ranks = rng.get("torch_ranks")
+    if ctx.enabled and ranks is not None and len(ranks) == ctx.world_size:
+        torch.set_rng_state(ranks[ctx.rank])
+        if cuda and "cuda_ranks" in rng:
+            torch.cuda.set_rng_state(rng["cuda_ranks"][ctx.rank], device)
+    elif ctx.rank == 0:
+        torch.set_rng_state(rng["torch"])
+        if cuda and "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], device)
+    else:
+        torch.manual_seed(fresh_seed)
+
+
+class _Trace:
+    """What each process trained on, for tests and debugging: with TINYGPT_DEBUG_DIR=DIR, process R
+    writes DIR/rank{R}.jsonl (its pid, the batch offsets of every micro-step by step, how it ended)
+    and DIR/rank{R}.safetensors (its parameters at the end, in full)."""
+
+    def __init__(self, folder: str | None, ctx: distributed.Dist) -> None:
+        self.ctx, self.folder, self.file, self.offsets = ctx, folder, None, []
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.file = open(Path(folder) / f"rank{ctx.rank}.jsonl", "a")
+            self._write({"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid()})
+
+    def _write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def batch(self, offsets: torch.Tensor) -> None:
+        if self.file:
+            self.offsets.append(offsets.tolist())
+
+    def step(self, step: int) -> None:
+        if self.file:
+            self._write({"step": step, "offsets": self.offsets})
+            self.offsets = []
+
+    def end(self, step: int, stopped: str, model: torch.nn.Module) -> None:
+        if self.file:
+            from safetensors.torch import save_file
+
+            params = distributed.full_parameters(model)  # a collective under FSDP: every process is here
+            save_file(params, str(Path(self.folder) / f"rank{self.ctx.rank}.safetensors"))
+            self._write({"end": step, "stopped": stopped})
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
 
 
 def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> int:

@@ -1,0 +1,260 @@
+"""Multi-process training through torchrun on CPU (gloo), 2 processes: DDP and FSDP2 against one
+process with twice the batch, checkpoints across process counts, signals and dead processes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tinygpt import cli
+from tinygpt.checkpoint import load, load_training, weights_step
+from tinygpt.distributed import Dist, _state_by_index, _state_by_name, process_group
+
+# a flat learning rate, so that a run stopped at step 10 and resumed matches a straight 20-step run
+# whatever --max-iters each part was given; two micro-steps per step, so accumulation is covered
+FLAT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--eval-iters", "2", "--grad-accum", "2",
+        "--eval-interval", "5", "--warmup", "0", "--lr", "1e-3", "--min-lr", "1e-3", "--dtype", "float32",
+        "--device", "cpu", "--quiet"]
+
+
+def torchrun(*args, env: dict | None = None, popen: bool = False):
+    """`torchrun --standalone --nproc_per_node=2 -m tinygpt ...` as a subprocess."""
+    exe = Path(sys.executable).with_name("torchrun")
+    cmd = [str(exe), "--standalone", "--nproc_per_node=2", "-m", "tinygpt", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if popen:
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def single(*args, debug: Path | None = None, monkeypatch=None) -> None:
+    """`tinygpt ...` in this process (one process, no torchrun), on one thread as torchrun's workers
+    run: on a busy 2-core machine a second thread costs far more than it brings for a tiny model."""
+    if debug is not None:
+        monkeypatch.setenv("TINYGPT_DEBUG_DIR", str(debug))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli.main([*map(str, args)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+        if debug is not None:
+            monkeypatch.delenv("TINYGPT_DEBUG_DIR")
+
+
+def steps(run: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+def trace(debug: Path, rank: int) -> list[dict]:
+    file = debug / f"rank{rank}.jsonl"
+    return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
+
+
+def max_weight_diff(a: Path, b: Path) -> float:
+    wa, wb = load(a).state_dict(), load(b).state_dict()
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+@pytest.fixture(scope="module")
+def runs(char_data, tmp_path_factory):
+    """The runs the tests compare, made once: one process x batch 8 for 10 and 20 steps, and
+    2 processes x batch 4 for 10 steps with DDP and with FSDP."""
+    root = tmp_path_factory.mktemp("dist")
+    mp = pytest.MonkeyPatch()
+    data = ["--data", char_data]
+    single("train", *data, "--out", root / "s10", "--batch-size", 8, "--max-iters", 10, *FLAT,
+           debug=root / "s10-debug", monkeypatch=mp)
+    shutil.copytree(root / "s10", root / "s20")
+    single("train", *data, "--out", root / "s20", "--resume", "--max-iters", 20, "--quiet")  # = a straight 20-step run
+    torchrun("train", *data, "--out", root / "d10", "--batch-size", 4, "--max-iters", 10, *FLAT,
+             env={"TINYGPT_DEBUG_DIR": str(root / "d10-debug")})
+    torchrun("train", *data, "--out", root / "f10", "--batch-size", 4, "--max-iters", 10, "--fsdp", *FLAT)
+    return root
+
+
+def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(runs):
+    one, two = steps(runs / "s10"), steps(runs / "d10")
+    assert list(two) == list(range(1, 11))
+    assert two[1] == pytest.approx(one[1], abs=1e-5)
+    for s in one:
+        assert two[s] == pytest.approx(one[s], abs=1e-3), s
+    assert max_weight_diff(runs / "s10", runs / "d10") < 1e-4
+    # the evaluations agree too: every process evaluates its slice and the results are averaged
+    evals = [[json.loads(line)["val_loss"] for line in (runs / r / "metrics.jsonl").read_text().splitlines()
+              if "val_loss" in line] for r in ("s10", "d10")]
+    assert evals[1] == pytest.approx(evals[0], abs=1e-4)
+    # only rank 0 wrote: one metrics line per step and per evaluation
+    assert len((runs / "d10" / "metrics.jsonl").read_text().splitlines()) == 12
+
+
+def test_each_process_sees_its_own_slice_and_ends_with_the_same_weights(runs):
+    whole = trace(runs / "s10-debug", 0)
+    ranks = [trace(runs / "d10-debug", r) for r in (0, 1)]
+    assert [t[0]["rank"] for t in ranks] == [0, 1] and {t[0]["world_size"] for t in ranks} == {2}
+    batches = [[r["offsets"] for r in t if "offsets" in r] for t in (whole, *ranks)]
+    assert len(batches[1]) == len(batches[2]) == 10
+    for step, (everything, mine, yours) in enumerate(zip(*batches), start=1):
+        # rank 0 trains on the first half of the global batch, rank 1 on the second half
+        assert mine[0] == everything[0][:4] and yours[0] == everything[0][4:], step
+    params = [load_file(runs / "d10-debug" / f"rank{r}.safetensors") for r in (0, 1)]
+    assert params[0].keys() == params[1].keys()
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+    saved = load(runs / "d10").state_dict()
+    assert torch.equal(saved["wte.weight"], params[0]["wte.weight"])
+
+
+def test_fsdp_matches_ddp(runs):
+    ddp, fsdp = steps(runs / "d10"), steps(runs / "f10")
+    assert list(fsdp) == list(ddp)
+    for s in ddp:
+        assert fsdp[s] == pytest.approx(ddp[s], abs=1e-4), s
+    assert max_weight_diff(runs / "d10", runs / "f10") < 1e-4
+    # gathered to a normal run folder: full optimizer state in the single-process layout
+    a, b = (torch.load(runs / r / "train_state.pt", weights_only=True)["optimizer"] for r in ("d10", "f10"))
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert torch.allclose(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"], rtol=1e-3, atol=1e-9)
+
+
+@pytest.mark.parametrize("source", ["d10", "f10"])
+def test_a_two_process_checkpoint_resumes_in_one_process(runs, char_data, tmp_path, source, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(runs / source, run)
+    single("train", "--data", char_data, "--out", run, "--resume", "--batch-size", 8, "--max-iters", 20, "--quiet")
+    assert list(steps(run)) == list(range(1, 21))
+    straight = steps(runs / "s20")
+    for s, loss in steps(run).items():
+        assert loss == pytest.approx(straight[s], abs=1e-3), s
+    assert max_weight_diff(run, runs / "s20") < 1e-4
+    assert cli.main(["sample", str(runs / source), "--max-new-tokens", "20", "--seed", "1", "--device", "cpu"]) == 0
+    assert len(capsys.readouterr().out) >= 20
+
+
+def test_a_one_process_checkpoint_resumes_in_two_processes(runs, char_data, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "s10", run)
+    r = torchrun("train", "--data", char_data, "--out", run, "--resume", "--batch-size", 4, "--max-iters", 20,
+                 "--fsdp", "--quiet")
+    assert r.stdout.startswith("max_iters: 20 steps on 2 processes"), r.stdout
+    straight = steps(runs / "s20")
+    for s, loss in steps(run).items():
+        assert loss == pytest.approx(straight[s], abs=1e-3), s
+    assert max_weight_diff(run, runs / "s20") < 1e-4
+
+
+def _start(char_data, run: Path, debug: Path):
+    p = torchrun("train", "--data", char_data, "--out", run, *FLAT, "--batch-size", 4, "--max-iters", 100000,
+                 "--eval-interval", 100000, "--dist-timeout", "30s", env={"TINYGPT_DEBUG_DIR": str(debug)}, popen=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and min(len(trace(debug, 0)), len(trace(debug, 1))) < 4:
+        assert p.poll() is None, p.communicate()[1][-3000:]
+        time.sleep(0.1)
+    return p, [trace(debug, r)[0]["pid"] for r in (0, 1)]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step_with_one_checkpoint(char_data, tmp_path):
+    run, debug = tmp_path / "run", tmp_path / "debug"
+    p, pids = _start(char_data, run, debug)
+    sent = time.time()
+    os.kill(pids[1], signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert time.time() - sent < 60
+    ends = [trace(debug, r)[-1] for r in (0, 1)]
+    assert ends[0] == ends[1] and ends[0]["stopped"] == "SIGTERM", (ends, err[-3000:])
+    step = ends[0]["end"]
+    assert out.startswith(f"SIGTERM: {step} steps on 2 processes"), out
+    assert p.returncode != 0  # the processes exit 143, which torchrun reports as a failure
+    assert all(_gone(pid) for pid in pids)
+    # one complete checkpoint at that step: the weights and the training state agree
+    assert weights_step(run) == step and load_training(run)["step"] == step
+    assert not list(run.glob("*.tmp"))
+    assert max(steps(run)) == step
+
+
+def test_a_dead_process_ends_the_job(char_data, tmp_path):
+    run, debug = tmp_path / "run", tmp_path / "debug"
+    p, pids = _start(char_data, run, debug)
+    sent = time.time()
+    os.kill(pids[1], signal.SIGKILL)
+    p.communicate(timeout=60)
+    assert time.time() - sent < 60
+    assert p.returncode != 0
+    assert all(_gone(pid) for pid in pids)
+
+
+def test_accumulation_reduces_gradients_once_per_step(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tinygpt.distributed import gradient_sync
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(4, 4))
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.index())
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        model.register_comm_hook(None, hook)
+        for micro in range(3):
+            with gradient_sync(model, micro == 2):
+                model(torch.randn(2, 4)).sum().backward()
+            assert len(calls) == (1 if micro == 2 else 0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_optimizer_state_layouts_round_trip():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    groups = [{"params": [model[0].weight]}, {"params": [model[0].bias, *model[1].parameters()]}]
+    opt = torch.optim.AdamW(groups, lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    by_index = opt.state_dict()
+    fqns = ["0.weight", "0.bias", "1.weight", "1.bias"]
+    by_name = _state_by_name(by_index, fqns)
+    assert by_name["param_groups"][1]["params"] == ["0.bias", "1.weight", "1.bias"]
+    assert torch.equal(by_name["state"]["1.weight"]["exp_avg"], by_index["state"][2]["exp_avg"])
+    back = _state_by_index(by_name)
+    assert back["param_groups"] == by_index["param_groups"]
+    assert all(torch.equal(back["state"][i]["exp_avg"], by_index["state"][i]["exp_avg"]) for i in range(4))
+
+
+def test_one_process_needs_no_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with process_group(torch.device("cpu")) as ctx:
+        assert ctx == Dist(torch.device("cpu")) and not ctx.enabled and ctx.is_main
+        assert ctx.mean(torch.tensor(2.5)) == 2.5 and ctx.max([0.0, 1.0]) == [0.0, 1.0]
+        assert ctx.main_first(lambda: 7) == 7
+
+
+def test_dist_timeout_flag(char_data, tmp_path, capsys):
+    assert cli.main(["train", "--data", str(char_data), "--out", str(tmp_path / "r"), "--dist-timeout", "0s",
+                     *FLAT]) == 2
+    assert "dist" in capsys.readouterr().err
