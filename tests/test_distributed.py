@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,9 @@ def torchrun(*args, env: dict | None = None, popen: bool = False):
     exe = Path(sys.executable).with_name("torchrun")
     cmd = [str(exe), "--standalone", "--nproc_per_node=2", "-m", "tinygpt", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if popen:
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if popen:  # in a session of its own, so that the test can clean up everything it started
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -156,14 +158,32 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs, char_data, tmp_
     assert max_weight_diff(run, runs / "s20") < 1e-4
 
 
-def _start(char_data, run: Path, debug: Path):
+@contextmanager
+def _job(char_data, run: Path, debug: Path, timeout: str = "30s"):
+    """A long 2-process run, yielded once both processes have trained a few steps; whatever the
+    test does, nothing it started is left running."""
     p = torchrun("train", "--data", char_data, "--out", run, *FLAT, "--batch-size", 4, "--max-iters", 100000,
-                 "--eval-interval", 100000, "--dist-timeout", "30s", env={"TINYGPT_DEBUG_DIR": str(debug)}, popen=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and min(len(trace(debug, 0)), len(trace(debug, 1))) < 4:
-        assert p.poll() is None, p.communicate()[1][-3000:]
-        time.sleep(0.1)
-    return p, [trace(debug, r)[0]["pid"] for r in (0, 1)]
+                 "--eval-interval", 100000, "--dist-timeout", timeout, env={"TINYGPT_DEBUG_DIR": str(debug)},
+                 popen=True)
+    pids: list[int] = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and min(len(trace(debug, 0)), len(trace(debug, 1))) < 4:
+            assert p.poll() is None, p.communicate()[1][-3000:]
+            time.sleep(0.1)
+        pids = [trace(debug, r)[0]["pid"] for r in (0, 1)]
+        yield p, pids
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and any worker of its session still there
+        except ProcessLookupError:
+            pass
+        p.wait()
+        p.stdout.close()
+        p.stderr.close()
 
 
 def _gone(pid: int) -> bool:
@@ -176,17 +196,17 @@ def _gone(pid: int) -> bool:
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step_with_one_checkpoint(char_data, tmp_path):
     run, debug = tmp_path / "run", tmp_path / "debug"
-    p, pids = _start(char_data, run, debug)
-    sent = time.time()
-    os.kill(pids[1], signal.SIGTERM)
-    out, err = p.communicate(timeout=60)
-    assert time.time() - sent < 60
+    with _job(char_data, run, debug) as (p, pids):
+        sent = time.time()
+        os.kill(pids[1], signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+        assert time.time() - sent < 60
+        assert all(_gone(pid) for pid in pids)
     ends = [trace(debug, r)[-1] for r in (0, 1)]
     assert ends[0] == ends[1] and ends[0]["stopped"] == "SIGTERM", (ends, err[-3000:])
     step = ends[0]["end"]
     assert out.startswith(f"SIGTERM: {step} steps on 2 processes"), out
     assert p.returncode != 0  # the processes exit 143, which torchrun reports as a failure
-    assert all(_gone(pid) for pid in pids)
     # one complete checkpoint at that step: the weights and the training state agree
     assert weights_step(run) == step and load_training(run)["step"] == step
     assert not list(run.glob("*.tmp"))
@@ -195,13 +215,24 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step_with_one_checkpoint(
 
 def test_a_dead_process_ends_the_job(char_data, tmp_path):
     run, debug = tmp_path / "run", tmp_path / "debug"
-    p, pids = _start(char_data, run, debug)
-    sent = time.time()
-    os.kill(pids[1], signal.SIGKILL)
-    p.communicate(timeout=60)
-    assert time.time() - sent < 60
-    assert p.returncode != 0
-    assert all(_gone(pid) for pid in pids)
+    with _job(char_data, run, debug) as (p, pids):
+        sent = time.time()
+        os.kill(pids[1], signal.SIGKILL)
+        p.communicate(timeout=60)
+        assert time.time() - sent < 60
+        assert p.returncode != 0
+        assert all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_a_hung_process_ends_the_job_after_the_timeout(char_data, tmp_path):
+    run, debug = tmp_path / "run", tmp_path / "debug"
+    with _job(char_data, run, debug, timeout="5s") as (p, pids):
+        os.kill(pids[1], signal.SIGSTOP)  # alive but silent: only the timeout can tell
+        _, err = p.communicate(timeout=120)  # 5 s, then torchrun's 30 s grace before SIGKILL
+        assert p.returncode != 0
+        assert "process 0: lost contact with the other processes" in err, err[-3000:]
+        assert all(_gone(pid) for pid in pids)
 
 
 def test_accumulation_reduces_gradients_once_per_step(tmp_path):
