@@ -95,6 +95,18 @@ def weights_step(path: str | Path) -> int:
     return int(meta.get("step", -1))
 
 
+def is_hf_folder(path: str | Path) -> bool:
+    """True for a Hugging Face model folder: its config.json names a `model_type` (a run's never does)."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        return False
+    try:
+        data = read_json(file, CheckpointError)
+    except CheckpointError:
+        return False
+    return isinstance(data, dict) and "model_type" in data
+
+
 def load(
     path: str | Path,
     *,
@@ -104,7 +116,8 @@ def load(
     """Load a run folder's model, in eval mode.
 
     Args:
-        path: a folder written by `tinygpt.save` or `tinygpt train`.
+        path: a folder written by `tinygpt.save` or `tinygpt train`, or a Hugging Face GPT-2
+            folder (config.json with model_type "gpt2" + model.safetensors).
         device: where to put the weights.
         allow_nonfinite: accept NaN or infinite weights (refused by default).
 
@@ -112,8 +125,32 @@ def load(
         CheckpointError: not a run, a corrupt file, or a config.json that disagrees with the weights.
     """
     path = Path(path)
+    if is_hf_folder(path):
+        from .hf_gpt2 import load_hf  # a peer module; imported here so run folders never need it
+
+        return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
     config = load_config(path)
     tensors, _ = _read_weights(path / WEIGHTS)
+    return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
+
+
+def model_from_tensors(
+    config: GPTConfig,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    *,
+    device: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
+) -> GPT:
+    """Build a GPT in eval mode from tinygpt-named tensors, checking every name, shape and value.
+
+    Args:
+        config: the architecture the tensors must fit.
+        tensors: parameter name -> tensor; a tied head is given as wte.weight alone.
+        where: the folder they came from, for error messages.
+        device: where to put the weights.
+        allow_nonfinite: accept NaN or infinite weights.
+    """
     with torch.device("meta"):
         model = GPT(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -123,24 +160,65 @@ def load(
     unexpected = sorted(set(tensors) - set(expected))
     if missing or unexpected:
         detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"{path}: config.json disagrees with the weights ({detail})")
+        raise CheckpointError(f"{where}: config.json disagrees with the weights ({detail})")
     for name, shape in expected.items():
         t = tensors[name]
         if t.shape != shape:
             raise CheckpointError(
-                f"{path}: config.json disagrees with the weights: {name} has shape {tuple(t.shape)}, "
+                f"{where}: config.json disagrees with the weights: {name} has shape {tuple(t.shape)}, "
                 f"the config needs {tuple(shape)}"
             )
         if not t.is_floating_point():
-            raise CheckpointError(f"{path}: {name} has dtype {t.dtype}, expected a floating-point tensor")
+            raise CheckpointError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
         if not allow_nonfinite and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{path}: {name} holds NaN or infinite values")
+            raise CheckpointError(f"{where}: {name} holds NaN or infinite values")
+    tensors = dict(tensors)
     if config.tie_weights:
         tensors[TIED_KEY] = tensors["wte.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
     if config.tie_weights:
         model.lm_head.weight = model.wte.weight  # assign=True replaced the Parameter; tie again
     return model.to(device).eval()
+
+
+def load_run(
+    path: str | Path, device: str | torch.device = "auto", *, tokenizer_required: bool = True
+) -> tuple[GPT, Any]:
+    """A model and its tokenizer, from a run folder or a Hugging Face GPT-2 folder: what `sample`,
+    `eval`, `serve` and `export` start from.
+
+    Args:
+        path: the folder.
+        device: "auto", "cpu", "cuda", "mps" or a torch.device.
+        tokenizer_required: raise if the folder has no tokenizer (else the tokenizer is None).
+
+    Raises:
+        CheckpointError, TokenizerError: the folder cannot be used (a folder without a tokenizer
+            included).
+    """
+    from .device import resolve_device
+    from .errors import TokenizerError
+    from .tokenizer import load_tokenizer
+
+    if not isinstance(device, torch.device):
+        device = resolve_device(device)
+    model = load(path, device=device)
+    if is_hf_folder(path):
+        from .hf_gpt2 import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(path)
+    else:
+        tokenizer = load_tokenizer(path) if (Path(path) / TOKENIZER).exists() else None
+    if tokenizer is None:
+        if tokenizer_required:
+            wanted = "tokenizer.json, or GPT-2's vocab.json + merges.txt" if is_hf_folder(path) else TOKENIZER
+            raise TokenizerError(f"{path}: no tokenizer ({wanted})")
+        return model, None
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise TokenizerError(
+            f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
+        )
+    return model, tokenizer
 
 
 # ---- training state ---------------------------------------------------------------------------

@@ -161,12 +161,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _load_run(run: str, device: str):
-    from .checkpoint import load
-    from .tokenizer import load_tokenizer
-    from .device import resolve_device
+    """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve)."""
+    from .checkpoint import load_run
 
-    model = load(run, device=resolve_device(device))
-    return model, load_tokenizer(run)
+    return load_run(run, device)
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -220,6 +218,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text."""
     import json
+    from pathlib import Path
 
     import numpy as np
 
@@ -233,7 +232,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
         chars, nbytes, where = len(text), len(text.encode("utf-8")), args.text
     else:
-        data = args.data or read_train_config(args.run)[1]
+        # a Hugging Face folder was not trained here: it has no data folder of its own
+        data = args.data or (read_train_config(args.run)[1] if (Path(args.run) / "train_config.json").exists() else None)
         if data is None:
             raise ConfigError("give --data DIR or --text FILE")
         dataset = load_data(data)
@@ -262,6 +262,72 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  bits per {unit} {report[f'bits_per_{unit}']:.4f}")
     if args.json:
         print(json.dumps(report))
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run as a Hugging Face GPT-2 folder (--format hf) or a GGUF file for llama.cpp (--format gguf).
+
+    Args (flags):
+        RUN: a run folder (or a Hugging Face GPT-2 folder).
+        --format hf: a folder that transformers' GPT2LMHeadModel, AutoTokenizer and
+            pipeline("text-generation") load: config.json, model.safetensors, generation_config.json,
+            tokenizer.json and tokenizer_config.json.
+        --format gguf: one .gguf file with GPT-2 metadata, the tokenizer and the weights.
+        --out: the folder (hf) or file (gguf) to write.
+        --dtype: with gguf, float32 (default) or float16 matrices.
+    """
+    from pathlib import Path
+
+    from .calc import format_count
+    from .checkpoint import load_run
+
+    src, out = Path(args.run), Path(args.out)
+    if out.resolve() == src.resolve():
+        raise ConfigError("--out must not be the folder being exported")
+    if args.dtype != "float32" and args.format != "gguf":
+        raise ConfigError("--dtype applies to --format gguf only")
+    model, tokenizer = load_run(src, "cpu", tokenizer_required=args.format == "gguf")
+    params = f"{format_count(model.num_params())} parameters"
+    tok = f"{tokenizer.kind} tokenizer, {tokenizer.vocab_size:,} tokens" if tokenizer is not None else "no tokenizer"
+    if args.format == "hf":
+        from .hf_gpt2 import export_hf
+
+        export_hf(model, tokenizer, out)
+        print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
+        print(f"  transformers: GPT2LMHeadModel.from_pretrained('{out}'), AutoTokenizer.from_pretrained('{out}')")
+        if tokenizer is None:
+            print(f"  note: {src} has no tokenizer.json, so {out} holds the model alone")
+    else:
+        from .gguf import export_gguf, gguf_notes
+
+        export_gguf(model, tokenizer, out, dtype=args.dtype)
+        size = out.stat().st_size
+        print(f"exported {src} to {out} (GGUF, architecture gpt2, {args.dtype}: {params}, {tok}; {size / 1e6:.1f} MB)")
+        for note in gguf_notes(model, tokenizer):
+            print(f"  note: {note}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Turn a Hugging Face GPT-2 folder (config.json + model.safetensors) into a tinygpt run.
+
+    The tokenizer comes along: GPT-2's vocab.json + merges.txt (run by tiktoken), or a
+    tokenizer.json holding a byte-level BPE or a one-token-per-character vocabulary. A folder with
+    only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
+    """
+    from .calc import format_count
+    from .hf_gpt2 import import_hf
+
+    model, tokenizer = import_hf(args.dir, args.out)
+    run, c = args.out, model.config
+    tok = f"{tokenizer.kind} tokenizer, {tokenizer.vocab_size:,} tokens" if tokenizer is not None else "no tokenizer"
+    print(
+        f"imported {args.dir} to {run}: {format_count(model.num_params())} parameters "
+        f"({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, context {c.block_size}), {tok}"
+    )
+    if tokenizer is None:
+        print(f"  note: {args.dir} has no tokenizer, so `tinygpt sample {run}` cannot run until one is added")
+    return 0
+
 
 def _int_flag(value: str | None, flag: str) -> int | None:
     """An integer flag parsed here rather than by argparse, so a bad value is a one-line error."""
@@ -294,7 +360,12 @@ def _params_config(args: argparse.Namespace):
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        base, name = GPTConfig.from_dict(data).to_dict(), str(args.run)
+        if isinstance(data, dict) and "model_type" in data:  # a Hugging Face GPT-2 folder
+            from .hf_gpt2 import config_from_hf
+
+            base, name = config_from_hf(data, str(args.run)).to_dict(), str(args.run)
+        else:
+            base, name = GPTConfig.from_dict(data).to_dict(), str(args.run)
     elif args.preset:
         base, name = GPTConfig.from_preset(args.preset).to_dict(), args.preset
     else:
@@ -523,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate text from a run", description=cmd_sample.__doc__)
-    p.add_argument("run", help="a run folder")
+    p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")
     p.add_argument("--prompt", default="", help="text to continue (default: start of text)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -538,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per char/byte", description=cmd_eval.__doc__)
-    p.add_argument("run", help="a run folder")
+    p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="a prepared data folder: its val split (default: the run's own data)")
     src.add_argument("--text", help="any UTF-8 text file")
@@ -606,6 +677,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--progress", action="store_true", help="show progress bars")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser(
+        "export", help="write a run as a Hugging Face GPT-2 folder or a GGUF file",
+        description=cmd_export.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  tinygpt export runs/mine --format hf --out hf/mine\n"
+               "  tinygpt export runs/mine --format gguf --out mine.gguf",
+    )
+    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face GPT-2 folder)")
+    p.add_argument("--format", required=True, choices=("hf", "gguf"), help="hf (a folder) or gguf (a file)")
+    p.add_argument("--out", required=True, metavar="PATH", help="the folder (hf) or .gguf file (gguf) to write")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16"),
+                   help="gguf only: the matrices' dtype (norms and biases stay float32)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a run", description=cmd_import.__doc__)
+    p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
+    p.set_defaults(func=cmd_import)
     return parser
 
 

@@ -1,0 +1,554 @@
+"""Hugging Face GPT-2 folders in and out: config.json, model.safetensors and the tokenizer.
+
+tinygpt keeps GPT-2's parameter names, so interchange is a key map plus one list of transposed
+weights, every shape asserted:
+
+    tinygpt                    Hugging Face GPT2LMHeadModel
+    wte.weight                 transformer.wte.weight
+    h.N.attn.c_attn.weight     transformer.h.N.attn.c_attn.weight    transposed (see TRANSPOSED)
+    ...                        transformer. + the same name
+    lm_head.weight             lm_head.weight                        only when the head is untied
+
+GPT-2's projections are `Conv1D` modules that store their weight as (in, out), the transpose of
+`nn.Linear`'s (out, in). GPT-2 always has biases: a bias-free tinygpt model is written with zero
+biases, which compute the same thing.
+
+A folder is plain JSON and safetensors, so export and import need no transformers; it is
+imported lazily by `to_transformers` only. Pickled checkpoints (`pytorch_model.bin`) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from .checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, is_hf_folder, model_from_tensors
+from .config import GPTConfig
+from .errors import CheckpointError, ConfigError, TokenizerError
+from .fileio import atomic_write, read_json, write_json
+from .model import GPT
+from .tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_to_unicode
+
+MODEL_TYPE = "gpt2"
+INDEX = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
+HF_TOKENIZER = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# The four projections GPT-2 stores as Conv1D (in, out); tinygpt's nn.Linear holds (out, in).
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# Buffers older GPT-2 checkpoints carry (the causal mask): not parameters, never needed.
+BUFFERS = (".attn.bias", ".attn.masked_bias")
+ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
+# gelu_new, gelu_pytorch_tanh and gelu_fast are the same tanh approximation written three ways.
+ACTIVATION_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+# The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
+CHAR_SPLIT = r"[\s\S]"
+
+
+# ---- names and shapes -------------------------------------------------------------------------
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a tinygpt parameter."""
+    return name if name == TIED_KEY else "transformer." + name
+
+
+def gpt2_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a GPT-2 of this config has, by tinygpt name, in tinygpt's layout.
+
+    Taken from the model itself (built on the meta device, biases on), so the map can never
+    drift from model.py. A tied head is wte and is not listed.
+    """
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(config, bias=True))
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_weights:
+        shapes.pop(TIED_KEY)
+    return shapes
+
+
+def hf_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a GPT2LMHeadModel of this config stores, by Hugging Face name, in its layout."""
+    return {
+        hf_name(name): shape[::-1] if name.endswith(TRANSPOSED) else shape
+        for name, shape in gpt2_shapes(config).items()
+    }
+
+
+def gpt2_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's parameters as GPT-2 has them (zero biases where the model has none), tinygpt names
+    and layout, on the CPU. A tied head is left out: it is wte.weight."""
+    state = model.state_dict()
+    out = {}
+    for name, shape in gpt2_shapes(model.config).items():
+        t = state.get(name)
+        if t is None:  # bias=False: GPT-2 always adds a bias, and a zero one changes nothing
+            t = torch.zeros(shape, dtype=model.wte.weight.dtype)
+        assert tuple(t.shape) == shape, (name, tuple(t.shape), shape)
+        out[name] = t.detach().cpu()
+    return out
+
+
+def to_hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face GPT-2 names and layouts, ready for safetensors."""
+    shapes = hf_shapes(model.config)
+    out = {}
+    for name, t in gpt2_tensors(model).items():
+        t = t.t() if name.endswith(TRANSPOSED) else t
+        out[hf_name(name)] = t.contiguous()
+        assert tuple(t.shape) == shapes[hf_name(name)]
+    return out
+
+
+def from_hf_state_dict(tensors: dict[str, torch.Tensor], config: GPTConfig, where: str) -> dict[str, torch.Tensor]:
+    """Hugging Face GPT-2 tensors -> tinygpt names and layouts, asserting that every tensor the config
+    needs is there with its shape.
+
+    Accepts both spellings on disk: `transformer.h.0...` (save_pretrained) and the bare `h.0...` of
+    the original GPT-2 checkpoints. Other heads (e.g. GPT2DoubleHeadsModel's) are ignored.
+    """
+    named: dict[str, torch.Tensor] = {}
+    for key, t in tensors.items():
+        if key.endswith(BUFFERS):
+            continue
+        if key != TIED_KEY and not key.startswith("transformer."):
+            if key.split(".")[0] not in ("wte", "wpe", "h", "ln_f"):
+                continue  # another head's tensors: not part of a language model
+            key = "transformer." + key
+        named[key] = t
+    expected = hf_shapes(config)
+    if config.tie_weights:
+        named.pop(TIED_KEY, None)  # some writers store the tied head too; it is wte by definition
+    missing = [k for k in expected if k not in named]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise CheckpointError(f"{where}: the weights lack {', '.join(missing[:3])}{more}, which config.json needs")
+    unexpected = sorted(set(named) - set(expected))
+    if unexpected:
+        raise CheckpointError(
+            f"{where}: the weights hold {', '.join(unexpected[:3])}, which config.json has no place for "
+            f"(n_layer={config.n_layer}, tie_word_embeddings={config.tie_weights})"
+        )
+    dtype = named["transformer.wte.weight"].dtype
+    out = {}
+    for key, shape in expected.items():
+        t = named[key]
+        if tuple(t.shape) != shape:
+            raise CheckpointError(
+                f"{where}: {key} has shape {tuple(t.shape)} but config.json (n_embd={config.n_embd}, "
+                f"n_layer={config.n_layer}, vocab_size={config.vocab_size}, n_positions={config.block_size}) "
+                f"needs {shape}"
+            )
+        if not t.is_floating_point():
+            raise CheckpointError(f"{where}: {key} has dtype {t.dtype}, expected a floating-point tensor")
+        name = key.removeprefix("transformer.")
+        t = t.t() if name.endswith(TRANSPOSED) else t
+        out[name] = t.to(dtype).contiguous()
+    return out
+
+
+# ---- config.json ------------------------------------------------------------------------------
+
+
+def hf_config(config: GPTConfig, eot_id: int | None = None) -> dict[str, Any]:
+    """config.json for a GPT2LMHeadModel equal to a tinygpt model of `config`."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": MODEL_TYPE,
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_ctx": config.block_size,  # the older name, still read by some tools (llama.cpp's converter)
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": ACTIVATION_TO_HF[config.activation],
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout,
+        "layer_norm_epsilon": config.layer_norm_eps,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": config.tie_weights,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+    }
+
+
+def config_from_hf(data: Any, where: str) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 config.json; anything GPT-2 allows that tinygpt's model
+    does not compute the same way is refused. Missing keys take GPT2Config's defaults."""
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{where}: config.json is not a JSON object")
+    model_type = data.get("model_type")
+    if model_type != MODEL_TYPE:
+        raise CheckpointError(f'{where}: a {model_type!r} model, not GPT-2 (tinygpt reads model_type "gpt2")')
+    activation = data.get("activation_function", "gelu_new")
+    if activation not in ACTIVATION_FROM_HF:
+        raise CheckpointError(
+            f"{where}: activation_function {activation!r} is not supported "
+            f"(tinygpt computes {', '.join(ACTIVATION_FROM_HF)})"
+        )
+    n_embd = data.get("n_embd", 768)
+    if data.get("n_inner") not in (None, 4 * n_embd if isinstance(n_embd, int) else None):
+        raise CheckpointError(f"{where}: n_inner={data['n_inner']}; tinygpt's MLP is 4 x n_embd = {4 * n_embd}")
+    for flag, needed in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                         ("add_cross_attention", False)):
+        if data.get(flag, needed) != needed:
+            raise CheckpointError(f"{where}: {flag}={data[flag]} is not supported (tinygpt needs {needed})")
+    try:
+        return GPTConfig(
+            vocab_size=data.get("vocab_size", 50257),
+            block_size=data.get("n_positions", data.get("n_ctx", 1024)),
+            n_layer=data.get("n_layer", 12),
+            n_head=data.get("n_head", 12),
+            n_embd=n_embd,
+            dropout=data.get("resid_pdrop", 0.1),
+            bias=True,
+            tie_weights=bool(data.get("tie_word_embeddings", True)),
+            activation=ACTIVATION_FROM_HF[activation],
+            init="gpt2",
+            layer_norm_eps=data.get("layer_norm_epsilon", 1e-5),
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: config.json: {e}") from None
+
+
+# ---- loading a Hugging Face folder ------------------------------------------------------------
+
+
+def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
+    if (path / WEIGHTS).is_file():
+        return _read_weights(path / WEIGHTS)[0]
+    if (path / INDEX).is_file():  # sharded: the index maps each tensor to its file
+        index = read_json(path / INDEX, CheckpointError)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{path / INDEX}: no weight_map")
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            file = path / shard
+            if not file.is_file() or file.parent != path:
+                raise CheckpointError(f"{path / INDEX}: names a shard {shard!r} that is not in the folder")
+            tensors.update(_read_weights(file)[0])
+        return tensors
+    pickles = [name for name in PICKLES if (path / name).exists()]
+    if pickles:
+        raise CheckpointError(
+            f"{path}: only {pickles[0]}, a pickle, which tinygpt never loads (unpickling a file can run any "
+            "code in it); convert it to safetensors with transformers: "
+            f"GPT2LMHeadModel.from_pretrained('{path}').save_pretrained('{path}-safetensors')"
+        )
+    raise CheckpointError(f"{path}: no {WEIGHTS} (nor {INDEX})")
+
+
+def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> GPT:
+    """Load a Hugging Face GPT-2 folder (config.json + model.safetensors) as a tinygpt GPT, in eval mode.
+
+    Args:
+        path: the folder, as `save_pretrained` or `tinygpt export --format hf` writes it.
+        device: where to put the weights.
+        allow_nonfinite: accept NaN or infinite weights.
+
+    Raises:
+        CheckpointError: not a GPT-2 folder, a pickle-only one, missing tensors, or shapes that
+            disagree with config.json.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder")
+    config = config_from_hf(read_json(path / CONFIG, CheckpointError), str(path))
+    tensors = from_hf_state_dict(_read_hf_weights(path), config, str(path))
+    return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
+
+
+# ---- tokenizers -------------------------------------------------------------------------------
+
+
+def _spell(data: bytes) -> str:
+    """Bytes in GPT-2's byte-level alphabet, as byte-level BPE vocabularies write tokens."""
+    table = _byte_to_unicode()
+    return "".join(table[b] for b in data)
+
+
+def _bpe_split(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
+    """Byte-pair encode `token` using only tokens ranked below it: the two parts it was merged from."""
+    limit = ranks[token]
+    parts = [bytes([b]) for b in token]
+    while True:
+        best = None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and rank < limit and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None:
+            return parts
+        i = best[1]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def ranks_to_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list of a rank-ordered BPE (tiktoken's form), in rank order: the pair each token of
+    two or more bytes is made from.
+
+    That pair is how byte-pair encoding builds the token from its own bytes with lower-ranked
+    tokens only. In vocabularies not made by BPE training a token may not be built that way; it
+    then gets the split into two tokens whose later rank is earliest, and a token that splits into
+    no two tokens gets no merge (tiktoken cannot produce it either).
+    """
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = _bpe_split(ranks, token)
+        if len(parts) != 2:
+            splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+            if not splits:
+                continue
+            parts = min(splits, key=lambda pq: max(ranks[pq[0]], ranks[pq[1]]))
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _char_merges(chars: list[str]) -> list[tuple[str, str]]:
+    """Merges that rebuild each multi-byte character from its bytes, left to right.
+
+    Every pair starts with a UTF-8 lead byte and adds one continuation byte, so no merge can join
+    two characters: a byte-level BPE with these merges splits text exactly into characters.
+    """
+    merges: dict[tuple[str, str], None] = {}
+    for c in chars:
+        data = c.encode("utf-8")
+        for n in range(2, len(data) + 1):
+            merges[(_spell(data[: n - 1]), _spell(data[n - 1 : n]))] = None
+    return list(merges)
+
+
+def byte_level_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[tuple[str, str]], set[int]]:
+    """The tokenizer as a byte-level BPE (GPT-2's scheme, as llama.cpp reads it): tokens by id, spelled
+    in GPT-2's byte alphabet; merges in rank order; the ids of special tokens.
+
+    A char tokenizer becomes a BPE whose tokens are its characters and whose merges only assemble
+    multi-byte characters, so it still encodes one id per character.
+    """
+    if isinstance(tokenizer, CharTokenizer):
+        return [_spell(c.encode("utf-8")) for c in tokenizer.chars], _char_merges(tokenizer.chars), set()
+    if isinstance(tokenizer, GPT2Tokenizer):
+        tokens = [""] * tokenizer.vocab_size
+        for token, rank in tokenizer._ranks.items():
+            tokens[rank] = _spell(token)
+        for text, i in tokenizer._special.items():
+            tokens[i] = text
+        merges = [(_spell(a), _spell(b)) for a, b in ranks_to_merges(tokenizer._ranks)]
+        return tokens, merges, set(tokenizer._special.values())
+    if isinstance(tokenizer, BPETokenizer):
+        data = json.loads(tokenizer.hf_tokenizer.to_str())
+        vocab = tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
+        tokens = [""] * tokenizer.vocab_size
+        for token, i in vocab.items():
+            tokens[i] = token
+        # `tokenizers` writes merges as [a, b] pairs (0.20+) or "a b" strings (before)
+        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in data["model"]["merges"]]
+        special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+        return tokens, merges, special
+    raise TokenizerError(f"cannot convert a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer")
+
+
+def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
+    """The tokenizer as a Hugging Face `tokenizers.Tokenizer` that encodes and decodes exactly like it.
+
+    char: a WordLevel vocabulary of single characters behind a pre-tokenizer that isolates every
+    character, and a decoder that joins tokens without spaces. bpe: the tokenizer itself. gpt2: a
+    byte-level BPE built from tiktoken's ranks, with <|endoftext|> as a special token.
+    """
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if isinstance(tokenizer, CharTokenizer):
+        vocab = {c: i for i, c in enumerate(tokenizer.chars)}
+        tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # no <unk> in vocab: unknown characters are errors
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        return tok
+    if isinstance(tokenizer, BPETokenizer):
+        return HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
+    if isinstance(tokenizer, GPT2Tokenizer):
+        tokens, merges, special = byte_level_vocab(tokenizer)
+        vocab = {t: i for i, t in enumerate(tokens) if i not in special}
+        tok = HFTokenizer(models.BPE(vocab, merges))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        for i in sorted(special):  # added in id order, so each lands on its own id
+            tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)])
+            if tok.token_to_id(tokens[i]) != i:
+                raise TokenizerError(f"special token {tokens[i]!r} must follow the ordinary tokens (id {i})")
+        return tok
+    raise TokenizerError(f"cannot convert a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer")
+
+
+def _char_from_hf(data: dict[str, Any], where: str) -> CharTokenizer:
+    """A tokenizer.json in the shape `to_hf_tokenizer` gives a char tokenizer, back as a CharTokenizer."""
+    split = {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
+    vocab = data["model"].get("vocab") or {}
+    chars = sorted(vocab, key=vocab.get)
+    if (
+        data.get("pre_tokenizer") != split
+        or data.get("normalizer") is not None
+        or sorted(vocab.values()) != list(range(len(vocab)))
+        or not all(len(c) == 1 for c in chars)
+    ):
+        raise TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
+    return CharTokenizer(chars)
+
+
+def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face folder, as a tinygpt tokenizer; None if the folder has none.
+
+    GPT-2's own files (vocab.json + merges.txt) load as GPT-2's BPE through tiktoken; otherwise
+    tokenizer.json: a one-character-per-token WordLevel loads as a char tokenizer, a byte-level BPE
+    as a bpe tokenizer.
+    """
+    path = Path(path)
+    gpt2_error = None
+    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        try:
+            return GPT2Tokenizer.from_vocab_merges(path / "vocab.json", path / "merges.txt")
+        except TokenizerError as e:  # a BPE that is not rank-ordered like GPT-2's: try tokenizer.json
+            gpt2_error = e
+    file = path / HF_TOKENIZER
+    if not file.is_file():
+        if gpt2_error is not None:
+            raise gpt2_error
+        return None
+    data = read_json(file, TokenizerError)
+    model_type = (data.get("model") or {}).get("type") if isinstance(data, dict) else None
+    if model_type == "WordLevel":
+        return _char_from_hf(data, str(file))
+    if model_type == "BPE":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
+        except TokenizerError as e:
+            raise TokenizerError(f"{file}: {e}") from None
+        except Exception as e:
+            raise TokenizerError(f"{file}: does not load ({type(e).__name__}: {e})") from None
+    raise TokenizerError(f"{file}: a {model_type} tokenizer is not supported (tinygpt reads char and byte-level BPE)")
+
+
+def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
+    """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, with GPT-2's special tokens."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+        # tinygpt encodes the text "<|endoftext|>" as text; only the data pipeline inserts the separator
+        "split_special_tokens": True,
+    }
+    if tokenizer.eot_id is not None:
+        config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+    return config
+
+
+# ---- export and import ------------------------------------------------------------------------
+
+
+def _check_target(out: Path) -> None:
+    """Refuse to write over anything that is not an earlier export: a run, a file, a foreign folder."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not is_hf_folder(out):
+        raise CheckpointError(f"{out} is not empty and not a Hugging Face model folder; export to a new folder")
+
+
+def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
+    """Write a Hugging Face GPT-2 folder that transformers loads as GPT2LMHeadModel and AutoTokenizer.
+
+    Args:
+        model: the GPT.
+        tokenizer: its tokenizer (char, bpe or gpt2), written as tokenizer.json + tokenizer_config.json
+            (GPT-2's BPE also as vocab.json + merges.txt); None writes the model alone.
+        out: the folder, new or an earlier export (its files are replaced atomically).
+
+    Returns:
+        The folder.
+    """
+    out = Path(out)
+    _check_target(out)
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
+    out.mkdir(parents=True, exist_ok=True)
+    # an earlier export's tokenizer files would be read in place of this one's: remove them
+    written = {HF_TOKENIZER, TOKENIZER_CONFIG} if tokenizer is not None else set()
+    if isinstance(tokenizer, GPT2Tokenizer):
+        written |= {"vocab.json", "merges.txt"}
+    for name in {HF_TOKENIZER, TOKENIZER_CONFIG, "vocab.json", "merges.txt", "special_tokens_map.json"} - written:
+        (out / name).unlink(missing_ok=True)
+    eot = tokenizer.eot_id if tokenizer is not None else None
+    state = to_hf_state_dict(model)
+    atomic_write(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    generation = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot} if eot is not None else {}
+    write_json(out / GENERATION_CONFIG, generation)
+    if tokenizer is not None:
+        hf_tok = to_hf_tokenizer(tokenizer)
+        atomic_write(out / HF_TOKENIZER, lambda tmp: hf_tok.save(str(tmp)))
+        write_json(out / TOKENIZER_CONFIG, tokenizer_config(tokenizer, model.config.block_size))
+        if isinstance(tokenizer, GPT2Tokenizer):  # GPT-2's own two files, as the Hub ships them
+            tokens, merges, special = byte_level_vocab(tokenizer)
+            write_json(out / "vocab.json", {t: i for i, t in enumerate(tokens)}, indent=None)
+            text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
+            atomic_write(out / "merges.txt", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    write_json(out / CONFIG, hf_config(model.config, eot))  # last: a folder without it is not a model yet
+    return out
+
+
+def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
+    """Turn a Hugging Face GPT-2 folder into a tinygpt run folder (config.json, model.safetensors,
+    tokenizer.json when the folder has a tokenizer).
+
+    Args:
+        src: the Hugging Face folder (safetensors; pickles are refused).
+        out: the run folder to create; it must not exist yet or be empty.
+
+    Returns:
+        (the model, its tokenizer or None), as saved in `out`.
+    """
+    from .checkpoint import save
+
+    src, out = Path(src), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; import into a new folder")
+    model = load_hf(src)
+    tokenizer = load_hf_tokenizer(src)
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise TokenizerError(
+            f"{src}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
+        )
+    save(model, out, tokenizer)
+    return model, tokenizer
+
+
+def to_transformers(model: GPT) -> Any:
+    """The model as a `transformers.GPT2LMHeadModel` in eval mode (needs the hf extra)."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise ImportError("transformers is not installed: pip install 'tinygpt[hf]'") from None
+    config = GPT2Config(**{k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")})
+    hf = GPT2LMHeadModel(config)
+    result = hf.load_state_dict(to_hf_state_dict(model), strict=False)
+    # a tied head is not stored (it is wte), and the causal-mask buffers are not weights
+    missing = [k for k in result.missing_keys if k != TIED_KEY and not k.endswith(BUFFERS)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"transformers' GPT-2 disagrees: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+    hf.tie_weights()
+    return hf.to(model.wte.weight.dtype).eval()
