@@ -82,17 +82,19 @@ def check_file(path, model, tokenizer, dtype="float32"):
         "tokenizer.ggml.add_bos_token": False,
     }
     if tokenizer.eot_id is not None:
-        expected.update({"tokenizer.ggml.bos_token_id": tokenizer.eot_id, "tokenizer.ggml.eos_token_id": tokenizer.eot_id})
-    scalar = {k: v for k, v in fields.items() if k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-                                                           "tokenizer.ggml.merges", "gpt2.attention.layer_norm_epsilon")}
+        expected["tokenizer.ggml.bos_token_id"] = expected["tokenizer.ggml.eos_token_id"] = tokenizer.eot_id
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+    scalar = {k: v for k, v in fields.items() if k not in (*arrays, "gpt2.attention.layer_norm_epsilon")}
     assert scalar == expected
     assert fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(c.layer_norm_eps)
     # one token and one type per row of the embedding; the special token is a control token
     assert len(tokens) == len(fields["tokenizer.ggml.token_type"]) == c.vocab_size
     types = fields["tokenizer.ggml.token_type"]
     for i in range(c.vocab_size):
-        want = (gguf.TokenType.CONTROL if i == tokenizer.eot_id else gguf.TokenType.NORMAL) if i < tokenizer.vocab_size \
-            else gguf.TokenType.UNUSED
+        if i >= tokenizer.vocab_size:
+            want = gguf.TokenType.UNUSED
+        else:
+            want = gguf.TokenType.CONTROL if i == tokenizer.eot_id else gguf.TokenType.NORMAL
         assert types[i] == want, i
     checked = 0
     for text in TEXTS:
@@ -195,5 +197,6 @@ def test_bad_targets(tmp_path):
         export_gguf(model, tok, tmp_path / "x.gguf")
     (tmp_path / "dir.gguf").mkdir()
     with pytest.raises(CheckpointError, match="is a folder"):
-        export_gguf(GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4)), tok, tmp_path / "dir.gguf")
+        model = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4))
+        export_gguf(model, tok, tmp_path / "dir.gguf")
     assert not (tmp_path / "x.gguf").exists()

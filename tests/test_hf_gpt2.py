@@ -128,6 +128,15 @@ def test_original_gpt2_key_spelling_and_mask_buffers(tmp_path):
     assert (tinygpt.load(tmp_path / "hf")(idx) - hf_logits(hf, idx)).abs().max() < TOL
 
 
+def test_sharded_safetensors(tmp_path):
+    hf = random_hf_model(tie=False)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="8KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
+    idx = torch.randint(0, 37, (2, 9))
+    assert (tinygpt.load(tmp_path / "hf")(idx) - hf_logits(hf, idx)).abs().max() < TOL
+
+
 # ---- tinygpt -> transformers ------------------------------------------------------------------
 
 

@@ -232,8 +232,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
         chars, nbytes, where = len(text), len(text.encode("utf-8")), args.text
     else:
-        # a Hugging Face folder was not trained here: it has no data folder of its own
-        data = args.data or (read_train_config(args.run)[1] if (Path(args.run) / "train_config.json").exists() else None)
+        data = args.data
+        if data is None and (Path(args.run) / "train_config.json").exists():  # a Hugging Face folder has none
+            data = read_train_config(args.run)[1]
         if data is None:
             raise ConfigError("give --data DIR or --text FILE")
         dataset = load_data(data)
@@ -262,6 +263,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  bits per {unit} {report[f'bits_per_{unit}']:.4f}")
     if args.json:
         print(json.dumps(report))
+
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Write a run as a Hugging Face GPT-2 folder (--format hf) or a GGUF file for llama.cpp (--format gguf).

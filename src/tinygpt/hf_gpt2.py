@@ -46,7 +46,9 @@ TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "ml
 BUFFERS = (".attn.bias", ".attn.masked_bias")
 ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 # gelu_new, gelu_pytorch_tanh and gelu_fast are the same tanh approximation written three ways.
-ACTIVATION_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu"}
+ACTIVATION_FROM_HF = {
+    "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
+}
 # The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
 CHAR_SPLIT = r"[\s\S]"
 
@@ -375,7 +377,8 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
 
     if isinstance(tokenizer, CharTokenizer):
         vocab = {c: i for i, c in enumerate(tokenizer.chars)}
-        tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))  # no <unk> in vocab: unknown characters are errors
+        # "<unk>" is not in the vocabulary, so an unknown character is an error, as in tinygpt
+        tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
         tok.decoder = decoders.Fuse()
         return tok
@@ -543,12 +546,15 @@ def to_transformers(model: GPT) -> Any:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         raise ImportError("transformers is not installed: pip install 'tinygpt[hf]'") from None
-    config = GPT2Config(**{k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")})
+    fields = {k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")}
+    config = GPT2Config(**fields)
     hf = GPT2LMHeadModel(config)
     result = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     # a tied head is not stored (it is wte), and the causal-mask buffers are not weights
     missing = [k for k in result.missing_keys if k != TIED_KEY and not k.endswith(BUFFERS)]
     if missing or result.unexpected_keys:
-        raise CheckpointError(f"transformers' GPT-2 disagrees: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+        raise CheckpointError(
+            f"transformers' GPT-2 disagrees: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+        )
     hf.tie_weights()
     return hf.to(model.wte.weight.dtype).eval()
