@@ -6,7 +6,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # test helpers such as lesson_reference
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# The test models are tiny: one thread is faster than two, and two spin badly on a busy machine.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

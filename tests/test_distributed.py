@@ -40,16 +40,13 @@ def torchrun(*args, env: dict | None = None, popen: bool = False):
 
 
 def single(*args, debug: Path | None = None, monkeypatch=None) -> None:
-    """`tinygpt ...` in this process (one process, no torchrun), on one thread as torchrun's workers
-    run: on a busy 2-core machine a second thread costs far more than it brings for a tiny model."""
+    """`tinygpt ...` in this process (one process, no torchrun; one thread, as conftest sets and as
+    torchrun's workers run)."""
     if debug is not None:
         monkeypatch.setenv("TINYGPT_DEBUG_DIR", str(debug))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
         assert cli.main([*map(str, args)]) == 0
     finally:
-        torch.set_num_threads(threads)
         if debug is not None:
             monkeypatch.delenv("TINYGPT_DEBUG_DIR")
 

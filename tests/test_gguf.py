@@ -21,15 +21,6 @@ CORPUS = make_text(300) + "un café à 3 € 😀, naïve\tcoöperation\r\n"
 TEXTS = [make_text(4, seed=7), "the cat  sees\n\n  a dog.", "un café à 3 € 😀", " ", ""]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: one thread is faster, and two spin badly on a machine shared with other work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def read(path):
     """Every key (value as Python) and every tensor (name -> ReaderTensor) of a GGUF file."""
     reader = gguf.GGUFReader(path)

@@ -31,15 +31,6 @@ transformers.logging.set_verbosity_error()
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: one thread is faster, and two spin badly on a machine shared with other work."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def cli(capsys):
     """Run `tinygpt ARGS` in this process (a subprocess would start Python and torch again each time)."""
