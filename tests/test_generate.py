@@ -100,3 +100,35 @@ def test_invalid_inputs(model):
         generate(model, torch.full((1, 2), 29), 3)
     with pytest.raises(ValueError, match="shape"):
         generate(model, torch.zeros(2, dtype=torch.long), 3)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_observer_sees_every_step_and_changes_nothing(model, use_cache):
+    from tinygpt.config import SampleConfig
+    from tinygpt.sampling import process_logits
+
+    idx = torch.randint(0, 29, (2, 5))
+    kw = dict(temperature=0.7, top_k=6, top_p=0.9, repetition_penalty=1.3)
+    seen = []
+    traced = generate(model, idx, 12, generator=torch.Generator().manual_seed(3), use_cache=use_cache,
+                      observer=seen.append, **kw)
+    plain = generate(model, idx, 12, generator=torch.Generator().manual_seed(3), use_cache=use_cache, **kw)
+    assert torch.equal(traced, plain)
+    assert [s.step for s in seen] == list(range(12))
+    for s in seen:
+        start = 5 + s.step
+        # the context is what the model saw: the last block_size (8) tokens before this step
+        assert torch.equal(s.context, traced[:, max(0, start - 8) : start])
+        with torch.no_grad():  # the trace's tensors come from inference mode
+            torch.testing.assert_close(s.logits, model(s.context)[:, -1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(s.processed, process_logits(s.logits, traced[:, :start], SampleConfig(**kw)))
+        assert torch.equal(s.token, traced[:, start])
+        assert torch.all(torch.isfinite(s.processed.gather(1, s.token.unsqueeze(1))))  # never a filtered token
+
+
+def test_observer_greedy_choice_is_the_top_processed_logit(model):
+    seen = []
+    generate(model, torch.randint(0, 29, (1, 3)), 6, greedy=True, repetition_penalty=1.5, observer=seen.append)
+    assert len(seen) == 6
+    for s in seen:
+        assert int(s.token[0]) == int(s.processed[0].argmax())

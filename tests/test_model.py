@@ -110,3 +110,23 @@ def test_preset_parameter_counts(name):
 def test_untied_head_counted_separately():
     tied, untied = tiny(), tiny(tie_weights=False)
     assert untied.num_params() - tied.num_params() == 37 * 32
+
+
+def test_causal_switch_lets_the_past_see_the_future():
+    model = tiny().eval()
+    model.causal = False
+    idx = torch.randint(0, 37, (1, 16))
+    base = model(idx)
+    changed = idx.clone()
+    changed[0, 15] = (changed[0, 15] + 1) % 37
+    assert not torch.allclose(model(changed)[:, 0], base[:, 0])  # position 0 reads position 15
+    fast = model(idx)
+    slow, weights = model(idx, return_attention=True)
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)  # both attention paths drop the mask
+    assert torch.all(weights[0] > 0)
+    from tinygpt import KVCache
+
+    with pytest.raises(ValueError, match="non-causal"):
+        model(idx[:, :4], KVCache.for_model(model, 1), torch.arange(4))
+    model.causal = True  # and back: the past no longer depends on the future
+    torch.testing.assert_close(model(changed)[:, :15], model(idx)[:, :15])

@@ -4,6 +4,7 @@ messages for the user and chooses exit codes."""
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import sys
@@ -62,6 +63,30 @@ def cmd_lesson(args: argparse.Namespace) -> int:
     for i, step in enumerate(steps, start=1):
         print(f"step {i}: context {step.context} -> next {step.token}")
     print("generated:", steps[0].context + [s.token for s in steps])
+
+    section(
+        "6. Pitfall: forgetting the causal mask",
+        "One tiny character model trained twice on the Zen of Python (300 Adam steps, same start, same batches),\n"
+        "   with the mask and without it. Without it, position t reads token t+1 - its own target.",
+    )
+    pit = lesson.causal_mask_pitfall()
+    print(f"{'':<44}{'with mask':>10}{'without':>10}")
+    print(f"{'training loss (last 20 steps)':<44}{pit.train_loss['masked']:>10.3f}{pit.train_loss['unmasked']:>10.3f}"
+          "   <- collapses without the mask")
+    print(f"{'loss where no future is visible (generation)':<44}{pit.last_loss['masked']:>10.3f}"
+          f"{pit.last_loss['unmasked']:>10.3f}   <- what generation really gets")
+    print(f"greedy continuation of {pit.prompt!r}:")
+    print(f"  with mask:    {pit.samples['masked']!r}")
+    print(f"  without mask: {pit.samples['unmasked']!r}")
+
+    section(
+        "7. Pitfalls: greedy decoding repeats itself, too high a temperature makes noise",
+        "The masked model above continues one prompt four ways. distinct-4: the share of 4-character pieces that\n"
+        "   are not repeats (1.0 = none repeats); model loss: how unlikely the model finds its own text (nats/char).",
+    )
+    for s in lesson.decoding_pitfall(pit.runs["masked"], prompt=pit.prompt):
+        print(f"{s.label:<16} distinct-4 {s.distinct4:.2f}   model loss {s.loss:.2f}")
+        print("\n".join("    | " + line for line in (pit.prompt + s.text).split("\n")))
     return 0
 
 
@@ -191,27 +216,227 @@ def cmd_sample(args: argparse.Namespace) -> int:
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     repetition_penalty=args.repetition_penalty)
     SampleConfig(**sampling)  # check the settings before loading anything
+    if args.trace_top < 1:
+        raise ConfigError("--trace-top must be >= 1")
     model, tokenizer = _load_run(args.run, args.device)
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
     stop_tokens = [tokenizer.eot_id] if tokenizer.eot_id is not None else None
-    out = sys.stdout
+    observer = _TracePrinter(tokenizer, args.trace_top, ids.shape[1], model.config.block_size) if args.trace else None
     for i in range(args.num_samples):
+        # with --trace the steps are printed as they happen and the text once at the end
+        out = io.StringIO() if args.trace else sys.stdout
         if i:
-            out.write("\n" + "-" * 40 + "\n")
+            sys.stdout.write("\n" + "-" * 40 + "\n")
         out.write(args.prompt)
         decoder, stopper = IncrementalDecoder(tokenizer), StopText(args.stop or ())
+        ended = None
         for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens,
-                                     generator=generator, **sampling):
+                                     generator=generator, observer=observer, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
+                ended = "the end-of-text token"
                 break
             out.write(stopper.push(decoder.push([int(token[0])])))
             out.flush()
             if stopper.done:
+                ended = "a --stop text"
                 break
         out.write(stopper.push(decoder.flush()) + stopper.flush() + "\n")
         out.flush()
+        if args.trace:
+            if ended:
+                print(f"stopped early: {ended} was generated")
+            print(f"text: {out.getvalue()}", end="")
+    return 0
+
+
+class _TracePrinter:
+    """The observer behind `tinygpt sample --trace`: one block per generation step."""
+
+    def __init__(self, tokenizer, top: int, prompt_len: int, block_size: int) -> None:
+        self.tokenizer, self.top, self.prompt_len, self.block_size = tokenizer, top, prompt_len, block_size
+
+    def _token(self, i: int) -> str:
+        return repr(self.tokenizer.decode([i]))
+
+    def __call__(self, step) -> None:
+        import torch
+
+        cfg = step.config
+        context = step.context[0].tolist()
+        total = self.prompt_len + step.step
+        where = f"{len(context)} tokens" if len(context) == total else (
+            f"the last {len(context)} of {total} tokens: block_size is {self.block_size}")
+        print(f"step {step.step + 1}: the model sees {where}")
+        print(f"  context: {self.tokenizer.decode(context)!r}")
+        if cfg.is_greedy:
+            how = "greedy (argmax)"
+        else:
+            how = ", ".join([f"temperature {cfg.temperature:g}"] + ([f"top-k {cfg.top_k}"] if cfg.top_k else [])
+                            + ([f"top-p {cfg.top_p:g}"] if cfg.top_p is not None else []))
+        if cfg.repetition_penalty != 1.0:
+            how += f", repetition penalty {cfg.repetition_penalty:g}"
+        probs = step.processed[0].float().softmax(-1)
+        raw = step.logits[0].float().softmax(-1)
+        alive = int((probs > 0).sum())
+        values, order = torch.topk(probs, min(self.top, alive))
+        chosen = int(step.token[0])
+        print(f"  candidates after {how} ({alive} of {probs.numel()} tokens possible):")
+        print(f"    {'token':<14} {'p':>7}  {'model p':>7}")
+        for p, i in zip(values.tolist(), order.tolist()):
+            mark = "  <- chosen" if i == chosen else ""
+            print(f"    {self._token(i):<14} {p:7.4f}  {raw[i].item():7.4f}{mark}")
+        if chosen not in order.tolist():
+            rank = int((probs > probs[chosen]).sum()) + 1
+            print(f"    ... chosen: {self._token(chosen)} at rank {rank}, p {probs[chosen].item():.4f}")
+        print(f"  chosen: {self._token(chosen)} (id {chosen})")
+
+
+# ---- look inside: attention maps, loss curves, few-shot prompting ----------------------------
+
+
+def _check_index(value: int, count: int, flag: str, what: str) -> None:
+    if not 0 <= value < count:
+        raise ConfigError(f"{flag} {value} is out of range: the model has {count} {what}, valid 0..{count - 1}")
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    """Draw a run's attention weights for a prompt, its tokens on both axes.
+
+    Args (flags):
+        RUN: a run folder. --prompt TEXT: the tokens to look at (at most block_size of them).
+        --layer L (0): the block. --head H (0) or --all-heads: one heatmap, or every head of the
+            layer in a grid. --out FILE: the picture (.png, .svg or .pdf).
+    """
+    from . import viz
+
+    if not args.prompt:
+        raise ConfigError("--prompt: give the text whose attention to draw")
+    viz.check_picture(args.out)
+    model, tokenizer = _load_run(args.run, args.device)
+    cfg = model.config
+    _check_index(args.layer, cfg.n_layer, "--layer", "layers")
+    if args.head is not None:
+        _check_index(args.head, cfg.n_head, "--head", "heads per layer")
+    ids = tokenizer.encode(args.prompt)
+    weights = viz.attention_weights(model, ids)[args.layer]  # (n_head, T, T)
+    labels = viz.token_labels(tokenizer, ids)
+    if args.all_heads:
+        viz.plot_attention(weights, labels, args.out, titles=[f"head {h}" for h in range(cfg.n_head)],
+                           suptitle=f"layer {args.layer}: {args.prompt!r}")
+        what = f"all {cfg.n_head} heads"
+    else:
+        head = args.head or 0
+        viz.plot_attention(weights[head], labels, args.out, titles=[f"layer {args.layer}, head {head}"])
+        what = f"head {head}"
+    print(f"wrote {args.out}: layer {args.layer}, {what}, {len(ids)} tokens")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Plot train and val loss against steps and tokens from runs' metrics.jsonl, overlaid.
+
+    Args (flags):
+        RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
+        --title TEXT: a title over the plot.
+    """
+    from . import viz
+
+    viz.check_picture(args.out)
+    runs = [viz.read_metrics(run) for run in args.runs]
+    names = [m.name for m in runs]
+    for m, run in zip(runs, args.runs):
+        if names.count(m.name) > 1:  # two runs called "run" in different folders: use the paths
+            m.name = str(run)
+    viz.plot_loss(runs, args.out, title=args.title)
+    for m in runs:
+        last = f", val loss {m.val_loss[-1]:.4f} at step {m.eval_steps[-1]}" if m.val_loss else ""
+        steps = m.steps[-1] if m.steps else m.eval_steps[-1]
+        print(f"{m.name}: {steps} steps{last}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    """Few-shot accuracy: prompts of k worked examples plus a query, for each k in --shots.
+
+    Args (flags):
+        RUN: a run folder. --task FILE.jsonl | synthetic: a task file (see tinygpt.fewshot) or the
+            built-in in-context-learning task. --shots 0,1,2,3: the k values.
+        --scoring generate|likelihood: greedy answer compared exactly, or the best-scoring choice.
+        --queries N: evaluate the first N examples. --seed S: the draw of the worked examples (and
+            of the synthetic task). --show-prompt: print the first query's prompt for each k.
+        --plot FILE: draw accuracy against k. --json: end with one JSON line.
+    """
+    import json
+
+    from . import fewshot
+
+    shots = fewshot.parse_shots(args.shots)
+    task = fewshot.load_task(args.task, seed=args.seed)
+    if args.plot:
+        from .viz import check_picture
+
+        check_picture(args.plot)  # before the evaluation, not after it
+    model, tokenizer = _load_run(args.run, args.device)
+    lm = fewshot.GPTLanguageModel(model, tokenizer)
+    if args.show_prompt:
+        order = fewshot.shot_order(task, 0, args.seed)
+        for k in shots:
+            prompt = fewshot.build_prompt(task, task.examples[0], [task.examples[j] for j in order[:k]])
+            print(f"--- {k}-shot prompt (answer: {task.examples[0].output!r}):\n{prompt}")
+        print("---")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=args.queries or len(task.examples), unit="query", file=sys.stderr, disable=args.quiet)
+    try:
+        report = fewshot.evaluate(lm, task, shots, scoring=args.scoring, queries=args.queries, seed=args.seed,
+                                  progress=lambda done, total: bar.update(done - bar.n))
+    finally:
+        bar.close()
+    how = "greedy answer, exact match" if args.scoring == "generate" else "most likely candidate answer"
+    print(f"{report.task}: {report.results[0].total} queries, {how}")
+    print(f"{'shots':>5}  {'accuracy':>8}  correct")
+    for r in report.results:
+        note = f"  ({r.truncated} prompts longer than the context)" if r.truncated else ""
+        print(f"{r.shots:>5}  {100 * r.accuracy:7.1f}%  {r.correct}/{r.total}{note}")
+    if report.chance is not None:
+        print(f"chance: {100 * report.chance:.1f}%")
+    if args.plot:
+        from . import viz
+
+        viz.plot_fewshot([r.shots for r in report.results], [r.accuracy for r in report.results], args.plot,
+                         title=f"{report.task}: {args.run}", chance=report.chance,
+                         counts=[(r.correct, r.total) for r in report.results])
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    return 0
+
+
+def cmd_fewshot_data(args: argparse.Namespace) -> int:
+    """Write the synthetic in-context-learning task: training text and an evaluation task file.
+
+    OUT/train.txt holds episodes of "key: color" lines, each episode under a fresh random mapping
+    (so only the context can reveal it), separated by blank lines; OUT/task.jsonl is a held-out
+    task in the task-file format (the same draw as `--task synthetic --seed SEED`).
+    """
+    from pathlib import Path
+
+    from . import fewshot
+    from .fileio import atomic_write
+
+    if args.episodes < 1:
+        raise ConfigError("--episodes must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = fewshot.synthetic_corpus(args.episodes, seed=args.seed)
+    atomic_write(out / "train.txt", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    task = fewshot.synthetic_task(seed=args.seed)
+    fewshot.write_task(task, out / "task.jsonl")
+    print(f"wrote {out / 'train.txt'} ({args.episodes:,} episodes, {len(text):,} characters) and "
+          f"{out / 'task.jsonl'} ({len(task.examples)} queries)")
     return 0
 
 
@@ -607,8 +832,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, help="makes sampling reproducible")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when TEXT is generated (repeatable)")
+    p.add_argument("--trace", action="store_true",
+                   help="show every step: the context, the top candidates after sampling settings, the choice")
+    p.add_argument("--trace-top", type=int, default=5, metavar="N", help="candidates shown per step with --trace (5)")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_sample)
+
+    p = sub.add_parser("attention", help="draw attention maps for a prompt", description=cmd_attention.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--prompt", required=True, help="the text whose attention to draw (at most block_size tokens)")
+    p.add_argument("--layer", type=int, default=0, help="the block, from 0 (0)")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--head", type=int, help="the head, from 0 (0)")
+    heads.add_argument("--all-heads", action="store_true", help="every head of the layer, in a grid")
+    p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_attention)
+
+    p = sub.add_parser("plot", help="loss curves of one or more runs", description=cmd_plot.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or their metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
+    p.add_argument("--title", help="a title over the plot")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("fewshot", help="few-shot accuracy for 0, 1, 2, ... worked examples",
+                       description=cmd_fewshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--task", required=True, metavar="FILE|synthetic", help="a task file (JSON Lines) or synthetic")
+    p.add_argument("--shots", default="0,1,2,3", help="numbers of worked examples, e.g. 0,1,2,3 or 0-5 (0,1,2,3)")
+    p.add_argument("--scoring", choices=("generate", "likelihood"), default="generate",
+                   help="greedy answer, exact match (default), or the most likely candidate answer")
+    p.add_argument("--queries", type=int, metavar="N", help="evaluate the first N examples (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="the draw of worked examples and of the synthetic task (0)")
+    p.add_argument("--show-prompt", action="store_true", help="print the first query's prompt for each k")
+    p.add_argument("--plot", metavar="FILE", help="draw accuracy against k (.png, .svg, .pdf)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_fewshot)
+
+    p = sub.add_parser("fewshot-data", help="write the synthetic in-context-learning task's data",
+                       description=cmd_fewshot_data.__doc__)
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for train.txt and task.jsonl")
+    p.add_argument("--episodes", type=int, default=40000, help="training episodes, each a fresh mapping (40000)")
+    p.add_argument("--seed", type=int, default=0, help="the draw of the episodes and of task.jsonl (0)")
+    p.set_defaults(func=cmd_fewshot_data)
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per char/byte", description=cmd_eval.__doc__)
     p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")

@@ -31,3 +31,7 @@ class NonFiniteError(TrainingError):
     def __init__(self, message: str, step: int) -> None:
         super().__init__(message)
         self.step = step
+
+
+class MissingDependencyError(TinyGPTError, ImportError):
+    """An optional dependency is not installed; the message says which extra brings it."""

@@ -8,13 +8,14 @@ block_size tokens at each step, exactly the context the plain loop sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .config import SampleConfig
 from .kv_cache import KVCache
-from .sampling import sample
+from .sampling import choose, process_logits
 
 
 def prefill(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -42,6 +43,18 @@ def _check_inputs(model, idx: torch.Tensor, max_new_tokens: int) -> None:
         raise ValueError(f"idx: token ids must be in [0, {vocab}), got {int(idx.min())}..{int(idx.max())}")
 
 
+@dataclass
+class StepTrace:
+    """One generation step as an observer of `generate_stream` sees it (`tinygpt sample --trace`)."""
+
+    step: int  # 0-based
+    context: torch.Tensor  # (B, T_ctx) ids the prediction is conditioned on: the last block_size tokens
+    logits: torch.Tensor  # (B, V) the model's raw next-token logits
+    processed: torch.Tensor  # (B, V) after repetition penalty, temperature, top-k and top-p (greedy: penalty only)
+    token: torch.Tensor  # (B,) the token appended (a row that already stopped repeats its stop token)
+    config: SampleConfig
+
+
 @torch.inference_mode()
 def generate_stream(
     model,
@@ -56,6 +69,7 @@ def generate_stream(
     stop_tokens: Iterable[int] | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    observer: Callable[[StepTrace], None] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
     cfg = SampleConfig(
@@ -80,13 +94,16 @@ def generate_stream(
             context = tokens[:, -block_size:]
             logits = prefill(model, context, kv_cache)
             filled = context.shape[1]
-        token = sample(logits, tokens, cfg, generator)
+        processed = process_logits(logits, tokens, cfg)
+        token = choose(processed, cfg, generator)
         if stops.numel():
             # rows that already stopped keep repeating their stop token
             token = torch.where(finished, last_stop, token)
             hit = torch.isin(token, stops) & ~finished
             last_stop = torch.where(hit, token, last_stop)
             finished |= hit
+        if observer is not None:
+            observer(StepTrace(step, tokens[:, -block_size:], logits, processed, token, cfg))
         tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
         yield token
         if stops.numel() and bool(finished.all()):
@@ -106,6 +123,7 @@ def generate(
     stop_tokens: Iterable[int] | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    observer: Callable[[StepTrace], None] | None = None,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
@@ -120,6 +138,8 @@ def generate(
             until every row has stopped or max_new_tokens is reached.
         generator: a seeded torch.Generator makes sampling reproducible.
         use_cache: decode with a KV cache (True) or rerun the whole context each step (the reference).
+        observer: called at every step with a StepTrace (context, raw and processed logits, the
+            token chosen) before the token is yielded; None costs nothing.
 
     Raises:
         ValueError: an argument out of range (a ConfigError for the sampling settings).
@@ -128,6 +148,7 @@ def generate(
         generate_stream(
             model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
+            observer=observer,
         )
     )
     if not new:

@@ -6,6 +6,7 @@ Each function returns what the lesson prints, so tests can compare against the l
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +80,179 @@ def greedy_steps(start: list[int] = [5, 12, 3], max_new: int = 5, seed: int = LE
         steps.append(GenerationStep(context=tokens[-model.config.block_size :], token=int(token[0])))
         tokens.append(int(token[0]))
     return steps
+
+
+# ---------------------------------------------------------------------------------------------
+# The chapter's common pitfalls, made visible: a model without the causal mask, and how the
+# decoding settings trade repetition for incoherence.
+
+
+def zen_of_python() -> str:
+    """A small built-in text: the Zen of Python, from the standard library's `this` module.
+
+    The module stores it ROT13-encoded and prints it when imported, so its source is read instead.
+    """
+    import ast
+    import codecs
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("this")
+    source = Path(spec.origin).read_text(encoding="utf-8")
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["s"]:
+            return codecs.decode(ast.literal_eval(node.value), "rot13")
+    raise RuntimeError(f"{spec.origin}: the Zen of Python was not found")  # pragma: no cover
+
+
+@contextmanager
+def _one_thread():
+    """Models this small run faster on one thread: syncing two costs more than their arithmetic
+    (and on a busy machine, far more)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class TinyRun:
+    """A character-level model trained for seconds on a small text."""
+
+    model: GPT
+    tokenizer: object
+    losses: list[float]  # the training loss of every step
+
+
+def train_tiny(text: str, *, causal: bool = True, steps: int = 300, seed: int = LESSON_SEED,
+               block_size: int = 16, batch_size: int = 16, lr: float = 3e-3) -> TinyRun:
+    """Train a 2-layer, 64-wide character model on `text` with the lesson's loop (Adam, next-token loss).
+
+    Args:
+        text: the training text.
+        causal: False trains without the causal mask (the pitfall).
+        steps, seed, block_size, batch_size, lr: the run; two runs with the same arguments apart
+            from `causal` see the same initial weights and the same batches.
+    """
+    import numpy as np
+
+    from .data import get_batch
+    from .tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.from_text(text)
+    tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=block_size, n_layer=2, n_head=4, n_embd=64))
+    model.causal = causal
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    batches = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        offsets = torch.randint(0, len(tokens) - block_size, (batch_size,), generator=batches)
+        x, y = get_batch(tokens, offsets, block_size)
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return TinyRun(model, tokenizer, losses)
+
+
+@torch.no_grad()
+def last_position_loss(run: TinyRun, text: str, windows: int = 64, seed: int = 0) -> float:
+    """Loss of predicting the token after random windows of `text` from the window's last position only.
+
+    There the future is out of sight even without a mask, as it always is during generation.
+    """
+    import numpy as np
+
+    from .data import get_batch
+
+    tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
+    block = run.model.config.block_size
+    offsets = torch.randint(0, len(tokens) - block, (windows,), generator=torch.Generator().manual_seed(seed))
+    x, y = get_batch(tokens, offsets, block)
+    return lm_loss(run.model(x)[:, -1:], y[:, -1:]).item()
+
+
+def continue_text(run: TinyRun, prompt: str, n: int, seed: int = 0, **sampling) -> str:
+    """`n` characters after `prompt`; plain loop (no KV cache), which a non-causal model needs."""
+    from .generate import generate
+
+    idx = torch.tensor([run.tokenizer.encode(prompt)])
+    out = generate(run.model, idx, n, use_cache=False, generator=torch.Generator().manual_seed(seed), **sampling)
+    return run.tokenizer.decode(out[0, idx.shape[1] :].tolist())
+
+
+@dataclass
+class MaskPitfall:
+    runs: dict[str, TinyRun]  # "masked" and "unmasked"
+    steps: int
+    train_loss: dict[str, float]  # "masked"/"unmasked": mean loss of the last 20 steps
+    last_loss: dict[str, float]  # loss where nothing in the future is visible (as in generation)
+    prompt: str
+    samples: dict[str, str]  # greedy continuations of the prompt
+
+
+def causal_mask_pitfall(steps: int = 300, prompt: str = "Beautiful is ", n: int = 60) -> MaskPitfall:
+    """The chapter's pitfall 1: the same model trained twice on the Zen of Python, with and without
+    the causal mask. Without it, position t reads token t+1 (its own target) and the training loss
+    collapses; generation has no future to read, and the text turns to nonsense."""
+    text = zen_of_python()
+    with _one_thread():
+        runs = {"masked": train_tiny(text, causal=True, steps=steps),
+                "unmasked": train_tiny(text, causal=False, steps=steps)}
+        return MaskPitfall(
+            runs=runs,
+            steps=steps,
+            train_loss={k: sum(r.losses[-20:]) / len(r.losses[-20:]) for k, r in runs.items()},
+            last_loss={k: last_position_loss(r, text) for k, r in runs.items()},
+            prompt=prompt,
+            samples={k: continue_text(r, prompt, n, greedy=True) for k, r in runs.items()},
+        )
+
+
+def distinct_ngrams(text: str, n: int = 4) -> float:
+    """Share of the text's character n-grams that are distinct (1.0: no n-gram repeats)."""
+    grams = [text[i : i + n] for i in range(len(text) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+@dataclass
+class DecodingSample:
+    label: str
+    text: str
+    distinct4: float  # diversity: share of distinct 4-grams
+    loss: float  # the model's own loss on the text, nats per character: how plausible it finds it
+
+
+DECODING_SETTINGS: list[tuple[str, dict]] = [
+    ("greedy", dict(greedy=True)),
+    ("temperature 0.8", dict(temperature=0.8)),
+    ("top-p 0.9", dict(temperature=1.0, top_p=0.9)),
+    ("temperature 2.0", dict(temperature=2.0)),
+]
+
+
+def decoding_pitfall(run: TinyRun | None = None, prompt: str = "Beautiful is ", n: int = 200,
+                     seed: int = 1) -> list[DecodingSample]:
+    """Pitfalls 3 and 4: greedy decoding repeats itself; too high a temperature makes noise.
+
+    One model (trained on the Zen of Python unless `run` is given), one prompt, four settings.
+    """
+    import numpy as np
+
+    from .train import evaluate
+
+    out = []
+    with _one_thread():
+        run = run or train_tiny(zen_of_python())
+        for label, sampling in DECODING_SETTINGS:
+            text = continue_text(run, prompt, n, seed=seed, **sampling)
+            ids = np.asarray(run.tokenizer.encode(prompt + text), dtype=np.int64)
+            loss = evaluate(run.model, ids)["loss"]
+            out.append(DecodingSample(label, text, distinct_ngrams(text), loss))
+    return out

@@ -136,6 +136,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
+        # False drops the causal mask: every position sees the whole sequence, the future included.
+        # Only for showing the lesson's pitfall (it trains to a near-zero loss and generates
+        # nonsense); a plain attribute, never saved, since no real model should be built this way.
+        self.causal = True
         if config.init == "gpt2":
             self._init_gpt2()
 
@@ -186,7 +190,13 @@ class GPT(nn.Module):
         mask = None
         if kv_cache is None:
             pos = torch.arange(T, device=idx.device)
+            if not self.causal:
+                mask = torch.ones(T, T, dtype=torch.bool, device=idx.device)  # every query sees every key
         else:
+            if not self.causal:
+                # cached keys were computed before the later tokens existed: a bidirectional model
+                # must recompute every position at each step
+                raise ValueError("a non-causal model cannot decode with a KV cache; use use_cache=False")
             if input_pos is None:
                 raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
             input_pos = pos = kv_cache.positions(input_pos, B)

@@ -58,8 +58,12 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Choose the next token of each row. logits (B, V), tokens so far (B, T) -> (B,) ids."""
-    logits = process_logits(logits, tokens, cfg)
+    return choose(process_logits(logits, tokens, cfg), cfg, generator)
+
+
+def choose(processed: torch.Tensor, cfg: SampleConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The choice itself, from logits process_logits already shaped: argmax when greedy, else a draw."""
     if cfg.is_greedy:
-        return logits.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
+        return processed.argmax(dim=-1)
+    probs = processed.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

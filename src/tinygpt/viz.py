@@ -1,0 +1,358 @@
+"""Pictures: attention maps, loss curves, few-shot accuracy (and scaling plots).
+
+matplotlib is an optional dependency (`pip install 'tinygpt[viz]'`), imported inside the
+functions that draw. Figures are built with matplotlib's object API (`Figure`, no pyplot), so
+nothing here touches a global backend or opens a window: saving renders with Agg. Every picture
+is written atomically, so a failed save never leaves half a PNG where an old one was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError, ConfigError, MissingDependencyError
+from .fileio import atomic_write
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+FORMATS = ("png", "svg", "pdf")
+
+
+def check_picture(out: str | os.PathLike) -> str:
+    """Check, before any work, that `out` names a picture we can write and matplotlib is there.
+
+    Returns the format (png, svg or pdf). Raises ConfigError or MissingDependencyError.
+    """
+    fmt = Path(out).suffix.lower().lstrip(".")
+    if fmt not in FORMATS:
+        raise ConfigError(f"{out}: the picture's name must end in .png, .svg or .pdf")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(
+            "drawing needs matplotlib: pip install 'tinygpt[viz]' (or pip install matplotlib)"
+        ) from None
+    return fmt
+
+
+def _figure(width: float, height: float):
+    """A matplotlib Figure: no pyplot, so no global state and no window."""
+    check_picture("x.png")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def _save(fig, out: str | os.PathLike) -> Path:
+    """Write `fig` to `out` atomically, in the format its suffix names (png, svg or pdf)."""
+    fmt = check_picture(out)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format=fmt))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention maps
+
+
+@torch.no_grad()
+def attention_weights(model, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Every layer's and head's attention weights for one sequence, from the explicit attention path.
+
+    Args:
+        model: a tinygpt GPT.
+        idx: token ids, (T,) or (1, T), T <= block_size.
+
+    Returns:
+        (n_layer, n_head, T, T) float32: row i holds how much query i attends to each key j;
+        rows sum to 1 and, in a causal model, the entries above the diagonal are exactly zero.
+    """
+    idx = torch.as_tensor(idx, dtype=torch.long, device=next(model.parameters()).device)
+    if idx.dim() == 1:
+        idx = idx.unsqueeze(0)
+    if idx.dim() != 2 or idx.shape[0] != 1 or idx.shape[1] == 0:
+        raise ConfigError(f"expected the token ids of one non-empty sequence, got shape {tuple(idx.shape)}")
+    block_size = model.config.block_size
+    if idx.shape[1] > block_size:
+        raise ConfigError(
+            f"the prompt is {idx.shape[1]} tokens, longer than the model's context of {block_size}; shorten it"
+        )
+    was_training = model.training
+    model.eval()  # no dropout on the weights we draw
+    try:
+        _, weights = model(idx, return_attention=True)  # n_layer x (1, n_head, T, T)
+    finally:
+        model.train(was_training)
+    return torch.stack([w[0] for w in weights]).float().cpu()
+
+
+# How invisible characters are drawn in axis labels.
+_VISIBLE = {" ": "\u2423", "\n": "\u21b5", "\t": "\u2192", "\r": "\\r"}
+
+
+def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
+    """One printable label per token: spaces as ␣, newlines as ↵, tabs as →, other controls escaped."""
+    labels = []
+    for i in ids:
+        text = tokenizer.decode([int(i)])
+        shown = "".join(_VISIBLE.get(c, c if c.isprintable() else repr(c)[1:-1]) for c in text)
+        labels.append(shown or "\u2205")
+    return labels
+
+
+def plot_attention(
+    weights: torch.Tensor,
+    labels: Sequence[str],
+    out: str | os.PathLike,
+    *,
+    titles: Sequence[str] | None = None,
+    suptitle: str | None = None,
+):
+    """Draw attention heatmaps, one panel per head, tokens on both axes, and save them.
+
+    Args:
+        weights: (T, T) for one head or (N, T, T) for N panels (a grid, four to a row).
+        labels: the T token labels (see `token_labels`), for the queries (rows) and keys (columns).
+        out: the picture to write (.png, .svg or .pdf).
+        titles: one title per panel.
+        suptitle: a title over the whole figure.
+
+    Returns:
+        the matplotlib Figure (its axes: the panels, then the colorbar).
+    """
+    import numpy as np
+
+    w = torch.as_tensor(weights).detach().float().cpu()
+    if w.dim() == 2:
+        w = w.unsqueeze(0)
+    n, t_q, t_k = w.shape
+    if t_q != len(labels) or t_k != len(labels):
+        raise ConfigError(f"{len(labels)} labels for attention maps of {t_q} x {t_k}")
+    cols = min(n, 4)
+    rows = math.ceil(n / cols)
+    side = min(12.0, max(3.2, 0.3 * t_q + 1.4))  # inches per panel: cells stay readable
+    if n > 1:
+        side = min(side, 6.0)
+    fig = _figure(side * cols + 0.9, side * rows + (0.5 if suptitle else 0.1))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    cmap = _cmap()
+    font = 10 if t_q <= 16 else 8 if t_q <= 32 else 6
+    every = max(1, math.ceil(t_q / 64))  # past 64 tokens, label every n-th one
+    wide = any(len(label) > 2 for label in labels)
+    upper = np.triu(np.ones((t_q, t_k), dtype=bool), k=1)
+    image = None
+    for p, ax in enumerate(axes.flat):
+        if p >= n:
+            ax.remove()
+            continue
+        data = w[p].numpy()
+        # exactly-zero future cells are the causal mask, drawn apart from small-but-real weights
+        shown = np.ma.masked_where(upper & (data == 0), data)
+        image = ax.imshow(shown, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
+        ticks = list(range(0, t_q, every))
+        ax.set_xticks(ticks, [labels[i] for i in ticks], rotation=90 if wide else 0, fontsize=font)
+        ax.set_yticks(ticks, [labels[i] for i in ticks], fontsize=font)
+        if p // cols == rows - 1 or p + cols >= n:  # axis names on the outer panels only
+            ax.set_xlabel("key (attended to)", fontsize=9)
+        if p % cols == 0:
+            ax.set_ylabel("query (attending)", fontsize=9)
+        if titles is not None:
+            ax.set_title(titles[p], fontsize=10)
+        if t_q <= 12 and n <= 4:
+            for i, j in zip(*np.nonzero(~np.ma.getmaskarray(shown))):
+                v = data[i, j]
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if v > 0.6 else "white")
+    fig.colorbar(image, ax=axes.ravel().tolist()[:n], shrink=0.8, label="attention weight")
+    if suptitle:
+        fig.suptitle(suptitle)
+    _save(fig, out)
+    return fig
+
+
+def _cmap():
+    from matplotlib import colormaps
+
+    return colormaps["viridis"].with_extremes(bad="#e6e6e6")  # masked (future) cells: light gray
+
+
+# ---------------------------------------------------------------------------------------------
+# Loss curves
+
+
+@dataclass
+class RunMetrics:
+    """A training run's metrics.jsonl: per-step training loss and the periodic evaluations."""
+
+    name: str
+    steps: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    eval_steps: list[int] = field(default_factory=list)
+    eval_tokens: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+
+
+def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
+    """Read a run folder's metrics.jsonl (or the file itself).
+
+    A last line cut short (a run killed while writing it) is skipped; anything else that is not
+    a metrics line is an error.
+
+    Raises:
+        CheckpointError: no such run, no metrics.jsonl, a corrupt line, or no step logged yet.
+    """
+    path = Path(run)
+    file = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.exists():
+        raise CheckpointError(f"{run}: no such run folder")
+    if not file.is_file():
+        raise CheckpointError(f"{run}: no metrics.jsonl here (is it a tinygpt training run?)")
+    m = RunMetrics(name or (path.name if path.is_dir() else path.parent.name))
+    lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step, tokens = int(record["step"]), int(record["tokens"])
+            if "val_loss" in record:
+                m.eval_steps.append(step)
+                m.eval_tokens.append(tokens)
+                m.train_loss.append(float(record["train_loss"]))
+                m.val_loss.append(float(record["val_loss"]))
+            else:
+                loss = float(record["loss"])
+                m.steps.append(step)
+                m.tokens.append(tokens)
+                m.loss.append(loss)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            if number == len(lines) and isinstance(e, json.JSONDecodeError):
+                break  # cut short by a kill; the lines before it are whole
+            raise CheckpointError(f"{file}, line {number}: not a metrics line ({e})") from None
+    if not m.steps and not m.eval_steps:
+        raise CheckpointError(f"{file}: no training step logged yet")
+    return m
+
+
+def _smooth(values: list[float], span: int) -> list[float]:
+    """Exponential moving average, bias-corrected so the first points are not pulled toward 0."""
+    if span <= 1:
+        return list(values)
+    alpha, avg, out = 2.0 / (span + 1), 0.0, []
+    for i, v in enumerate(values, start=1):
+        avg = alpha * v + (1 - alpha) * avg
+        out.append(avg / (1 - (1 - alpha) ** i))
+    return out
+
+
+def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str | None = None):
+    """Train and val loss of one or more runs, against optimizer steps (left) and tokens (right).
+
+    Each run gets a color: its per-step training loss as a faint line with a smoothed line over
+    it, and the evaluations (the same batches each time) as markers: train dashed, val solid.
+
+    Args:
+        runs: what `read_metrics` returned for each run.
+        out: the picture to write (.png, .svg or .pdf).
+        title: a title over both panels.
+
+    Returns:
+        the matplotlib Figure (two axes: by step, by token).
+    """
+    from matplotlib.ticker import EngFormatter
+
+    if not runs:
+        raise ConfigError("plot needs at least one run")
+    fig = _figure(12.0, 4.6)
+    by_step, by_token = fig.subplots(1, 2, sharey=True)
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for m, color in zip(runs, colors):
+        span = max(1, len(m.loss) // 50)
+        for ax, x, x_eval in ((by_step, m.steps, m.eval_steps), (by_token, m.tokens, m.eval_tokens)):
+            if m.loss:
+                ax.plot(x, m.loss, color=color, alpha=0.25, linewidth=0.8)
+                ax.plot(x, _smooth(m.loss, span), color=color, linewidth=1.2, label=f"{m.name}: train (per step)")
+            if m.eval_steps:
+                ax.plot(x_eval, m.train_loss, color=color, linestyle="--", marker="o", markersize=3,
+                        label=f"{m.name}: train (eval)")
+                ax.plot(x_eval, m.val_loss, color=color, linestyle="-", marker="s", markersize=3,
+                        linewidth=2, label=f"{m.name}: val")
+    by_step.set_xlabel("optimizer step")
+    by_step.set_ylabel("loss (nats per token)")
+    by_token.set_xlabel("training tokens")
+    by_token.xaxis.set_major_formatter(EngFormatter(sep=""))
+    for ax in (by_step, by_token):
+        ax.grid(True, alpha=0.3)
+    by_token.legend(fontsize=8, loc="upper right")
+    if title:
+        fig.suptitle(title)
+    _save(fig, out)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Few-shot accuracy
+
+
+def plot_fewshot(
+    shots: Sequence[int],
+    accuracy: Sequence[float],
+    out: str | os.PathLike,
+    *,
+    title: str | None = None,
+    chance: float | None = None,
+    counts: Sequence[tuple[int, int]] | None = None,
+):
+    """Accuracy against the number of worked examples in the prompt.
+
+    Args:
+        shots: the k values.
+        accuracy: the accuracy for each k, in [0, 1].
+        out: the picture to write (.png, .svg or .pdf).
+        title: the figure's title.
+        chance: draw the accuracy of guessing as a dotted line.
+        counts: (correct, total) per k, written above the points.
+
+    Returns:
+        the matplotlib Figure.
+    """
+    from matplotlib.ticker import PercentFormatter
+
+    if len(shots) != len(accuracy) or not shots:
+        raise ConfigError("plot_fewshot needs one accuracy per number of shots")
+    fig = _figure(5.5, 4.0)
+    ax = fig.subplots()
+    percent = [100 * a for a in accuracy]
+    ax.plot(list(shots), percent, marker="o", linewidth=2, color="C0", label="model")
+    for i, (k, p) in enumerate(zip(shots, percent)):
+        note = f"{p:.0f}%" if counts is None else f"{p:.0f}% ({counts[i][0]}/{counts[i][1]})"
+        ax.annotate(note, (k, p), textcoords="offset points", xytext=(0, 8), ha="center", fontsize=8)
+    if chance is not None:
+        ax.axhline(100 * chance, color="gray", linestyle=":", label=f"chance ({100 * chance:.0f}%)")
+    ax.set_xticks(list(shots))
+    ax.set_xlabel("worked examples in the prompt (k-shot)")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 105)
+    ax.yaxis.set_major_formatter(PercentFormatter())
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    _save(fig, out)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# (end of attention maps, loss curves and few-shot plots; scaling plots follow)
