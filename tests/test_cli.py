@@ -15,6 +15,8 @@ def test_lesson_tour():
     assert "attn[0]:   [1.0000, 0.0000, 0.0000, 0.0000]" in r.stdout
     assert "step 20: loss=" in r.stdout
     assert "generated: [5, 12, 3," in r.stdout
+    assert "6. Pitfall: forgetting the causal mask" in r.stdout and "without mask: '" in r.stdout
+    assert "greedy           distinct-4" in r.stdout and "temperature 2.0  distinct-4" in r.stdout
 
 
 def test_unknown_command_fails_cleanly():

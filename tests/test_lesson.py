@@ -119,3 +119,40 @@ def test_lesson_clm_training_matches_reference_loop():
     for step in (1, 5, 10, 20):
         assert losses[step - 1] == pytest.approx(expected[step - 1], abs=1e-5)
     assert abs(losses[0] - math.log(50)) < 0.5 and losses[-1] < losses[0]
+
+
+def test_zen_of_python_is_read_not_imported(capsys):
+    text = lesson.zen_of_python()
+    assert text.startswith("The Zen of Python, by Tim Peters") and "Beautiful is better than ugly." in text
+    assert capsys.readouterr().out == ""  # importing `this` would have printed it
+
+
+@pytest.fixture(scope="module")
+def pitfall():
+    return lesson.causal_mask_pitfall(steps=150)
+
+
+def test_without_the_causal_mask_the_loss_collapses_and_generation_fails(pitfall):
+    masked, unmasked = pitfall.train_loss["masked"], pitfall.train_loss["unmasked"]
+    assert unmasked < 0.5 * masked  # it copies its targets from the future
+    # where nothing is ahead to copy, as in generation, it is far worse than the masked model
+    assert pitfall.last_loss["unmasked"] > 1.5 * pitfall.last_loss["masked"]
+    assert pitfall.last_loss["unmasked"] > 3 * unmasked
+    assert len(pitfall.samples["masked"]) == len(pitfall.samples["unmasked"]) == 60
+    assert pitfall.runs["unmasked"].model.causal is False and pitfall.runs["masked"].model.causal is True
+    # same start, same batches: the first step's loss is the same; the mask is the only difference
+    assert pitfall.runs["masked"].losses[0] == pytest.approx(pitfall.runs["unmasked"].losses[0], abs=0.05)
+
+
+def test_decoding_settings_trade_repetition_for_noise(pitfall):
+    samples = {s.label: s for s in lesson.decoding_pitfall(pitfall.runs["masked"])}
+    assert list(samples) == ["greedy", "temperature 0.8", "top-p 0.9", "temperature 2.0"]
+    assert all(len(s.text) == 200 for s in samples.values())
+    assert samples["greedy"].distinct4 == min(s.distinct4 for s in samples.values())  # greedy repeats itself
+    assert samples["temperature 2.0"].loss == max(s.loss for s in samples.values())  # too hot: implausible
+    assert samples["temperature 2.0"].loss > 2 * samples["greedy"].loss
+
+
+def test_distinct_ngrams():
+    assert lesson.distinct_ngrams("abcdabcd", 4) == 4 / 5
+    assert lesson.distinct_ngrams("abc", 4) == 1.0

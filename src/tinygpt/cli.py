@@ -216,14 +216,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     repetition_penalty=args.repetition_penalty)
     SampleConfig(**sampling)  # check the settings before loading anything
-    if args.trace_top < 1:
+    if args.trace_top is not None and args.trace_top < 1:
         raise ConfigError("--trace-top must be >= 1")
+    args.trace = args.trace or args.trace_top is not None
     model, tokenizer = _load_run(args.run, args.device)
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
     stop_tokens = [tokenizer.eot_id] if tokenizer.eot_id is not None else None
-    observer = _TracePrinter(tokenizer, args.trace_top, ids.shape[1], model.config.block_size) if args.trace else None
+    observer = None
+    if args.trace:
+        observer = _TracePrinter(tokenizer, args.trace_top or 5, ids.shape[1], model.config.block_size)
     for i in range(args.num_samples):
         # with --trace the steps are printed as they happen and the text once at the end
         out = io.StringIO() if args.trace else sys.stdout
@@ -834,7 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when TEXT is generated (repeatable)")
     p.add_argument("--trace", action="store_true",
                    help="show every step: the context, the top candidates after sampling settings, the choice")
-    p.add_argument("--trace-top", type=int, default=5, metavar="N", help="candidates shown per step with --trace (5)")
+    p.add_argument("--trace-top", type=int, metavar="N", help="candidates shown per step (5); implies --trace")
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_sample)
 

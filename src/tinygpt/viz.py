@@ -279,7 +279,7 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     by_step, by_token = fig.subplots(1, 2, sharey=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for m, color in zip(runs, colors):
-        span = max(1, len(m.loss) // 50)
+        span = max(1, len(m.loss) // 100)
         for ax, x, x_eval in ((by_step, m.steps, m.eval_steps), (by_token, m.tokens, m.eval_tokens)):
             if m.loss:
                 ax.plot(x, m.loss, color=color, alpha=0.25, linewidth=0.8)
@@ -342,6 +342,7 @@ def plot_fewshot(
     if chance is not None:
         ax.axhline(100 * chance, color="gray", linestyle=":", label=f"chance ({100 * chance:.0f}%)")
     ax.set_xticks(list(shots))
+    ax.set_xlim(min(shots) - 0.4, max(shots) + 0.4)
     ax.set_xlabel("worked examples in the prompt (k-shot)")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 105)

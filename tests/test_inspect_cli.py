@@ -1,0 +1,178 @@
+"""The look-inside commands end to end: attention, sample --trace, plot, fewshot, fewshot-data."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from tinygpt import cli, fewshot
+from tinygpt.config import GPTConfig, TrainConfig
+from tinygpt.train import train
+
+pytest.importorskip("matplotlib")
+from matplotlib.image import imread  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: one thread is faster than two, much faster on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run(char_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("inspect") / "run"
+    vocab = int(json.loads((char_data / "meta.json").read_text())["vocab_size"])
+    model = GPTConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    train(char_data, out, model, TrainConfig(max_iters=40, eval_interval=20, eval_iters=2, batch_size=8, device="cpu"),
+          progress=False)
+    return out
+
+
+def tinygpt(capsys, *args):
+    code = cli.main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(result, *fragments):
+    code, out, err = result
+    assert code == 2, out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("tinygpt: error: "), err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+def size(path):
+    image = imread(path)
+    return image.shape[1], image.shape[0]
+
+
+def test_attention_one_head_and_all_heads(run, tmp_path, capsys):
+    code, out, _ = tinygpt(capsys, "attention", run, "--prompt", "the cat sees", "--layer", 1, "--head", 1,
+                           "--out", tmp_path / "one.png")
+    assert code == 0 and "layer 1, head 1, 12 tokens" in out
+    code, out, _ = tinygpt(capsys, "attention", run, "--prompt", "the cat sees", "--layer", 1, "--all-heads",
+                           "--out", tmp_path / "all.png")
+    assert code == 0 and "all 2 heads" in out
+    (w1, h1), (w2, h2) = size(tmp_path / "one.png"), size(tmp_path / "all.png")
+    assert w2 > 1.6 * w1 and abs(h2 - h1) < 0.3 * h1  # two panels side by side
+
+
+def test_attention_bad_input(run, tmp_path, capsys):
+    png = tmp_path / "x.png"
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--layer", 2, "--out", png),
+                          "--layer 2", "2 layers", "valid 0..1")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--head", 5, "--out", png),
+                          "--head 5", "valid 0..1")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--layer", -1, "--out", png),
+                          "valid 0..1")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the cat sees the moon", "--out", png),
+                          "longer than the model's context of 16")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "THE", "--out", png), "'T'")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--out", tmp_path / "x.jpg"), ".png")
+    assert_one_line_error(tinygpt(capsys, "attention", tmp_path / "none", "--prompt", "the", "--out", png),
+                          "no such run folder")
+    assert not png.exists()
+
+
+def trace_blocks(out):
+    return re.split(r"(?m)^(?=step \d+: )", out.split("\ntext: ")[0])[1:]
+
+
+@pytest.mark.parametrize("n", [1, 7, 20])
+def test_trace_lists_every_step_and_greedy_picks_a_shown_candidate(run, capsys, n):
+    code, out, _ = tinygpt(capsys, "sample", run, "--prompt", "the cat", "--greedy", "--max-new-tokens", n,
+                           "--trace", "--trace-top", 3)
+    assert code == 0
+    blocks = trace_blocks(out)
+    assert len(blocks) == n
+    text = out.split("\ntext: ", 1)[1]
+    chosen = []
+    for i, block in enumerate(blocks, start=1):
+        assert block.startswith(f"step {i}: the model sees")
+        candidates = re.findall(r"(?m)^    ('.*?') +([0-9.]+) +([0-9.]+)( +<- chosen)?$", block)
+        assert 1 <= len(candidates) <= 3
+        marked = [c for c in candidates if c[3]]
+        assert len(marked) == 1, block  # under greedy the choice is always among the candidates...
+        assert marked[0] == candidates[0]  # ...and it is the top one
+        token = re.search(r"(?m)^  chosen: ('.*?') \(id \d+\)$", block).group(1)
+        assert token == marked[0][0]
+        chosen.append(eval(token))
+    assert text.rstrip("\n") == "the cat" + "".join(chosen)
+    # the context each step shows is the prompt plus what came before, cut to block_size (16)
+    last = re.search(r"(?m)^  context: (.*)$", blocks[-1]).group(1)
+    assert eval(last) == ("the cat" + "".join(chosen[:-1]))[-16:]
+    if n == 20:
+        assert "the last 16 of 26 tokens: block_size is 16" in blocks[-1]
+
+
+def test_trace_with_sampling_settings(run, capsys):
+    code, out, _ = tinygpt(capsys, "sample", run, "--prompt", "a", "--max-new-tokens", 5, "--top-k", 2,
+                           "--temperature", 0.7, "--repetition-penalty", 1.3, "--seed", 3, "--trace")
+    assert code == 0
+    blocks = trace_blocks(out)
+    assert len(blocks) == 5
+    for block in blocks:
+        assert "candidates after temperature 0.7, top-k 2, repetition penalty 1.3 (2 of " in block
+        probs = [float(p) for p in re.findall(r"(?m)^    '.*?' +([0-9.]+) +[0-9.]+", block)]
+        assert len(probs) == 2 and sum(probs) == pytest.approx(1.0, abs=2e-4)
+        assert "<- chosen" in block  # with top-k 2 every choice is one of the two
+    again = tinygpt(capsys, "sample", run, "--prompt", "a", "--max-new-tokens", 5, "--top-k", 2,
+                    "--temperature", 0.7, "--repetition-penalty", 1.3, "--seed", 3)
+    assert again[1].rstrip("\n") == out.split("\ntext: ", 1)[1].rstrip("\n")  # tracing changes nothing
+    assert_one_line_error(tinygpt(capsys, "sample", run, "--trace", "--trace-top", 0), "--trace-top")
+
+
+def test_plot_runs(run, tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "tokens": 100 * s, "loss": 3.0 / s}) + "\n" for s in range(1, 30)))
+    code, out, _ = tinygpt(capsys, "plot", run, other, "--out", tmp_path / "loss.png", "--title", "two")
+    assert code == 0
+    assert "run: 40 steps, val loss" in out and "other: 29 steps" in out
+    assert size(tmp_path / "loss.png") == (1200, 460)
+    assert_one_line_error(tinygpt(capsys, "plot", tmp_path / "nope", "--out", tmp_path / "l.png"), "no such run")
+    assert_one_line_error(tinygpt(capsys, "plot", tmp_path, "--out", tmp_path / "l.png"), "no metrics.jsonl")
+    assert_one_line_error(tinygpt(capsys, "plot", run, "--out", tmp_path / "l.gif"), ".png")
+
+
+def test_fewshot_on_a_task_file(run, tmp_path, capsys):
+    task = tmp_path / "animals.jsonl"
+    lines = [{"template": "{input} {output}.", "separator": "\n"}] + [
+        {"input": subject, "output": verb} for subject, verb in
+        [("the cat", "sees"), ("a dog", "likes"), ("my friend", "follows"), ("the old king", "draws")]]
+    task.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code, out, _ = tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "0-2", "--show-prompt", "--json",
+                           "--quiet", "--plot", tmp_path / "fs.png")
+    assert code == 0, out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [r["shots"] for r in report["results"]] == [0, 1, 2] and all(r["total"] == 4 for r in report["results"])
+    assert "--- 0-shot prompt (answer: 'sees'):\nthe cat \n" in out
+    assert (tmp_path / "fs.png").exists()
+    code, out, _ = tinygpt(capsys, "fewshot", run, "--task", task, "--scoring", "likelihood", "--queries", 2,
+                           "--json", "--quiet")
+    assert code == 0
+    assert json.loads(out.strip().splitlines()[-1])["results"][0]["total"] == 2
+    assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "4", "--quiet"),
+                          "4-shot prompts need 4 other examples")
+    assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "x"), "--shots")
+    assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", tmp_path / "none.jsonl"), "no such task file")
+    # the synthetic task needs digits, which this run's characters do not include
+    assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", "synthetic", "--quiet"), "vocabulary")
+
+
+def test_fewshot_data(tmp_path, capsys):
+    code, out, _ = tinygpt(capsys, "fewshot-data", "--out", tmp_path / "d", "--episodes", 30, "--seed", 2)
+    assert code == 0 and "30 episodes" in out
+    text = (tmp_path / "d" / "train.txt").read_text()
+    assert text == fewshot.synthetic_corpus(30, seed=2)
+    task = fewshot.read_task(tmp_path / "d" / "task.jsonl")
+    assert task.examples == fewshot.load_task("synthetic", seed=2).examples
+    assert_one_line_error(tinygpt(capsys, "fewshot-data", "--out", tmp_path / "e", "--episodes", 0), "--episodes")
