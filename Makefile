@@ -38,7 +38,7 @@ demo: $(STAMP) $(DEMO_DATA)/meta.json
 	$(BIN)/tinygpt eval $(DEMO_RUN) --max-tokens 100000
 
 # Few-shot prompting, measured: a 2-layer model trained on sequences that each hold a fresh random
-# letter -> digit mapping learns to read the mapping off its context. About 6 minutes on a 2-core CPU;
+# letter -> digit mapping learns to read the mapping off its context. About 4 minutes on a 2-core CPU;
 # rewrites the figures in docs/. One thread: a step of this model is ~25 ms of arithmetic, and on a
 # busy 2-core machine two threads spent 8x the CPU time (10x the wall time) waiting on each other.
 FEWSHOT := runs/fewshot-demo
