@@ -12,15 +12,6 @@ from tinygpt.fewshot import Example
 from tinygpt.tokenizer import CharTokenizer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is faster than two, much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 TASK_LINES = [
     {"template": "Q: {input}\nA: {output}", "separator": "\n\n", "prefix": "Answer.\n\n", "name": "capitals"},
     {"input": "France", "output": "Paris"},

@@ -4,7 +4,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from tinygpt import cli, fewshot
 from tinygpt.config import GPTConfig, TrainConfig
@@ -12,15 +11,6 @@ from tinygpt.train import train
 
 pytest.importorskip("matplotlib")
 from matplotlib.image import imread  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is faster than two, much faster on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
