@@ -559,6 +559,51 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a run over an OpenAI-compatible HTTP API, with a web playground at /.
+
+    Args (flags):
+        RUN: the run folder to serve.
+        --host, --port: where to listen (127.0.0.1:8000; port 0 picks a free one).
+        --api-key KEY: require `Authorization: Bearer KEY` on /v1 routes (default: $TINYGPT_API_KEY).
+        --max-concurrency N: sequences decoded together in one batched step (8).
+        --max-queue N: sequences that may wait for a slot; past that, 429 (32).
+        --max-tokens N: the largest max_tokens a request may ask for (2048).
+        --cors-origin ORIGIN: let browser pages from ORIGIN call the API (repeatable; "*" for any).
+        --model-name NAME: the model id clients send (default: the run folder's name).
+    SIGTERM stops accepting requests (503), finishes those running, then exits.
+    """
+    import os
+    from pathlib import Path
+
+    try:
+        from .server import create_app, listen, serve
+    except ImportError as e:
+        if e.name in ("fastapi", "uvicorn", "starlette", "pydantic"):
+            raise ConfigError("tinygpt serve needs FastAPI and uvicorn: pip install 'tinygpt[serve]'") from None
+        raise
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_concurrency < 1 or args.max_queue < 0 or args.max_tokens < 1:
+        raise ConfigError("--max-concurrency and --max-tokens must be >= 1, --max-queue >= 0")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYGPT_API_KEY") or None
+    if args.api_key == "":
+        raise ConfigError("--api-key must not be empty")
+    model, tokenizer = _load_run(args.run, args.device)
+    name = args.model_name or Path(args.run).resolve().name
+    app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
+                     max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()))
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    device = next(model.parameters()).device
+    key = " (needs the API key)" if api_key else ""
+    print(f"serving {args.run} as model '{name}' on {device}\n  playground  {url}/\n  OpenAI API  {url}/v1{key}",
+          flush=True)
+    serve(app, sock)
+    return 0
+
+
 def _int_flag(value: str | None, flag: str) -> int | None:
     """An integer flag parsed here rather than by argparse, so a bad value is a one-line error."""
     if value is None:
@@ -970,6 +1015,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("serve", help="serve a run over an OpenAI-compatible HTTP API with a playground",
+                       description=cmd_serve.__doc__.split("\n\n")[0])
+    p.add_argument("run", metavar="RUN", help="a run folder")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
+    p.add_argument("--api-key", metavar="KEY", help="require this bearer key on /v1 routes (default $TINYGPT_API_KEY)")
+    p.add_argument("--max-concurrency", type=int, default=8, metavar="N", help="sequences decoded together (8)")
+    p.add_argument("--max-queue", type=int, default=32, metavar="N", help="sequences waiting for a slot (32)")
+    p.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="largest max_tokens per request (2048)")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

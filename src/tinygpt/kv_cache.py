@@ -54,9 +54,13 @@ class KVCache:
 
     def slot(self, index: int) -> KVCache:
         """A one-sequence view of row `index`, sharing storage (for per-request prefill)."""
+        return self.rows(index, index + 1)
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A view of rows start..stop-1, sharing storage (a server decodes only the rows in use)."""
         view = object.__new__(KVCache)
-        view.k = self.k[:, index : index + 1]
-        view.v = self.v[:, index : index + 1]
+        view.k = self.k[:, start:stop]
+        view.v = self.v[:, start:stop]
         view._key_pos = self._key_pos
         return view
 

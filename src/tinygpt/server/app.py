@@ -1,0 +1,537 @@
+"""The HTTP app: OpenAI's /v1 routes, tinygpt's attention route, the playground page and /health.
+
+Each generating request becomes one Sequence per choice, handed to the Scheduler's model thread;
+the model thread reports text back through an asyncio queue per request, so the event loop only
+moves bytes and never waits on the model. Streamed and non-streamed answers are assembled from
+the same events, so at temperature 0 they carry the same text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence as Seq
+from contextlib import asynccontextmanager
+from functools import lru_cache
+from importlib import resources
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..config import SampleConfig
+from ..errors import ConfigError, TokenizerError
+from .protocol import (
+    CHAT_STOPS,
+    APIError,
+    AttentionRequest,
+    ChatRequest,
+    CompletionRequest,
+    ValidationError,
+    chat_prompt,
+    validation_error,
+)
+from .scheduler import Draining, Event, QueueFull, Scheduler, Sequence, TokenInfo
+
+MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+ATTENTION_MAX_TOKENS = 256  # the attention view shows at most the last 256 tokens
+_GONE = object()  # queued when the client disconnects
+
+
+def create_app(
+    model,
+    tokenizer,
+    *,
+    model_name: str,
+    api_key: str | None = None,
+    max_concurrency: int = 8,
+    max_queue: int = 32,
+    max_tokens: int = 2048,
+    cors_origins: Seq[str] = (),
+) -> FastAPI:
+    """An OpenAI-compatible FastAPI app serving one model.
+
+    Args:
+        model: a tinygpt GPT (eval mode, on the device it should run on).
+        tokenizer: the model's tokenizer (text in and out; its eot_id ends a generation).
+        model_name: the name clients pass as `model`; any other name is a 404.
+        api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>` (401 otherwise);
+            the playground page and /health stay public.
+        max_concurrency: sequences decoded together in one batched step.
+        max_queue: sequences that may wait for a free slot; past that, 429 with Retry-After.
+        max_tokens: the largest max_tokens a request may ask for (and chat's default).
+        cors_origins: origins allowed to call the API from a browser ("*" for any); none: CORS off.
+
+    Raises:
+        ConfigError: a setting out of range.
+    """
+    if not isinstance(model_name, str) or not model_name:
+        raise ConfigError("model_name must be a non-empty string")
+    if max_concurrency < 1 or max_queue < 0 or max_tokens < 1:
+        raise ConfigError("max_concurrency and max_tokens must be >= 1 and max_queue >= 0")
+    if api_key is not None and not api_key:
+        raise ConfigError("api_key must not be empty")
+    server = _Server(model, tokenizer, model_name, api_key, max_tokens,
+                     Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.scheduler.start()
+        yield
+        await run_in_threadpool(server.scheduler.stop)
+
+    app = FastAPI(title="tinygpt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = server.scheduler
+    app.state.model_name = model_name
+    if cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404:
+            err = APIError(404, f"Unknown URL: {request.method} {request.url.path}", code="unknown_url")
+        elif e.status_code == 405:
+            err = APIError(405, f"Method {request.method} is not allowed for {request.url.path}",
+                           code="method_not_allowed")
+        else:
+            err = APIError(e.status_code, str(e.detail))
+        return JSONResponse(err.body(), status_code=err.status, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        err = APIError(500, "internal server error", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    page = resources.files(__package__).joinpath("playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground() -> HTMLResponse:
+        # the page may talk only to this server
+        csp = "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
+        return HTMLResponse(page, headers={"Content-Security-Policy": csp, "Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        draining = server.scheduler.draining
+        cfg = model.config
+        body = {"status": "draining" if draining else "ok", "model": model_name, "block_size": cfg.block_size,
+                "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
+                "max_tokens": max_tokens, "auth": api_key is not None, **server.scheduler.stats()}
+        return JSONResponse(body, status_code=503 if draining else 200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.authorize(request)
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{name:path}")
+    async def model_info(name: str, request: Request) -> JSONResponse:
+        server.authorize(request)
+        server.check_model(name)
+        return JSONResponse(server.model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await server.parse(request, CompletionRequest)
+        return await server.complete(request, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = await server.parse(request, ChatRequest)
+        return await server.chat(request, req)
+
+    @app.post("/v1/tinygpt/attention")
+    async def attention(request: Request) -> JSONResponse:
+        req = await server.parse(request, AttentionRequest)
+        return JSONResponse(await server.attention(req))
+
+    return app
+
+
+class _Server:
+    """What the routes share: the model, its settings, the scheduler."""
+
+    def __init__(self, model, tokenizer, model_name: str, api_key: str | None, max_tokens: int,
+                 scheduler: Scheduler) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._key = api_key.encode("utf-8") if api_key is not None else None
+        self.max_tokens = max_tokens
+        self.scheduler = scheduler
+        self.block_size = model.config.block_size
+        # ids the tokenizer can decode (a model's vocabulary may be padded beyond it)
+        self.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
+        self.stop_tokens = frozenset() if tokenizer.eot_id is None else frozenset({tokenizer.eot_id})
+        self.created = int(time.time())
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    # -- request checks ----------------------------------------------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self._key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # header values arrive decoded as latin-1: encoding back gives the bytes that were sent
+        given = token.strip().encode("latin-1", errors="replace")
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given, self._key)):
+            raise APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    async def parse(self, request: Request, kind):
+        """Authorize, refuse while draining, read at most MAX_BODY_BYTES, validate the JSON."""
+        self.authorize(request)
+        if self.scheduler.draining:
+            raise _unavailable()
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise _too_large()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise _too_large()
+        try:
+            req = kind.model_validate_json(bytes(body))
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if hasattr(req, "check"):
+            req.check()
+        self.check_model(req.model)
+        return req
+
+    def encode(self, text: str, param: str) -> list[int]:
+        try:
+            ids = self.tokenizer.encode(text)
+        except TokenizerError as e:
+            raise APIError(400, f"Invalid value for '{param}': {e}", param=param, code="invalid_value") from None
+        return ids or self.start_ids(param)
+
+    def start_ids(self, param: str) -> list[int]:
+        """What an empty prompt starts from: <|endoftext|> where the tokenizer has it, else a newline."""
+        if self.tokenizer.eot_id is not None:
+            return [self.tokenizer.eot_id]
+        try:
+            return self.tokenizer.encode("\n")
+        except TokenizerError:
+            raise APIError(400, f"Invalid value for '{param}': must not be empty for this model",
+                           param=param, code="invalid_value") from None
+
+    def check_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"Invalid value for '{param}': token id {bad} is outside the vocabulary "
+                                f"(0..{self.vocab_size - 1})", param=param, code="invalid_value")
+        return ids
+
+    def settings(self, req, max_tokens: int | None, default_max_tokens: int) -> dict:
+        """Per-sequence settings shared by every choice of a request."""
+        param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+        if max_tokens is not None and max_tokens > self.max_tokens:
+            raise APIError(400, f"Invalid value for '{param}': at most {self.max_tokens} on this server, "
+                                f"got {max_tokens}", param=param, code="invalid_value")
+        bias = None
+        if req.logit_bias:
+            bias = {}
+            for key, value in req.logit_bias.items():
+                if not key.isdigit() or int(key) >= self.vocab_size:
+                    raise APIError(400, f"Invalid value for 'logit_bias': {key!r} is not a token id in "
+                                        f"0..{self.vocab_size - 1}", param="logit_bias", code="invalid_value")
+                bias[int(key)] = value
+        sampling = SampleConfig(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        )
+        return dict(max_tokens=max_tokens or default_max_tokens, sampling=sampling, stop_tokens=self.stop_tokens,
+                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                    logit_bias=bias)
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def complete(self, request: Request, req: CompletionRequest) -> Response:
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt[0], str):
+            prompts = list(prompt)
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        self.check_choices(len(prompts) * (req.n or 1))
+
+        def encode_all() -> list[list[int]]:
+            return [self.encode(p, "prompt") if isinstance(p, str) else self.check_ids(p, "prompt")
+                    for p in prompts]
+
+        ids = await run_in_threadpool(encode_all)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        settings = self.settings(req, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
+        settings.update(stop=req.stops, logprobs=req.logprobs)
+        return await self.generate(request, req, ids, settings, chat=False, echo=echo)
+
+    async def chat(self, request: Request, req: ChatRequest) -> Response:
+        self.check_choices(req.n or 1)
+        text = chat_prompt(req.messages)
+        ids = await run_in_threadpool(self.encode, text, "messages")
+        settings = self.settings(req, req.max_completion_tokens or req.max_tokens, self.max_tokens)
+        top = req.top_logprobs or 0
+        settings.update(stop=CHAT_STOPS + req.stops, logprobs=top if req.logprobs else None)
+        return await self.generate(request, req, [ids], settings, chat=True)
+
+    def check_choices(self, count: int) -> None:
+        limit = min(16, self.scheduler.max_concurrency + self.scheduler.max_queue)
+        if count > limit:
+            raise APIError(400, f"Invalid value for 'n': n times the number of prompts must be at most {limit}, "
+                                f"got {count}", param="n", code="invalid_value")
+
+    async def generate(self, request: Request, req, prompts: list[list[int]], settings: dict, *, chat: bool,
+                       echo: list[str] | None = None) -> Response:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(event: Event) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        n = req.n or 1
+        seqs = []
+        for p, ids in enumerate(prompts):
+            for j in range(n):
+                index = p * n + j
+                seed = None if req.seed is None else (req.seed + index) % 2**64  # each choice its own stream
+                # prompts longer than the context are cut to their last block_size tokens
+                seqs.append(Sequence(prompt=ids[-self.block_size :], emit=emit, index=index, seed=seed, **settings))
+        try:
+            self.scheduler.submit(seqs)
+        except QueueFull as e:
+            raise APIError(429, "The server is busy: too many requests are waiting; retry shortly",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        except Draining:
+            raise _unavailable() from None
+        reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), echo=echo, n=n)
+
+        def gone() -> None:
+            self.scheduler.cancel(seqs)
+            queue.put_nowait(_GONE)
+
+        if req.stream:
+            return StreamingResponse(reply.stream(request, queue, gone), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            return JSONResponse(await reply.collect(queue))
+        finally:
+            watcher.cancel()
+            self.scheduler.cancel(seqs)
+
+    async def attention(self, req: AttentionRequest) -> dict:
+        cfg = self.model.config
+        if req.layer >= cfg.n_layer:
+            raise APIError(400, f"Invalid value for 'layer': the model has layers 0..{cfg.n_layer - 1}",
+                           param="layer", code="invalid_value")
+        if req.head >= cfg.n_head:
+            raise APIError(400, f"Invalid value for 'head': the model has heads 0..{cfg.n_head - 1}",
+                           param="head", code="invalid_value")
+        if not req.prompt:
+            raise APIError(400, "Invalid value for 'prompt': must not be empty", param="prompt", code="invalid_value")
+        ids = await run_in_threadpool(self.encode, req.prompt, "prompt")
+        keep = ids[-min(self.block_size, ATTENTION_MAX_TOKENS) :]
+        device = next(self.model.parameters()).device
+
+        def run() -> list[list[float]]:
+            _, weights = self.model(torch.tensor([keep], device=device), return_attention=True)
+            w = weights[req.layer][0, req.head].float().cpu()  # (T, T), row t attends to 0..t
+            return [[round(v, 5) for v in w[t, : t + 1].tolist()] for t in range(len(keep))]
+
+        try:
+            rows = await asyncio.wrap_future(self.scheduler.call(run))
+        except Draining:
+            raise _unavailable() from None
+        return {"object": "tinygpt.attention", "model": self.model_name, "layer": req.layer, "head": req.head,
+                "n_layer": cfg.n_layer, "n_head": cfg.n_head, "prompt_tokens": len(ids),
+                "truncated": len(keep) < len(ids), "tokens": [self.token_text(i) for i in keep],
+                "token_ids": keep, "attention": rows}
+
+    # -- output ------------------------------------------------------------------------------
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinygpt",
+                "context_length": self.block_size}
+
+    def _token_text(self, token: int) -> str:
+        """A token as text; bytes that are not UTF-8 on their own are written as OpenAI does: 'bytes:\\xe2\\x80'."""
+        raw = self.tokenizer.decode_bytes([token])
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class _Reply:
+    """Turns a request's events into OpenAI's response or stream of chunks."""
+
+    def __init__(self, server: _Server, req, seqs: list[Sequence], *, chat: bool, prompt_tokens: int,
+                 echo: list[str] | None, n: int) -> None:
+        self.server, self.req, self.seqs, self.chat = server, req, seqs, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.echo = echo
+        self.n = n
+        self.offsets = [0] * len(seqs)  # text_offset of the next token, per choice
+        self.logprobs = seqs[0].logprobs is not None
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    async def events(self, queue: asyncio.Queue) -> AsyncIterator[Event]:
+        """Events until every choice has finished; raises APIError on a failure."""
+        remaining = len(self.seqs)
+        while remaining:
+            event = await queue.get()
+            if event is _GONE:
+                raise _ClientGone()
+            if event.error is not None:
+                status = 503 if "shutting down" in event.error else 500
+                raise APIError(status, event.error, type="server_error")
+            if event.finish_reason is not None:
+                remaining -= 1
+                self.completion_tokens += event.completion_tokens
+            yield event
+
+    async def collect(self, queue: asyncio.Queue) -> dict:
+        texts = [self.echo[i // self.n] if self.echo else "" for i in range(len(self.seqs))]
+        tokens: list[list[TokenInfo]] = [[] for _ in self.seqs]
+        finish = [None] * len(self.seqs)
+        try:
+            async for e in self.events(queue):
+                texts[e.index] += e.text
+                tokens[e.index] += e.tokens
+                finish[e.index] = e.finish_reason or finish[e.index]
+        except _ClientGone:
+            return {}
+        choices = []
+        for i in range(len(self.seqs)):
+            logprobs = self.format_logprobs(i, tokens[i]) if self.logprobs else None
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                                "logprobs": logprobs, "finish_reason": finish[i]})
+            else:
+                choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finish[i]})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.server.model_name, "choices": choices, "usage": self.usage()}
+
+    async def stream(self, request: Request, queue: asyncio.Queue, gone) -> AsyncIterator[str]:
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        watcher = asyncio.create_task(_watch_disconnect(request, gone))
+        try:
+            for i in range(len(self.seqs)):
+                if self.chat:
+                    yield self.chunk(i, "", None, [], role=True)
+                elif self.echo:
+                    yield self.chunk(i, self.echo[i // self.n], None, [])
+            try:
+                async for e in self.events(queue):
+                    if e.text or e.tokens:
+                        yield self.chunk(e.index, e.text, None, e.tokens)
+                    if e.finish_reason is not None:
+                        yield self.chunk(e.index, "", e.finish_reason, [])
+            except _ClientGone:
+                return
+            except APIError as e:
+                yield _sse(e.body())
+                return
+            if include_usage:
+                yield _sse({**self.header(), "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            self.server.scheduler.cancel(self.seqs)
+
+    def header(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
+
+    def chunk(self, index: int, text: str, finish: str | None, tokens: list[TokenInfo], role: bool = False) -> str:
+        logprobs = self.format_logprobs(index, tokens) if self.logprobs and tokens else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        body = {**self.header(), "choices": [choice]}
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            body["usage"] = None
+        return _sse(body)
+
+    def format_logprobs(self, index: int, tokens: list[TokenInfo]) -> dict:
+        text_of = self.server.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                text = text_of(token)
+                return {"token": text, "logprob": logprob, "bytes": list(self.server.tokenizer.decode_bytes([token]))}
+
+            return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                                for t in tokens], "refusal": None}
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offsets[index])
+            self.offsets[index] += len(text_of(t.id))
+        top = []
+        for t in tokens:
+            best: dict[str, float] = {}
+            for i, lp in t.top:  # two ids may share a text ('bytes:...'): keep the likelier
+                best[text_of(i)] = max(lp, best.get(text_of(i), lp))
+            top.append(best)
+        return {"tokens": [text_of(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": top, "text_offset": offsets}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _watch_disconnect(request: Request, gone) -> None:
+    """Call gone() when the client goes away (the body has been read, so receive() waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            gone()
+            return
+
+
+def _sse(obj: dict) -> str:
+    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+
+
+def _unavailable() -> APIError:
+    return APIError(503, "The server is shutting down", type="server_error", code="service_unavailable")
+
+
+def _too_large() -> APIError:
+    return APIError(413, f"The request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MB",
+                    code="request_too_large")

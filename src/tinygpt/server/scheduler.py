@@ -1,0 +1,412 @@
+"""Continuous batching: one model thread decodes every active sequence in one forward step.
+
+Each sequence owns a row ("slot") of one shared KVCache. A new sequence is prefilled alone into
+its slot; after that, every step runs `generate.decode_step` once over all active rows, each at
+its own position, and chooses each row's next token with that row's sampling settings. Sequences
+join and leave between steps: a finished or cancelled one gives its row to the last active row
+(rows 0..n-1 stay in use, so a step only computes the rows that hold a sequence).
+
+A row whose context reaches block_size is treated as `generate_stream` treats it: its slot is
+re-prefilled from its last block_size tokens each step, exactly the context the plain loop sees.
+
+Everything that touches the model runs on the one model thread; the web server talks to it
+through `submit`, `cancel` and `call` and hears back through each sequence's `emit` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SampleConfig
+from ..generate import StopText, decode_step, prefill
+from ..kv_cache import KVCache
+from ..sampling import sample
+from ..tokenizer import IncrementalDecoder
+
+log = logging.getLogger("tinygpt.server")
+
+# A logprob that does not fit JSON (-inf) is reported as this.
+MIN_LOGPROB = -9999.0
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("the server is at capacity")
+        self.retry_after = retry_after
+
+
+class Draining(Exception):
+    """The server is shutting down and accepts no new work."""
+
+
+@dataclass
+class TokenInfo:
+    """One generated token with its log-probability and the most likely candidates at that step."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Event:
+    """What the model thread reports for one choice: new text, and at the end why it stopped.
+
+    `tokens` holds the TokenInfo of the tokens whose text is in `text` (when logprobs were asked).
+    """
+
+    index: int
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" when finished
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice to generate, and (in the fields after `emit`) its decoding state.
+
+    Args:
+        prompt: token ids (cut to the model's last block_size tokens when longer).
+        max_tokens: stop after this many new tokens (finish_reason "length").
+        sampling: temperature, top_k, top_p, repetition_penalty.
+        emit: called on the model thread with each Event; must not block.
+        index: the choice index reported in events.
+        seed: seeds this choice's own torch.Generator (reproducible sampling).
+        stop: strings that end the text (not included in it).
+        stop_tokens: token ids that end the sequence (e.g. <|endoftext|>); not included.
+        logprobs: None, or how many top candidates to report with each token's logprob.
+        presence_penalty, frequency_penalty: OpenAI's penalties on tokens already generated.
+        logit_bias: token id -> value added to its logit.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SampleConfig
+    emit: Callable[[Event], None]
+    index: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_tokens: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+
+    cancelled: bool = field(default=False, init=False)
+    generated: int = field(default=0, init=False)
+    filled: int = field(default=0, init=False)  # cache positions of this slot holding the current context
+
+    def start(self, tokenizer, vocab_size: int, device: torch.device) -> None:
+        """Allocate the per-sequence state on the model thread."""
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.stopper = StopText(self.stop)
+        self.tokens = torch.empty(len(self.prompt) + self.max_tokens, dtype=torch.long, device=device)
+        self.tokens[: len(self.prompt)] = torch.tensor(self.prompt, dtype=torch.long)
+        self.length = len(self.prompt)
+        self.generator = None
+        if self.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(self.seed)
+        self.bias = None
+        if self.logit_bias:
+            self.bias = torch.zeros(1, vocab_size, device=device)
+            for token, value in self.logit_bias.items():
+                self.bias[0, token] = value
+        self.counts = None
+        if self.presence_penalty or self.frequency_penalty:
+            self.counts = torch.zeros(1, vocab_size, device=device)
+        self.pending: list[TokenInfo] = []
+
+    def context(self) -> torch.Tensor:
+        """Every token so far, (1, T)."""
+        return self.tokens[: self.length].unsqueeze(0)
+
+
+class Scheduler:
+    """Runs the model for many sequences at once on one background thread.
+
+    Args:
+        model: a tinygpt GPT in eval mode.
+        tokenizer: turns generated ids into text (IncrementalDecoder).
+        max_concurrency: sequences decoded together (KV cache rows).
+        max_queue: sequences that may wait for a row; beyond that `submit` raises QueueFull.
+    """
+
+    def __init__(self, model, tokenizer, *, max_concurrency: int = 8, max_queue: int = 32) -> None:
+        if max_concurrency < 1 or max_queue < 0:
+            raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.block_size = model.config.block_size
+        self.vocab_size = model.config.vocab_size
+        self.device = next(model.parameters()).device
+        self._mask = None  # a model's vocabulary may be padded past the tokenizer's: never choose those ids
+        if tokenizer.vocab_size < self.vocab_size:
+            self._mask = torch.zeros(1, self.vocab_size, device=self.device)
+            self._mask[0, tokenizer.vocab_size :] = float("-inf")
+        self.draining = False
+        self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0, "steps": 0,
+                         "peak_batch": 0}
+        self._cond = threading.Condition()
+        self._active: list[Sequence] = []  # row i of the cache belongs to _active[i]
+        self._waiting: deque[Sequence] = deque()
+        self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
+        self._cache: KVCache | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- called from the web server ----------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="tinygpt-model", daemon=True)
+                self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail whatever is still queued or running, and end the model thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cond:
+            for seq in [*self._waiting, *self._active]:
+                _safe_emit(seq, Event(seq.index, error="the server is shutting down"))
+            self._waiting.clear()
+            self._active.clear()
+            for _, future in self._jobs:
+                future.cancel()
+            self._jobs.clear()
+            self._cond.notify_all()
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue the sequences of one request, all or none.
+
+        Raises:
+            Draining: the server is shutting down.
+            QueueFull: not enough room in the slots and the queue (retry later).
+        """
+        with self._cond:
+            if self.draining or self._stopping:
+                raise Draining()
+            busy = len(self._waiting) + sum(not s.cancelled for s in self._active)
+            if busy + len(seqs) > self.max_concurrency + self.max_queue:
+                raise QueueFull(retry_after=1)
+            self._waiting.extend(seqs)
+            self._cond.notify_all()
+        self.start()
+
+    def cancel(self, seqs: list[Sequence]) -> None:
+        """Stop generating for these sequences: a waiting one leaves the queue now, an active one
+        gives up its row before the next step."""
+        with self._cond:
+            for seq in seqs:
+                if seq.cancelled:
+                    continue
+                seq.cancelled = True
+                try:
+                    self._waiting.remove(seq)
+                    self.counters["cancelled"] += 1
+                except ValueError:
+                    pass  # active (or already finished): the model thread drops it
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn() on the model thread between two steps; returns a Future of its result."""
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                raise Draining()
+            self._jobs.append((fn, future))
+            self._cond.notify_all()
+        self.start()
+        return future
+
+    def start_draining(self) -> None:
+        """Refuse new work from now on; what is queued or running goes on to the end."""
+        with self._cond:
+            self.draining = True
+            self._cond.notify_all()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or running. Returns False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._waiting and not self._active and not self._jobs, timeout)
+
+    def stats(self) -> dict:
+        with self._cond:
+            active = sum(not s.cancelled for s in self._active)
+            return {"active": active, "queued": len(self._waiting), "slots": self.max_concurrency,
+                    "max_queue": self.max_queue, **self.counters}
+
+    # -- the model thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            if self._cache is None:
+                self._cache = KVCache.for_model(self.model, self.max_concurrency)
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._active or self._waiting or self._jobs):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    jobs = list(self._jobs)
+                    self._jobs.clear()
+                    cancelled = [i for i, s in enumerate(self._active) if s.cancelled]
+                    free = self.max_concurrency - len(self._active) + len(cancelled)
+                    admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                for fn, future in jobs:
+                    if future.set_running_or_notify_cancel():
+                        try:
+                            future.set_result(fn())
+                        except BaseException as e:  # handed to the caller
+                            future.set_exception(e)
+                self.counters["cancelled"] += len(cancelled)
+                self._remove(cancelled)
+                if not self._active and not admit:
+                    with self._cond:
+                        self._cond.notify_all()  # wake wait_idle
+                    continue
+                try:
+                    self._step(admit)
+                except Exception:
+                    log.exception("generation step failed")
+                    failed = list(dict.fromkeys([*self._active, *admit]))
+                    for seq in failed:
+                        _safe_emit(seq, Event(seq.index, error="internal error while generating"))
+                    self.counters["failed"] += len(failed)
+                    with self._cond:
+                        self._active.clear()
+                        self._cond.notify_all()
+
+    def _step(self, admit: list[Sequence]) -> None:
+        """One step: every active row gets its next logits (batched decode, or a re-prefill once its
+        context is full); every admitted sequence is prefilled into a free row; then each row chooses."""
+        model, cache, bs = self.model, self._cache, self.block_size
+        active = self._active
+        logits: list[torch.Tensor] = []
+        n_old = len(active)
+        if n_old:
+            full = [s.filled >= bs for s in active]
+            if not all(full):
+                tokens = torch.stack([s.tokens[s.length - 1] for s in active])  # (B,)
+                # A full row decodes a throwaway token at the last position; the re-prefill below
+                # rewrites its whole row.
+                pos = torch.tensor([min(s.filled, bs - 1) for s in active], device=self.device)
+                out = decode_step(model, tokens, cache.rows(0, n_old), pos)  # (B, V)
+            for i, s in enumerate(active):
+                if full[i]:
+                    logits.append(prefill(model, s.context()[:, -bs:], cache.slot(i)))
+                else:
+                    logits.append(out[i : i + 1])
+                    s.filled += 1
+        for s in admit:
+            s.start(self.tokenizer, self.vocab_size, self.device)
+            if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
+                s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
+            row = len(active)
+            with self._cond:
+                active.append(s)
+            logits.append(prefill(model, s.context(), cache.slot(row)))
+            s.filled = s.length
+        self.counters["steps"] += 1
+        self.counters["peak_batch"] = max(self.counters["peak_batch"], len(active))
+        done = [i for i, s in enumerate(active) if self._advance(s, logits[i])]
+        self._remove(done)
+
+    def _advance(self, s: Sequence, logits: torch.Tensor) -> bool:
+        """Choose s's next token from logits (1, V), report its text; True when s is finished."""
+        if s.cancelled:
+            return False  # dropped (and counted) at the start of the next step
+        raw = logits.float()
+        if self._mask is not None:
+            raw = raw + self._mask
+        x = raw
+        if s.bias is not None:
+            x = x + s.bias
+        if s.counts is not None:
+            x = x - s.frequency_penalty * s.counts - s.presence_penalty * (s.counts > 0)
+        history = s.context() if s.sampling.repetition_penalty != 1.0 else None
+        token = int(sample(x, history, s.sampling, s.generator)[0])
+        s.tokens[s.length] = token
+        s.length += 1
+        s.generated += 1
+        self.counters["generated_tokens"] += 1
+        if s.counts is not None:
+            s.counts[0, token] += 1
+        if token in s.stop_tokens:
+            return self._finish(s, "stop")
+        if s.logprobs is not None:
+            s.pending.append(_token_info(raw, token, s.logprobs))
+        text = s.stopper.push(s.decoder.push(token))
+        if s.stopper.done:
+            return self._finish(s, "stop", text)
+        if s.generated >= s.max_tokens:
+            return self._finish(s, "length", text)
+        if text:
+            tokens, s.pending = s.pending, []
+            _safe_emit(s, Event(s.index, text, tokens))
+        return False
+
+    def _finish(self, s: Sequence, reason: str, text: str = "") -> bool:
+        if reason != "stop" or not s.stopper.done:
+            tail = s.stopper.push(s.decoder.flush())
+            if s.stopper.done:
+                reason = "stop"
+            text += tail + s.stopper.flush()
+        # tokens whose text was cut away with a stop string are not reported
+        tokens = s.pending if text else []
+        _safe_emit(s, Event(s.index, text, tokens, finish_reason=reason, completion_tokens=s.generated))
+        self.counters["completed"] += 1
+        return True
+
+    def _remove(self, rows: list[int]) -> None:
+        """Free these rows: the last active row moves into each gap, so rows 0..n-1 stay in use."""
+        if not rows:
+            return
+        with self._cond:
+            for i in sorted(rows, reverse=True):
+                last = len(self._active) - 1
+                moved = self._active.pop()
+                if i != last:
+                    self._active[i] = moved
+                    dst, src = self._cache.slot(i), self._cache.slot(last)
+                    dst.k.copy_(src.k)
+                    dst.v.copy_(src.v)
+            self._cond.notify_all()
+
+
+def _token_info(logits: torch.Tensor, token: int, top: int) -> TokenInfo:
+    """The model's own distribution (before temperature, penalties and filters) at this step."""
+    logprobs = torch.log_softmax(logits[0], dim=-1)
+    chosen = max(float(logprobs[token]), MIN_LOGPROB)
+    best: list[tuple[int, float]] = []
+    if top:
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+        best = [(int(i), max(float(v), MIN_LOGPROB)) for i, v in zip(ids, values)]
+    return TokenInfo(token, chosen if math.isfinite(chosen) else MIN_LOGPROB, best)
+
+
+def _safe_emit(seq: Sequence, event: Event) -> None:
+    """Deliver an event; a listener that is gone (its event loop closed) cancels the sequence."""
+    try:
+        seq.emit(event)
+    except Exception:
+        seq.cancelled = True

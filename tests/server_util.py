@@ -1,0 +1,86 @@
+"""Helpers for the server tests: a tiny random model, and a real uvicorn server in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+import tinygpt
+from tinygpt.tokenizer import CharTokenizer
+
+# printable ASCII and a newline: enough for the chat template and ordinary prompts
+CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"
+NAME = "tiny"
+
+
+def tiny_model(block_size: int = 32, seed: int = 0, vocab_size: int | None = None) -> tinygpt.GPT:
+    """A randomly initialised 2-layer GPT. PyTorch's default init gives logits with clear gaps
+    between tokens, so greedy choices do not flip on float rounding between batch sizes."""
+    torch.manual_seed(seed)
+    cfg = tinygpt.GPTConfig(vocab_size=vocab_size or len(CHARS), block_size=block_size, n_layer=2, n_head=2,
+                            n_embd=32, init="torch", tie_weights=False)
+    return tinygpt.GPT(cfg).eval()
+
+
+def tiny_tokenizer() -> CharTokenizer:
+    return CharTokenizer(CHARS)
+
+
+def save_tiny_run(path, block_size: int = 32):
+    """A run folder (config.json, model.safetensors, tokenizer.json) `tinygpt serve` can load."""
+    return tinygpt.save(tiny_model(block_size), path, tiny_tokenizer())
+
+
+@contextlib.contextmanager
+def running(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free port in a background thread; yields the base URL."""
+    import uvicorn
+
+    from tinygpt.server import listen
+
+    sock = listen("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
+    """Poll until predicate() is truthy; returns its value or fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(interval)
+
+
+def health(url: str) -> dict:
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and two threads calling torch (the test and
+    the server's model thread) each with their own team thrash a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
