@@ -571,7 +571,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         --max-tokens N: the largest max_tokens a request may ask for (2048).
         --cors-origin ORIGIN: let browser pages from ORIGIN call the API (repeatable; "*" for any).
         --model-name NAME: the model id clients send (default: the run folder's name).
-    SIGTERM stops accepting requests (503), finishes those running, then exits.
+    Prompts longer than the model's context are cut to their last block_size tokens (the
+    response's usage.prompt_tokens_truncated says how many were dropped). SIGTERM stops accepting
+    requests (503), finishes those running, then exits.
     """
     import os
     from pathlib import Path
@@ -1016,8 +1018,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.set_defaults(func=cmd_import)
 
-    p = sub.add_parser("serve", help="serve a run over an OpenAI-compatible HTTP API with a playground",
-                       description=cmd_serve.__doc__.split("\n\n")[0])
+    p = sub.add_parser(
+        "serve", help="serve a run over an OpenAI-compatible HTTP API with a playground",
+        description=cmd_serve.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Prompts longer than the model's context are cut to their last block_size tokens\n"
+               "(usage.prompt_tokens_truncated says how many were dropped). SIGTERM drains: new\n"
+               "requests get 503, running ones finish, then the server exits.\n\n"
+               "examples:\n  tinygpt serve runs/stdlib\n"
+               "  tinygpt serve runs/stdlib --host 0.0.0.0 --port 8080 --api-key KEY --cors-origin https://my.app",
+    )
     p.add_argument("run", metavar="RUN", help="a run folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")

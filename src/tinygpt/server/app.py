@@ -330,7 +330,9 @@ class _Server:
                            headers={"Retry-After": str(e.retry_after)}) from None
         except Draining:
             raise _unavailable() from None
-        reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), echo=echo, n=n)
+        dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts)
+        reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), dropped=dropped,
+                       echo=echo, n=n)
 
         def gone() -> None:
             self.scheduler.cancel(seqs)
@@ -393,11 +395,12 @@ class _Reply:
     """Turns a request's events into OpenAI's response or stream of chunks."""
 
     def __init__(self, server: _Server, req, seqs: list[Sequence], *, chat: bool, prompt_tokens: int,
-                 echo: list[str] | None, n: int) -> None:
+                 dropped: int, echo: list[str] | None, n: int) -> None:
         self.server, self.req, self.seqs, self.chat = server, req, seqs, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
+        self.dropped = dropped
         self.completion_tokens = 0
         self.echo = echo
         self.n = n
@@ -405,8 +408,11 @@ class _Reply:
         self.logprobs = seqs[0].logprobs is not None
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.dropped:  # prompts longer than the context were cut to their last block_size tokens
+            usage["prompt_tokens_truncated"] = self.dropped
+        return usage
 
     async def events(self, queue: asyncio.Queue) -> AsyncIterator[Event]:
         """Events until every choice has finished; raises APIError on a failure."""

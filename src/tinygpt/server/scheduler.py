@@ -163,6 +163,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._active: list[Sequence] = []  # row i of the cache belongs to _active[i]
         self._waiting: deque[Sequence] = deque()
+        self._admitting: list[Sequence] = []  # taken from the queue, not yet given a row
         self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
         self._cache: KVCache | None = None
         self._thread: threading.Thread | None = None
@@ -186,10 +187,11 @@ class Scheduler:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
         with self._cond:
-            for seq in [*self._waiting, *self._active]:
+            for seq in [*self._waiting, *self._admitting, *self._active]:
                 _safe_emit(seq, Event(seq.index, error="the server is shutting down"))
             self._waiting.clear()
             self._active.clear()
+            self._admitting.clear()
             for _, future in self._jobs:
                 future.cancel()
             self._jobs.clear()
@@ -205,7 +207,7 @@ class Scheduler:
         with self._cond:
             if self.draining or self._stopping:
                 raise Draining()
-            busy = len(self._waiting) + sum(not s.cancelled for s in self._active)
+            busy = len(self._waiting) + self._running()
             if busy + len(seqs) > self.max_concurrency + self.max_queue:
                 raise QueueFull(retry_after=1)
             self._waiting.extend(seqs)
@@ -247,13 +249,18 @@ class Scheduler:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running. Returns False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._waiting and not self._active and not self._jobs, timeout)
+            return self._cond.wait_for(
+                lambda: not (self._waiting or self._admitting or self._active or self._jobs), timeout
+            )
 
     def stats(self) -> dict:
+        """Sequences generating ("active") and waiting ("queued"), and counters since the start."""
         with self._cond:
-            active = sum(not s.cancelled for s in self._active)
-            return {"active": active, "queued": len(self._waiting), "slots": self.max_concurrency,
+            return {"active": self._running(), "queued": len(self._waiting), "slots": self.max_concurrency,
                     "max_queue": self.max_queue, **self.counters}
+
+    def _running(self) -> int:
+        return sum(not s.cancelled for s in self._active) + sum(not s.cancelled for s in self._admitting)
 
     # -- the model thread --------------------------------------------------------------------
 
@@ -272,13 +279,14 @@ class Scheduler:
                     cancelled = [i for i, s in enumerate(self._active) if s.cancelled]
                     free = self.max_concurrency - len(self._active) + len(cancelled)
                     admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                    self._admitting = list(admit)
+                    self.counters["cancelled"] += len(cancelled)
                 for fn, future in jobs:
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn())
                         except BaseException as e:  # handed to the caller
                             future.set_exception(e)
-                self.counters["cancelled"] += len(cancelled)
                 self._remove(cancelled)
                 if not self._active and not admit:
                     with self._cond:
@@ -294,6 +302,7 @@ class Scheduler:
                     self.counters["failed"] += len(failed)
                     with self._cond:
                         self._active.clear()
+                        self._admitting.clear()
                         self._cond.notify_all()
 
     def _step(self, admit: list[Sequence]) -> None:
@@ -324,6 +333,7 @@ class Scheduler:
             row = len(active)
             with self._cond:
                 active.append(s)
+                self._admitting.remove(s)
             logits.append(prefill(model, s.context(), cache.slot(row)))
             s.filled = s.length
         self.counters["steps"] += 1

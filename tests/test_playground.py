@@ -1,0 +1,113 @@
+"""The playground page in a real browser: headless Chromium (Debian's chromium + chromium-driver)
+driven by Selenium types a prompt and reads the streamed, probability-coloured text."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from server_util import NAME, one_torch_thread, running, tiny_model, tiny_tokenizer  # noqa: F401 (fixture)
+
+import tinygpt
+from tinygpt.server import create_app
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+if not (CHROMIUM and os.path.exists(DRIVER)):
+    if os.environ.get("CI"):  # CI installs them (.ci/run): missing there is a failure, not a skip
+        pytest.fail("chromium and chromium-driver are not installed", pytrace=False)
+    pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+                allow_module_level=True)
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
+
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1280,1000"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(block_size=32)
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    with running(create_app(model, tiny_tokenizer(), model_name=NAME, max_tokens=200)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in FLAGS:
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def set_slider(driver, id: str, value) -> None:
+    driver.execute_script(
+        "const el = document.getElementById(arguments[0]); el.value = arguments[1];"
+        "el.dispatchEvent(new Event('input'));", id, str(value))
+
+
+def text_of(driver, id: str) -> str:
+    return driver.find_element(By.ID, id).get_attribute("textContent")
+
+
+def test_playground_streams_coloured_tokens_with_top5_and_attention(browser, url, model):
+    tok = tiny_tokenizer()
+    wait = WebDriverWait(browser, 60)
+    browser.get(url + "/")
+    wait.until(lambda d: f"model {NAME}" in text_of(d, "model-info"))
+    set_slider(browser, "temperature", 0)
+    set_slider(browser, "max_tokens", 30)
+    assert text_of(browser, "max_tokens-val") == "30"
+    browser.find_element(By.ID, "prompt").send_keys("hello world")
+    browser.find_element(By.ID, "generate").click()
+    wait.until(lambda d: text_of(d, "status").startswith("done"))
+    assert "30 tokens" in text_of(browser, "status") and "finish reason length" in text_of(browser, "status")
+
+    ids = torch.tensor([tok.encode("hello world")])
+    expected = tok.decode(tinygpt.generate(model, ids, 30, greedy=True)[0, ids.shape[1]:].tolist())
+    assert text_of(browser, "prompt-echo") == "hello world"
+    assert text_of(browser, "completion") == expected
+
+    spans = browser.find_elements(By.CSS_SELECTOR, "#completion .tok")
+    assert "".join(s.get_attribute("textContent") for s in spans) == expected
+    assert all(s.get_attribute("style").startswith("background") for s in spans)
+    ActionChains(browser).move_to_element(spans[3]).perform()
+    tip = browser.find_element(By.ID, "tip")
+    wait.until(lambda d: tip.is_displayed())
+    rows = tip.find_elements(By.CSS_SELECTOR, "tr")
+    assert len(rows) == 6  # the chosen token, then the 5 candidates
+    assert rows[0].text.startswith(f'chose "{expected[3]}"')
+    assert "chosen" in rows[1].get_attribute("class")  # greedy: the chosen token is the most likely
+
+    # the attention view of prompt + output, then another head
+    wait.until(lambda d: "tokens" in text_of(d, "attn-status"))
+    assert text_of(browser, "attn-status").startswith("layer 0, head 0: 32 tokens (the last 32 of 41)")
+    assert int(browser.find_element(By.ID, "attention").get_attribute("width")) > 0
+    Select(browser.find_element(By.ID, "head")).select_by_value("1")
+    wait.until(lambda d: text_of(d, "attn-status").startswith("layer 0, head 1"))
+
+
+def test_playground_shows_api_errors(browser, url):
+    wait = WebDriverWait(browser, 60)
+    browser.get(url + "/")
+    wait.until(lambda d: f"model {NAME}" in text_of(d, "model-info"))
+    browser.find_element(By.ID, "prompt").send_keys("caf\u00e9")  # not in the character vocabulary
+    browser.find_element(By.ID, "generate").click()
+    wait.until(lambda d: text_of(d, "status").startswith("error"))
+    assert "vocabulary" in text_of(browser, "status")

@@ -1,0 +1,485 @@
+"""`tinygpt serve`'s HTTP API against a real uvicorn server: the official openai client, a table of
+bad requests, a fuzz run, concurrency, the queue limit, dropped streams, auth, CORS, limits."""
+
+import asyncio
+import json
+import math
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_util import CHARS, NAME, health, one_torch_thread, running, tiny_model, tiny_tokenizer, wait_for  # noqa: F401
+
+import tinygpt
+from tinygpt.server import create_app
+
+CAP = 64  # the module server's --max-tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(block_size=32)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def url(model, tok):
+    with running(create_app(model, tok, model_name=NAME, max_tokens=CAP)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference(model, tok, prompt: str, n: int) -> str:
+    ids = torch.tensor([tok.encode(prompt)[-model.config.block_size :]])
+    return tok.decode(tinygpt.generate(model, ids, n, greedy=True)[0, ids.shape[1] :].tolist())
+
+
+# -- the official client ----------------------------------------------------------------------
+
+
+def test_openai_completions_streamed_equals_not_streamed(client, model, tok):
+    r = client.completions.create(model=NAME, prompt="hello world", max_tokens=40, temperature=0)
+    text = r.choices[0].text
+    assert text == reference(model, tok, "hello world", 40)  # 40 > block_size: the window slides
+    assert r.choices[0].finish_reason == "length" and r.object == "text_completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (11, 40, 51)
+    assert "prompt_tokens_truncated" not in r.usage.model_dump()
+    chunks = list(client.completions.create(model=NAME, prompt="hello world", max_tokens=40, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.id == chunks[0].id for c in chunks)
+
+
+def test_openai_chat_streamed_equals_not_streamed(client, model, tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+    prompt = "System: Be brief.\nUser: Hi there\nAssistant:"  # the documented template
+    expected = reference(model, tok, prompt, 30)
+    for stop in ("\nUser:", "\nSystem:"):
+        expected = expected.split(stop)[0]
+    assert text == expected
+    assert r.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_n_seed_stop_and_echo(client, model, tok):
+    a = client.completions.create(model=NAME, prompt="abc", max_tokens=20, n=3, seed=7, temperature=1.0)
+    b = client.completions.create(model=NAME, prompt="abc", max_tokens=20, n=3, seed=7, temperature=1.0)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # each choice has its own random stream
+    assert a.usage.completion_tokens == 60 and a.usage.prompt_tokens == 3
+    greedy = reference(model, tok, "abc", 20)
+    stop = greedy[8:10]
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, stop=[stop, "zzzz"])
+    assert r.choices[0].text == greedy[: greedy.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    r = client.completions.create(model=NAME, prompt=["abc", "xyz"], max_tokens=5, temperature=0, echo=True)
+    assert [c.text for c in r.choices] == ["abc" + greedy[:5], "xyz" + reference(model, tok, "xyz", 5)]
+
+
+def test_logprobs_are_the_models_own_distribution(client, model, tok):
+    r = client.completions.create(model=NAME, prompt="hello", max_tokens=3, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    with torch.no_grad():
+        first = torch.log_softmax(model(torch.tensor([tok.encode("hello")]))[0, -1], -1)
+    top = torch.topk(first, 5)
+    assert lp.tokens == list(r.choices[0].text) and lp.text_offset == [0, 1, 2]
+    assert lp.token_logprobs[0] == pytest.approx(first.max().item(), abs=1e-5)
+    assert list(lp.top_logprobs[0]) == [tok.decode([int(i)]) for i in top.indices]
+    assert list(lp.top_logprobs[0].values()) == pytest.approx(top.values.tolist(), abs=1e-5)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list()] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    h = health(url)
+    assert h["status"] == "ok" and h["model"] == NAME and h["block_size"] == 32
+
+
+def test_openai_client_sees_errors_as_its_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="hi", temperature=5)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+# -- bad requests -----------------------------------------------------------------------------
+
+C, M, A = "/v1/completions", "/v1/chat/completions", "/v1/tinygpt/attention"
+COMP = {"model": NAME, "prompt": "hi"}
+CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}]}
+ATTN = {"model": NAME, "prompt": "hi"}
+
+
+def comp(**kw):
+    return {k: v for k, v in {**COMP, **kw}.items() if v is not ...}
+
+
+def chat(**kw):
+    return {k: v for k, v in {**CHAT, **kw}.items() if v is not ...}
+
+
+def msg(**kw):
+    return chat(messages=[{k: v for k, v in {"role": "user", "content": "hi", **kw}.items() if v is not ...}])
+
+
+BAD = [
+    # (route, body: dict or raw text, status, param)
+    (C, "{", 400, None),
+    (C, "", 400, None),
+    (C, "[1, 2]", 400, None),
+    (C, '"text"', 400, None),
+    (C, "null", 400, None),
+    (C, "[" * 5000, 400, None),
+    (C, '{"model": "tiny", "prompt": "a", "temperature": NaN}', 400, "temperature"),
+    (C, '{"model": "tiny", "prompt": "a", "max_tokens": 1e400}', 400, "max_tokens"),
+    (C, comp(model=...), 400, "model"),
+    (C, comp(model=5), 400, "model"),
+    (C, comp(model="nope"), 404, "model"),
+    (C, comp(prompt=...), 400, "prompt"),
+    (C, comp(prompt=5), 400, "prompt"),
+    (C, comp(prompt=[]), 400, "prompt"),
+    (C, comp(prompt=[[]]), 400, "prompt"),
+    (C, comp(prompt=[1, "a"]), 400, "prompt"),
+    (C, comp(prompt=[10**6]), 400, "prompt"),
+    (C, comp(prompt=[-1]), 400, "prompt"),
+    (C, comp(prompt="h\u00e9llo"), 400, "prompt"),
+    (C, comp(temperature=-0.1), 400, "temperature"),
+    (C, comp(temperature=2.5), 400, "temperature"),
+    (C, comp(temperature="hot"), 400, "temperature"),
+    (C, comp(top_p=0), 400, "top_p"),
+    (C, comp(top_p=1.5), 400, "top_p"),
+    (C, comp(top_k=0), 400, "top_k"),
+    (C, comp(top_k=1.5), 400, "top_k"),
+    (C, comp(top_k=True), 400, "top_k"),
+    (C, comp(n=0), 400, "n"),
+    (C, comp(n=17), 400, "n"),
+    (C, comp(n=9, prompt=["a", "b"]), 400, "n"),
+    (C, comp(max_tokens=0), 400, "max_tokens"),
+    (C, comp(max_tokens=CAP + 1), 400, "max_tokens"),
+    (C, comp(max_tokens="10"), 400, "max_tokens"),
+    (C, comp(presence_penalty=2.5), 400, "presence_penalty"),
+    (C, comp(frequency_penalty=-3), 400, "frequency_penalty"),
+    (C, comp(repetition_penalty=0), 400, "repetition_penalty"),
+    (C, comp(repetition_penalty=-1), 400, "repetition_penalty"),
+    (C, comp(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (C, comp(stop=""), 400, "stop"),
+    (C, comp(stop=["ok", ""]), 400, "stop"),
+    (C, comp(stop=5), 400, "stop"),
+    (C, comp(seed=2**70), 400, "seed"),
+    (C, comp(seed="1"), 400, "seed"),
+    (C, comp(stream="yes"), 400, "stream"),
+    (C, comp(stream_options={"include_usage": True}), 400, "stream_options"),
+    (C, comp(logprobs=6), 400, "logprobs"),
+    (C, comp(logprobs=True), 400, "logprobs"),
+    (C, comp(echo=1), 400, "echo"),
+    (C, comp(suffix="x"), 400, "suffix"),
+    (C, comp(best_of=3), 400, "best_of"),
+    (C, comp(logit_bias={"abc": 1}), 400, "logit_bias"),
+    (C, comp(logit_bias={"1": 200}), 400, "logit_bias.1"),
+    (C, comp(foo=1), 400, "foo"),
+    (M, chat(messages=...), 400, "messages"),
+    (M, chat(messages=[]), 400, "messages"),
+    (M, chat(messages="hi"), 400, "messages"),
+    (M, msg(role="tool"), 400, "messages.0.role"),
+    (M, msg(role=...), 400, "messages.0.role"),
+    (M, msg(content=5), 400, "messages.0.content"),
+    (M, msg(content=...), 400, "messages.0.content"),
+    (M, msg(content=[{"type": "image_url", "image_url": {"url": "x"}}]), 400, "messages.0.content"),
+    (M, msg(content="\u00e9"), 400, "messages"),
+    (M, chat(top_logprobs=3), 400, "top_logprobs"),
+    (M, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (M, chat(max_completion_tokens=CAP + 1), 400, "max_completion_tokens"),
+    (M, chat(model="gpt-4o"), 404, "model"),
+    (M, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    (M, chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    (A, {**ATTN, "layer": 2}, 400, "layer"),
+    (A, {**ATTN, "head": -1}, 400, "head"),
+    (A, {**ATTN, "prompt": ""}, 400, "prompt"),
+    (A, {**ATTN, "model": "x"}, 404, "model"),
+    ("/v1/nothing", COMP, 404, None),
+]
+
+
+def test_the_table_has_at_least_40_bad_requests():
+    assert len(BAD) >= 40
+
+
+def check_error(r, status):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    return err
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD, ids=[f"{i:02d}" for i in range(len(BAD))])
+def test_bad_request(url, route, body, status, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(url + route, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    err = check_error(r, status)
+    assert err["param"] == param, err
+
+
+def test_bodies_over_2_mb_get_413(url):
+    big = json.dumps(comp(prompt="a" * (2 * 1024 * 1024)))
+    check_error(httpx.post(url + C, content=big, timeout=30), 413)
+
+    def chunks():  # no Content-Length: the server counts as it reads
+        for _ in range(3):
+            yield b" " * (1024 * 1024)
+
+    check_error(httpx.post(url + C, content=chunks(), timeout=30), 413)
+    # just under the limit is fine (and long prompts are cut to their last block_size tokens)
+    ok = httpx.post(url + C, content=json.dumps(comp(prompt="a" * (1024 * 1024), max_tokens=2)), timeout=60)
+    usage = ok.json()["usage"]
+    assert ok.status_code == 200 and usage["prompt_tokens"] == 1024 * 1024
+    assert usage["prompt_tokens_truncated"] == 1024 * 1024 - 32
+
+
+def test_wrong_method_and_unknown_model_route(url):
+    check_error(httpx.get(url + C), 405)
+    check_error(httpx.get(url + "/v1/models/nope"), 404)
+
+
+# -- fuzz -------------------------------------------------------------------------------------
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
+          "stream", "logprobs", "top_logprobs", "echo", "repetition_penalty", "presence_penalty", "logit_bias",
+          "stream_options", "role", "content", "max_completion_tokens", "best_of", "suffix", "user"]
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=12)
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), inner, max_size=4),
+                      max_leaves=10)
+plausible = st.fixed_dictionaries(
+    {"model": st.just(NAME) | values},
+    optional={f: values | st.integers(-3, 20) | st.floats(-3, 3) for f in FIELDS if f != "model"},
+)
+bodies = st.one_of(values.map(json.dumps), plausible.map(json.dumps), st.text(max_size=40),
+                   st.binary(max_size=40))
+# valid requests, then the same with one field replaced by anything
+SETTINGS = {"max_tokens": st.integers(1, 8), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+            "top_k": st.integers(1, 50), "n": st.integers(1, 3), "seed": st.integers(0, 2**63),
+            "stop": st.text(CHARS, min_size=1, max_size=3) | st.lists(st.text(CHARS, min_size=1, max_size=3),
+                                                                        max_size=4),
+            "stream": st.booleans(), "repetition_penalty": st.floats(0.1, 3), "presence_penalty": st.floats(-2, 2),
+            "frequency_penalty": st.floats(-2, 2), "logit_bias": st.dictionaries(
+                st.integers(0, len(CHARS) - 1).map(str), st.floats(-100, 100), max_size=3)}
+valid_completion = st.fixed_dictionaries(
+    {"model": st.just(NAME), "prompt": st.text(CHARS, max_size=40) | st.lists(st.integers(0, len(CHARS) - 1),
+                                                                                min_size=1, max_size=40)},
+    optional={**SETTINGS, "logprobs": st.integers(0, 5), "echo": st.booleans()})
+message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+                                 "content": st.text(CHARS, max_size=30)})
+valid_chat = st.fixed_dictionaries(
+    {"model": st.just(NAME), "messages": st.lists(message, min_size=1, max_size=3)},
+    optional={**SETTINGS, "logprobs": st.booleans()})
+
+
+def mutated(valid):
+    return st.tuples(valid, st.sampled_from(FIELDS), values).map(lambda t: {**t[0], t[1]: t[2]})
+
+
+requests = st.one_of(
+    st.tuples(st.sampled_from([C, M, A]), bodies),
+    st.tuples(st.just(C), (valid_completion | mutated(valid_completion)).map(json.dumps)),
+    st.tuples(st.just(M), (valid_chat | mutated(valid_chat)).map(json.dumps)),
+)
+
+
+@pytest.fixture(scope="module")
+def http(url):
+    with httpx.Client(base_url=url, timeout=60) as c:
+        yield c
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(request=requests)
+def test_fuzzed_bodies_never_get_a_5xx(http, request):
+    route, body = request
+    r = http.post(route, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        check_error(r, r.status_code)
+
+
+def test_healthy_after_fuzzing(url, client):
+    assert health(url)["status"] == "ok"
+    wait_for(lambda: health(url)["active"] == 0 and health(url)["queued"] == 0)
+    assert client.completions.create(model=NAME, prompt="ok", max_tokens=3).usage.completion_tokens == 3
+
+
+# -- concurrency ------------------------------------------------------------------------------
+
+
+def test_8_concurrent_clients_succeed_with_their_own_answers(url, model, tok):
+    prompts = [f"client {i} says" for i in range(8)]
+    expected = [reference(model, tok, p, 40) for p in prompts]
+    results: list = [None] * 8
+    barrier = threading.Barrier(8)
+
+    def one(i):
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        barrier.wait()
+        if i % 2:
+            results[i] = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=40, temperature=0).choices[0].text
+        else:
+            stream = c.completions.create(model=NAME, prompt=prompts[i], max_tokens=40, temperature=0, stream=True)
+            results[i] = "".join(ch.choices[0].text for ch in stream)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == expected
+    assert health(url)["peak_batch"] > 1
+
+
+@pytest.fixture(scope="module")
+def small_url(model, tok):
+    """8 slots and 12 queue places, long generations allowed."""
+    with running(create_app(model, tok, model_name=NAME, max_concurrency=8, max_queue=12, max_tokens=100_000)) as b:
+        yield b
+
+
+def test_full_queue_gets_429_and_dropped_streams_free_everything(small_url):
+    before = health(small_url)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=small_url, timeout=30) as http:
+            body = {"model": NAME, "prompt": "x", "max_tokens": 100_000, "stream": True}
+            streams = [http.stream("POST", C, json=body) for _ in range(20)]
+            responses = await asyncio.gather(*(s.__aenter__() for s in streams))
+            assert [r.status_code for r in responses] == [200] * 20
+            h = (await http.get("/health")).json()
+            assert (h["active"], h["queued"]) == (8, 12)
+            while (await http.get("/health")).json()["generated_tokens"] < h["generated_tokens"] + 16:
+                await asyncio.sleep(0.01)  # tokens are flowing
+            r = await http.post(C, json={"model": NAME, "prompt": "x", "max_tokens": 5})
+            err = check_error(r, 429)
+            assert err["code"] == "rate_limit_exceeded" and int(r.headers["retry-after"]) >= 1
+            for s in streams:  # the clients go away mid-stream
+                await s.__aexit__(None, None, None)
+
+    asyncio.run(scenario())
+    after = wait_for(lambda: (h := health(small_url))["active"] == 0 and h["queued"] == 0 and h, timeout=10)
+    assert after["cancelled"] - before["cancelled"] == 20
+    assert after["completed"] == before["completed"]
+    ok = httpx.post(small_url + C, json={"model": NAME, "prompt": "x", "max_tokens": 5}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_client_leaving_a_non_streamed_request_frees_its_slot(small_url):
+    before = health(small_url)["cancelled"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(small_url + C, json={"model": NAME, "prompt": "x", "max_tokens": 100_000}, timeout=0.5)
+    wait_for(lambda: health(small_url)["active"] == 0)
+    assert health(small_url)["cancelled"] == before + 1
+
+
+# -- in-process: the tokenizer's stop token, auth, CORS, the page ----------------------------
+
+
+def test_eot_stops_and_byte_tokens_are_reported_as_bytes():
+    from conftest import make_text
+
+    from tinygpt.tokenizer import BPETokenizer
+
+    bpe = BPETokenizer.train([make_text(200), "caf\u00e9 \u2014 \U0001f600"], vocab_size=300)
+    model = tiny_model(vocab_size=bpe.vocab_size)
+    byte = next(i for i in range(bpe.vocab_size) if bpe.decode_bytes([i]) == b"\xe2")
+    with TestClient(create_app(model, bpe, model_name=NAME)) as http:
+        r = http.post(C, json={**COMP, "max_tokens": 20, "logit_bias": {str(bpe.eot_id): 100}})
+        choice = r.json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("", "stop")
+        assert r.json()["usage"]["completion_tokens"] == 1
+        r = http.post(C, json={**COMP, "max_tokens": 1, "logprobs": 1, "logit_bias": {str(byte): 100}})
+        choice = r.json()["choices"][0]
+        assert choice["logprobs"]["tokens"] == ["bytes:\\xe2"] and choice["text"] == "\ufffd"
+        # an empty prompt starts from <|endoftext|>
+        r = http.post(C, json={**COMP, "prompt": "", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 1
+
+
+def test_api_key_guards_the_api_but_not_the_page(model, tok):
+    app = create_app(model, tok, model_name=NAME, api_key="s3cret")
+    with TestClient(app) as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}):
+            for method, route in (("POST", C), ("POST", M), ("POST", A), ("GET", "/v1/models")):
+                r = http.request(method, route, json=COMP, headers=headers)
+                assert check_error(r, 401)["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert http.post(C, json={**COMP, "max_tokens": 2}, headers=ok).status_code == 200
+        assert http.get("/v1/models", headers=ok).status_code == 200
+        page = http.get("/")
+        assert page.status_code == 200 and "tinygpt playground" in page.text
+        assert page.headers["content-type"].startswith("text/html")
+        assert "connect-src 'self'" in page.headers["content-security-policy"]
+        assert http.get("/health").json()["auth"] is True
+    with pytest.raises(tinygpt.ConfigError):
+        create_app(model, tok, model_name=NAME, api_key="")
+
+
+def test_cors_is_off_unless_origins_are_given(model, tok):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with TestClient(create_app(model, tok, model_name=NAME)) as http:
+        r = http.options(C, headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = http.post(C, json={**COMP, "max_tokens": 1}, headers={"Origin": "https://app.example"})
+        assert "access-control-allow-origin" not in r.headers
+    with TestClient(create_app(model, tok, model_name=NAME, cors_origins=["https://app.example"])) as http:
+        r = http.options(C, headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = http.options(C, headers={**preflight, "Origin": "https://evil.example"})
+        assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_attention_route_returns_the_models_explicit_weights(model, tok):
+    with TestClient(create_app(model, tok, model_name=NAME)) as http:
+        r = http.post(A, json={**ATTN, "prompt": "hello there", "layer": 1, "head": 1})
+        data = r.json()
+        assert data["tokens"] == list("hello there") and data["n_layer"] == 2 and not data["truncated"]
+        rows = data["attention"]
+        assert [len(row) for row in rows] == list(range(1, 12))
+        assert all(math.isclose(sum(row), 1.0, abs_tol=1e-3) for row in rows)
+        with torch.no_grad():
+            _, weights = model(torch.tensor([tok.encode("hello there")]), return_attention=True)
+        assert rows[-1] == pytest.approx(weights[1][0, 1, -1].tolist(), abs=1e-4)
+        long = http.post(A, json={**ATTN, "prompt": "x" * 100}).json()  # cut to the last block_size tokens
+        assert long["truncated"] and len(long["tokens"]) == 32 and long["prompt_tokens"] == 100
