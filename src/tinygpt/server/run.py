@@ -27,7 +27,8 @@ class _DrainingServer(uvicorn.Server):
             self.scheduler.start_draining()
             threading.Thread(target=self._exit_when_idle, name="tinygpt-drain", daemon=True).start()
             return
-        self.scheduler.start_draining()
+        # end what is generating (clients get an error) so that open streams close now
+        threading.Thread(target=self.scheduler.stop, name="tinygpt-stop", daemon=True).start()
         super().handle_exit(sig, frame)
 
     def _exit_when_idle(self) -> None:

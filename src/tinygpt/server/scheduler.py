@@ -112,9 +112,10 @@ class Sequence:
         """Allocate the per-sequence state on the model thread."""
         self.decoder = IncrementalDecoder(tokenizer)
         self.stopper = StopText(self.stop)
-        self.tokens = torch.empty(len(self.prompt) + self.max_tokens, dtype=torch.long, device=device)
-        self.tokens[: len(self.prompt)] = torch.tensor(self.prompt, dtype=torch.long)
-        self.length = len(self.prompt)
+        prompt = self.prompt
+        self.tokens = torch.empty(len(prompt) + min(self.max_tokens, 256), dtype=torch.long, device=device)
+        self.tokens[: len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        self.length = len(prompt)
         self.generator = None
         if self.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
@@ -131,6 +132,15 @@ class Sequence:
     def context(self) -> torch.Tensor:
         """Every token so far, (1, T)."""
         return self.tokens[: self.length].unsqueeze(0)
+
+    def append(self, token: int) -> None:
+        if self.length == self.tokens.shape[0]:  # grow by doubling: max_tokens may be large
+            grown = torch.empty(2 * self.length, dtype=torch.long, device=self.tokens.device)
+            grown[: self.length] = self.tokens
+            self.tokens = grown
+        self.tokens[self.length] = token
+        self.length += 1
+        self.generated += 1
 
 
 class Scheduler:
@@ -355,9 +365,7 @@ class Scheduler:
             x = x - s.frequency_penalty * s.counts - s.presence_penalty * (s.counts > 0)
         history = s.context() if s.sampling.repetition_penalty != 1.0 else None
         token = int(sample(x, history, s.sampling, s.generator)[0])
-        s.tokens[s.length] = token
-        s.length += 1
-        s.generated += 1
+        s.append(token)
         self.counters["generated_tokens"] += 1
         if s.counts is not None:
             s.counts[0, token] += 1
