@@ -13,7 +13,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence as Seq
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from functools import lru_cache
 from importlib import resources
@@ -54,7 +54,7 @@ def create_app(
     max_concurrency: int = 8,
     max_queue: int = 32,
     max_tokens: int = 2048,
-    cors_origins: Seq[str] = (),
+    cors_origins: Iterable[str] = (),
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving one model.
 
@@ -90,8 +90,9 @@ def create_app(
     app = FastAPI(title="tinygpt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = server.scheduler
     app.state.model_name = model_name
-    if cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
+    origins = list(cors_origins)
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
 
     @app.exception_handler(APIError)
@@ -201,7 +202,7 @@ class _Server:
         if self.scheduler.draining:
             raise _unavailable()
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        if length is not None and _is_uint(length) and int(length) > MAX_BODY_BYTES:
             raise _too_large()
         body = bytearray()
         async for chunk in request.stream():
@@ -251,7 +252,7 @@ class _Server:
         if req.logit_bias:
             bias = {}
             for key, value in req.logit_bias.items():
-                if not key.isdigit() or int(key) >= self.vocab_size:
+                if not _is_uint(key) or int(key) >= self.vocab_size:
                     raise APIError(400, f"Invalid value for 'logit_bias': {key!r} is not a token id in "
                                         f"0..{self.vocab_size - 1}", param="logit_bias", code="invalid_value")
                 bias[int(key)] = value
@@ -530,8 +531,12 @@ async def _watch_disconnect(request: Request, gone) -> None:
             return
 
 
+def _is_uint(text: str) -> bool:
+    return text.isascii() and text.isdigit()  # str.isdigit alone accepts '²', which int() refuses
+
+
 def _sse(obj: dict) -> str:
-    return "data: " + json.dumps(obj, separators=(",", ":")) + "\n\n"
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 def _unavailable() -> APIError:

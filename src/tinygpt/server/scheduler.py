@@ -337,6 +337,11 @@ class Scheduler:
                     logits.append(out[i : i + 1])
                     s.filled += 1
         for s in admit:
+            if s.cancelled:  # its client left while it waited
+                with self._cond:
+                    self._admitting.remove(s)
+                    self.counters["cancelled"] += 1
+                continue
             s.start(self.tokenizer, self.vocab_size, self.device)
             if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
                 s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
