@@ -52,3 +52,17 @@ def test_top_k_one_is_greedy():
     logits = torch.randn(16, 50)
     got = sample(logits, None, SampleConfig(top_k=1), torch.Generator().manual_seed(0))
     assert torch.equal(got, logits.argmax(-1))
+
+
+def test_a_vanishing_temperature_is_greedy_not_an_overflow():
+    logits = torch.randn(4, 50) * 30
+    for t in (1e-284, 1e-9):
+        assert torch.equal(sample(logits, None, SampleConfig(temperature=t)), logits.argmax(-1))
+
+
+def test_extreme_repetition_penalties_still_sample():
+    logits = torch.tensor([[-2.0, -1.0, 0.0, 3.0]])
+    seen = torch.tensor([[0, 1, 2, 3]])  # every token seen: nothing escapes the penalty
+    for alpha in (1e-40, 1e-7, 1e7, 1e39, 1e300):
+        token = sample(logits, seen, SampleConfig(repetition_penalty=alpha), torch.Generator().manual_seed(0))
+        assert 0 <= int(token) < 4

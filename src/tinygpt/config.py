@@ -168,7 +168,8 @@ class SampleConfig:
     """How the next token is chosen from the logits.
 
     Args:
-        temperature: logits are divided by it; 0 means greedy.
+        temperature: logits are divided by it; 0 means greedy (and so does anything below 1e-5,
+            where dividing would overflow the logits to inf).
         top_k: keep only the k most likely tokens.
         top_p: keep the smallest set of tokens whose probability reaches p (always the top one).
         repetition_penalty: alpha > 0; for tokens already in the sequence, positive logits are
@@ -198,7 +199,7 @@ class SampleConfig:
 
     @property
     def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
+        return self.greedy or self.temperature < 1e-5
 
 
 @dataclass

@@ -11,6 +11,9 @@ def apply_repetition_penalty(logits: torch.Tensor, tokens: torch.Tensor, alpha: 
     """For ids present in `tokens` (B, T): positive logits / alpha, negative logits * alpha."""
     if alpha == 1.0 or tokens.numel() == 0:
         return logits
+    # Past 1e6 either way a seen token is already as good as banned (or forced); clamping keeps
+    # extreme settings from overflowing the logits to inf (or 0 * inf = NaN) in float32.
+    alpha = min(max(alpha, 1e-6), 1e6)
     seen = torch.gather(logits, 1, tokens)
     seen = torch.where(seen > 0, seen / alpha, seen * alpha)
     return logits.scatter(1, tokens, seen)
