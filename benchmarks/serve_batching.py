@@ -9,12 +9,13 @@ Starts `tinygpt serve` in a subprocess on a randomly initialised model (the `bab
 Prints tokens/s for both and their ratio (issue 6 asks for >= 3x on this machine). The figures
 move 10-30% between runs on a shared machine; the ratio is measured within one run.
 
-    .venv/bin/python benchmarks/serve_batching.py [--preset baby] [--max-tokens 128] [--requests 2]
+    .venv/bin/python benchmarks/serve_batching.py [--preset baby] [--max-tokens 128] [--requests 2] [--threads N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests", type=int, default=2, help="requests per client")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--threads", type=int, help="the server's intra-op threads (default: torch's choice)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -96,13 +98,15 @@ def main() -> None:
             [sys.executable, "-m", "tinygpt", "serve", str(run), "--port", str(port), "--device", "cpu",
              "--max-concurrency", str(max(8, args.clients))],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env={**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})},
         )
         try:
             wait_healthy(url, proc)
             run_clients(url, "bench", 1, 1, 16)  # warm up
             cfg = model.config
+            threads = args.threads or torch.get_num_threads()
             print(f"model: preset {args.preset} ({model.num_params():,} parameters, {cfg.n_layer} layers, "
-                  f"{cfg.n_embd} wide, context {cfg.block_size}), float32 on cpu, {torch.get_num_threads()} threads")
+                  f"{cfg.n_embd} wide, context {cfg.block_size}), float32 on cpu, server with {threads} threads")
             print(f"each request: {args.max_tokens} new tokens; {args.requests} requests per client")
             one, n1 = run_clients(url, "bench", 1, args.requests, args.max_tokens)
             print(f"1 client:   {one:8.1f} tokens/s  ({n1} tokens)")

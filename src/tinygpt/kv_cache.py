@@ -56,12 +56,16 @@ class KVCache:
         """A one-sequence view of row `index`, sharing storage (for per-request prefill)."""
         return self.rows(index, index + 1)
 
-    def rows(self, start: int, stop: int) -> KVCache:
-        """A view of rows start..stop-1, sharing storage (a server decodes only the rows in use)."""
+    def rows(self, start: int, stop: int, length: int | None = None) -> KVCache:
+        """A view of rows start..stop-1, sharing storage (a server decodes only the rows in use).
+
+        With `length`, only positions 0..length-1 are seen, so attention costs what the longest
+        row holds rather than max_len (positions past every row's query are masked anyway).
+        """
         view = object.__new__(KVCache)
-        view.k = self.k[:, start:stop]
-        view.v = self.v[:, start:stop]
-        view._key_pos = self._key_pos
+        view.k = self.k[:, start:stop, :, :length]
+        view.v = self.v[:, start:stop, :, :length]
+        view._key_pos = self._key_pos[:length]
         return view
 
     def positions(self, input_pos: torch.Tensor, batch_size: int) -> torch.Tensor:

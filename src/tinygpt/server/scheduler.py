@@ -328,8 +328,10 @@ class Scheduler:
                 tokens = torch.stack([s.tokens[s.length - 1] for s in active])  # (B,)
                 # A full row decodes a throwaway token at the last position; the re-prefill below
                 # rewrites its whole row.
-                pos = torch.tensor([min(s.filled, bs - 1) for s in active], device=self.device)
-                out = decode_step(model, tokens, cache.rows(0, n_old), pos)  # (B, V)
+                positions = [min(s.filled, bs - 1) for s in active]
+                pos = torch.tensor(positions, device=self.device)
+                view = cache.rows(0, n_old, length=max(positions) + 1)  # no row looks further
+                out = decode_step(model, tokens, view, pos)  # (B, V)
             for i, s in enumerate(active):
                 if full[i]:
                     logits.append(prefill(model, s.context()[:, -bs:], cache.slot(i)))
