@@ -302,10 +302,13 @@ class _Server:
         return await self.generate(request, req, [ids], settings, chat=True)
 
     def check_choices(self, count: int) -> None:
+        """n times the number of prompts must fit; a full server answers 429 before any work."""
         limit = min(16, self.scheduler.max_concurrency + self.scheduler.max_queue)
         if count > limit:
             raise APIError(400, f"Invalid value for 'n': n times the number of prompts must be at most {limit}, "
                                 f"got {count}", param="n", code="invalid_value")
+        if not self.scheduler.has_room(count):
+            raise _busy(1)
 
     async def generate(self, request: Request, req, prompts: list[list[int]], settings: dict, *, chat: bool,
                        echo: list[str] | None = None) -> Response:
@@ -326,9 +329,7 @@ class _Server:
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:
-            raise APIError(429, "The server is busy: too many requests are waiting; retry shortly",
-                           type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(e.retry_after)}) from None
+            raise _busy(e.retry_after) from None
         except Draining:
             raise _unavailable() from None
         dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts)
@@ -340,8 +341,7 @@ class _Server:
             queue.put_nowait(_GONE)
 
         if req.stream:
-            return StreamingResponse(reply.stream(request, queue, gone), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _EventStream(reply.stream(request, queue, gone), on_close=lambda: self.scheduler.cancel(seqs))
         watcher = asyncio.create_task(_watch_disconnect(request, gone))
         try:
             return JSONResponse(await reply.collect(queue))
@@ -522,6 +522,22 @@ class _ClientGone(Exception):
     pass
 
 
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their sequences however the response ends, even when the
+    client left before the first chunk (the body generator then never runs its own cleanup)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 async def _watch_disconnect(request: Request, gone) -> None:
     """Call gone() when the client goes away (the body has been read, so receive() waits for that)."""
     while True:
@@ -537,6 +553,11 @@ def _is_uint(text: str) -> bool:
 
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def _busy(retry_after: int) -> APIError:
+    return APIError(429, "The server is busy: too many requests are waiting; retry shortly",
+                    type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
 
 def _unavailable() -> APIError:

@@ -217,12 +217,16 @@ class Scheduler:
         with self._cond:
             if self.draining or self._stopping:
                 raise Draining()
-            busy = len(self._waiting) + self._running()
-            if busy + len(seqs) > self.max_concurrency + self.max_queue:
+            if len(self._waiting) + self._running() + len(seqs) > self.max_concurrency + self.max_queue:
                 raise QueueFull(retry_after=1)
             self._waiting.extend(seqs)
             self._cond.notify_all()
         self.start()
+
+    def has_room(self, count: int) -> bool:
+        """Whether `count` more sequences would be accepted now (submit decides for sure)."""
+        with self._cond:
+            return len(self._waiting) + self._running() + count <= self.max_concurrency + self.max_queue
 
     def cancel(self, seqs: list[Sequence]) -> None:
         """Stop generating for these sequences: a waiting one leaves the queue now, an active one
