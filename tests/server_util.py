@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import pytest
 import torch
 
 import tinygpt
@@ -75,12 +74,3 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
 def health(url: str) -> dict:
     return httpx.get(url + "/health", timeout=10).json()
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny models gain nothing from intra-op threads, and two threads calling torch (the test and
-    the server's model thread) each with their own team thrash a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from server_util import NAME, one_torch_thread, running, tiny_model, tiny_tokenizer  # noqa: F401 (fixture)
+from server_util import NAME, running, tiny_model, tiny_tokenizer
 
 import tinygpt
 from tinygpt.server import create_app

@@ -13,7 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_util import CHARS, NAME, health, one_torch_thread, running, tiny_model, tiny_tokenizer, wait_for  # noqa: F401
+from server_util import CHARS, NAME, health, running, tiny_model, tiny_tokenizer, wait_for
 
 import tinygpt
 from tinygpt.server import create_app

@@ -10,7 +10,7 @@ import threading
 
 import httpx
 import pytest
-from server_util import one_torch_thread, save_tiny_run, wait_for  # noqa: F401 (fixture)
+from server_util import save_tiny_run, wait_for
 
 from tinygpt.cli import main
 

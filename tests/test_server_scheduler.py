@@ -4,7 +4,7 @@ import threading
 
 import pytest
 import torch
-from server_util import one_torch_thread, tiny_model, tiny_tokenizer  # noqa: F401 (fixture)
+from server_util import tiny_model, tiny_tokenizer
 
 import tinygpt
 from tinygpt.config import SampleConfig
