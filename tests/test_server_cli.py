@@ -1,7 +1,6 @@
 """`tinygpt serve` as a process: it serves, drains on SIGTERM, and refuses bad setups in one line."""
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -38,10 +37,9 @@ def test_sigterm_drains_running_streams_then_exits(run, tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
     # one intra-op thread: a tiny model gains nothing from more, and on a busy machine they thrash
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "serve", str(run), "--port", str(port),
-                             "--max-tokens", "100000", "--device", "cpu"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+                             "--max-tokens", "100000", "--device", "cpu", "--threads", "1"], stdout=log,
+                            stderr=subprocess.STDOUT)
     try:
         def up():
             try:
@@ -104,6 +102,8 @@ def test_bad_setups_are_one_line_errors(run, tmp_path, capsys):
     one_line_error(capsys, "--port")
     assert main(["serve", str(run), "--max-concurrency", "0"]) == 2
     one_line_error(capsys, "--max-concurrency")
+    assert main(["serve", str(run), "--threads", "0"]) == 2
+    one_line_error(capsys, "--threads")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

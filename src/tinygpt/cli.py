@@ -571,6 +571,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         --max-tokens N: the largest max_tokens a request may ask for (2048).
         --cors-origin ORIGIN: let browser pages from ORIGIN call the API (repeatable; "*" for any).
         --model-name NAME: the model id clients send (default: the run folder's name).
+        --threads N: torch's intra-op threads on CPU (default: torch's choice; 1 often batches
+            better on a CPU shared with other work).
     Prompts longer than the model's context are cut to their last block_size tokens (the
     response's usage.prompt_tokens_truncated says how many were dropped). SIGTERM stops accepting
     requests (503), finishes those running, then exits.
@@ -591,6 +593,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("TINYGPT_API_KEY") or None
     if args.api_key == "":
         raise ConfigError("--api-key must not be empty")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     model, tokenizer = _load_run(args.run, args.device)
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
@@ -1036,6 +1044,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="largest max_tokens per request (2048)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from ORIGIN")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
     p.set_defaults(func=cmd_serve)
     return parser

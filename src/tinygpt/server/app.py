@@ -315,8 +315,21 @@ class _Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
+        held: list[Event] = []  # touched by the model thread only
+
+        def put_all(events: list[Event]) -> None:
+            for e in events:
+                queue.put_nowait(e)
+
         def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            if req.stream:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            elif event.finish_reason is None and event.error is None:
+                held.append(event)  # a whole answer is sent at once: wake the event loop only at the end
+            else:
+                events = [*held, event]
+                held.clear()
+                loop.call_soon_threadsafe(put_all, events)
 
         n = req.n or 1
         seqs = []
