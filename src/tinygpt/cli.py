@@ -132,16 +132,29 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     Under `torchrun --nproc_per_node=N -m tinygpt train ...` the N processes train one model
     (DDP, or FSDP2 with --fsdp); --batch-size is per process; rank 0 writes and prints.
+
+    Without --preset or size flags (--n-layer, --n-head, --n-embd) the model is chosen for you:
+    with --max-time it is sized for the compute that time buys on this machine (the speed measured
+    in a few seconds) by Chinchilla's rule, or by a sweep's fit with --sweep DIR, and the choice is
+    printed (on stderr) and kept in train_config.json; without it, a default for the size of the data.
     """
+    import dataclasses
+
     from .config import GPTConfig, TrainConfig, from_mapping
     from .data import load_data
     from .errors import NonFiniteError
-    from .train import default_model_config, has_checkpoint, read_train_config, train
+    from .train import choose_model, has_checkpoint, read_train_config, train
 
     model_over, train_over, preset = _train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.sweep and (resume or preset or distributed):
+        why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume
+               else "torchrun: each process would time itself; give the model (--preset or size flags)")
+        raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
     if args.resume and not resume and os.environ.get("RANK", "0") == "0":
         print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
+    notes = None
     if resume:
         saved, _ = read_train_config(args.out)
         train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
@@ -157,9 +170,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         vocab = int(meta["vocab_size"])
         if preset:
             base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
+            model_cfg = from_mapping(GPTConfig, {**base, **model_over})
         else:
-            base = default_model_config(vocab, int(meta["train_tokens"]), int(meta["val_tokens"])).to_dict()
-        model_cfg = from_mapping(GPTConfig, {**base, **model_over})
+            # one path for every default: sized for --max-time when no size flag is given, else for the
+            # data; under torchrun the data's default, which every process computes alike
+            sweep = None
+            if args.sweep:
+                from .sweep import load_fit
+
+                sweep = load_fit(args.sweep)
+            sizing = dataclasses.replace(train_cfg, max_time=None) if distributed else train_cfg
+            choice = choose_model(vocab, int(meta["train_tokens"]), int(meta["val_tokens"]), sizing,
+                                  fixed=model_over, sweep=sweep)
+            model_cfg, notes = choice.config, {"model_choice": choice.to_dict()}
+            if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
+                print(choice.reason, file=sys.stderr, flush=True)
     from .device import resolve_device
     from .distributed import process_group
 
@@ -167,7 +192,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
     with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
         try:
-            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
+            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet,
+                           notes=notes)
         except NonFiniteError as e:
             if ctx.is_main:
                 print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
@@ -759,6 +785,91 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
     return 0
 
 
+def _counts(values: list[str] | None, flag: str) -> list[float] | None:
+    """Numbers given as separate words or comma lists ("1e12 3e12" or "1e12,3e12"), each checked."""
+    from .calc import parse_count
+
+    if values is None:
+        return None
+    return [parse_count(v, flag) for value in values for v in value.split(",") if v.strip()]
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """Train a grid of models (IsoFLOP: several sizes per compute budget), fit the scaling laws, plot them.
+
+    For each budget C (training FLOPs) and model size N the model trains for C / (FLOPs per token)
+    tokens. Results go to --out: results.json and .csv (final val loss against parameters, tokens
+    and FLOPs), fit.json (the compute-optimal frontier N_opt ∝ C^a, D_opt ∝ C^b and the parametric
+    loss L = E + A/N^alpha + B/D^beta), PNG plots, and runs/ (each model's run folder). Rerunning
+    the same command trains only the points not finished yet.
+
+    Args (flags):
+        --budgets C [C ...]: compute budgets (1e12, 3e12 ... or 1e12,3e12); or --quick.
+        --sizes N [N ...]: model sizes to train at every budget (default: --points sizes --spread
+            apart around --centre x Chinchilla's N for each budget).
+        --quick: a small grid that finishes in under 20 minutes on a 2-core laptop CPU.
+        --batch-size, --block-size, --lr, --eval-iters, --seed, --device, --dtype: how every model trains.
+        --threads N: CPU threads for training (default 1).
+    """
+    import json
+
+    from . import sweep
+
+    budgets = _counts(args.budgets, "--budgets")
+    sizes = _counts(args.sizes, "--sizes")
+    points = _int_flag(args.points, "--points")
+    spread = None if args.spread is None else _counts([args.spread], "--spread")[0]
+    centre = None if args.centre is None else _counts([args.centre], "--centre")[0]
+    if args.quick:
+        given = [flag for flag, v in (("--budgets", budgets), ("--sizes", sizes), ("--points", points),
+                                      ("--spread", spread), ("--centre", centre)) if v is not None]
+        if given:
+            raise ConfigError(f"--quick chooses the grid itself: drop {', '.join(given)} or --quick")
+        budgets, points, centre = list(sweep.QUICK_BUDGETS), sweep.QUICK_POINTS, sweep.QUICK_CENTRE
+    elif budgets is None:
+        raise ConfigError("give the compute budgets: --budgets 1e12 3e12 1e13 (training FLOPs), or --quick")
+    if sizes is not None and (points is not None or spread is not None or centre is not None):
+        raise ConfigError("--points, --spread and --centre place sizes around Chinchilla's N: "
+                          "give them or --sizes, not both")
+    defaults = sweep.SweepSettings()
+    flags = {"batch_size": _int_flag(args.batch_size, "--batch-size"),
+             "block_size": _int_flag(args.block_size, "--block-size"),
+             "eval_iters": _int_flag(args.eval_iters, "--eval-iters"), "seed": _int_flag(args.seed, "--seed"),
+             "lr": None if args.lr is None else _counts([args.lr], "--lr")[0], "device": args.device,
+             "dtype": args.dtype}
+    settings = sweep.SweepSettings(**{**defaults.to_dict(), **{k: v for k, v in flags.items() if v is not None}})
+
+    def report(i: int, n: int, record: dict, new: bool) -> None:
+        from .calc import format_count
+
+        head = (f"[{i + 1}/{n}] C={record['budget']:.3g}  N={format_count(record['params'])} "
+                f"({record['n_layer']}x{record['n_embd']})  D={format_count(record['tokens'])}, {record['steps']:,} steps")
+        outcome = "diverged (left out of the fit)" if record["val_loss"] is None else f"val loss {record['val_loss']:.4f}"
+        when = f"{record['seconds']:.0f}s" if new else "done before"
+        print(f"{head}: {outcome}  ({when})", flush=True)
+
+    result = sweep.run_sweep(
+        args.data, args.out, budgets, sizes=sizes, points=5 if points is None else points,
+        spread=2.0 if spread is None else spread, centre=1.0 if centre is None else centre, settings=settings,
+        progress=not args.quiet, on_point=report, plots=not args.no_plots,
+        threads=_int_flag(args.threads, "--threads"),
+    )
+    for line in result.skipped:
+        print(f"skipped {line}")
+    done = len(result.points)
+    if result.interrupted:
+        print(f"interrupted: {done} grid points done; run the same command again to continue", file=sys.stderr)
+        return 130
+    minutes = result.seconds / 60
+    print(f"\n{done} models ({result.trained} trained now, {minutes:.1f} min) in {result.out}; "
+          f"results.json, results.csv, fit.json" + "".join(f", {p.name}" for p in result.plots))
+    for line in sweep.summary_lines(result.fit):
+        print(line)
+    if args.json:
+        print(json.dumps(result.fit))
+    return 0
+
+
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Turn text into token files for training: train.bin, val.bin, tokenizer.json and meta.json.
 
@@ -843,7 +954,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a TOML file with any of the settings below (flags override it)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    m = p.add_argument_group("model (default: sized for the data)")
+    p.add_argument("--sweep", metavar="DIR",
+                   help="with --max-time and no size flags: size the model by this `tinygpt sweep` folder's fit "
+                        "(default: Chinchilla's rule)")
+    m = p.add_argument_group("model (default: sized for --max-time on this machine, else for the data)")
     m.add_argument("--n-layer", type=int)
     m.add_argument("--n-head", type=int)
     m.add_argument("--n-embd", type=int)
@@ -985,6 +1099,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), help="with --time: measure on this device")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_chinchilla)
+
+    p = sub.add_parser(
+        "sweep", help="train an IsoFLOP grid of models and fit the scaling laws",
+        description=cmd_sweep.__doc__.split("\n\n")[0] + "\n\n" + cmd_sweep.__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  tinygpt sweep --data data/stdlib --out sweeps/quick --quick\n"
+               "  tinygpt sweep --data data/stdlib --out sweeps/mine --budgets 1e12 3e12 1e13 --points 5\n"
+               "  tinygpt sweep --data data/stdlib --out sweeps/fixed --budgets 1e12,1e13 --sizes 50K,100K,200K,400K",
+    )
+    p.add_argument("--data", required=True, metavar="DIR", help="a folder written by `tinygpt prepare`")
+    p.add_argument("--out", required=True, metavar="DIR", help="the sweep folder (rerun to continue it)")
+    p.add_argument("--budgets", nargs="+", metavar="C", help="compute budgets in training FLOPs (e.g. 1e12 1e13)")
+    p.add_argument("--sizes", nargs="+", metavar="N", help="model sizes for every budget (e.g. 50K 200K 1M)")
+    p.add_argument("--points", metavar="K", help="sizes per budget around Chinchilla's N (default 5)")
+    p.add_argument("--spread", metavar="F", help="ratio between neighbouring default sizes (default 2)")
+    p.add_argument("--centre", metavar="F", help="default sizes centre on F x Chinchilla's N (default 1)")
+    p.add_argument("--quick", action="store_true", help="the small built-in grid (< 20 minutes on a laptop CPU)")
+    p.add_argument("--batch-size", metavar="B", help="sequences per step for every model (16)")
+    p.add_argument("--block-size", metavar="T", help="context of every model (128)")
+    p.add_argument("--lr", metavar="LR", help="peak learning rate for every model (2e-3)")
+    p.add_argument("--eval-iters", metavar="K", help="val batches behind each final loss (20)")
+    p.add_argument("--seed", metavar="S", help="initialization and batch order (1337)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--threads", metavar="N", default="1",
+                   help="CPU threads for training (1: small models, and steady on a busy machine)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib: the viz extra)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="end with fit.json's content on one line")
+    p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("prepare", help="turn text into token files for training", description=cmd_prepare.__doc__)
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, python-stdlib or shakespeare")
     p.add_argument("--out", required=True, metavar="DIR", help="the data folder to write")

@@ -35,3 +35,7 @@ class NonFiniteError(TrainingError):
 
 class MissingDependencyError(TinyGPTError, ImportError):
     """An optional dependency is not installed; the message says which extra brings it."""
+
+
+class SweepError(TinyGPTError):
+    """A sweep folder cannot be used or continued (other settings, other data, a damaged results file)."""

@@ -4,6 +4,7 @@ It returns a TrainResult or raises; it never exits."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -21,10 +22,19 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed
-from .config import GPTConfig, TrainConfig
+from .calc import (
+    ScalingLaw,
+    compute_optimal,
+    count_params,
+    flops_per_token,
+    format_count,
+    shape_for_params,
+    smallest_shape,
+)
+from .config import GPTConfig, TrainConfig, from_mapping
 from .data import get_batch, load_data
 from .device import autocast, resolve_device, resolve_dtype
-from .errors import NonFiniteError, TinyGPTError, TrainingError
+from .errors import ConfigError, NonFiniteError, TinyGPTError, TrainingError
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
 
@@ -33,6 +43,8 @@ METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run fixes its schedule's length
 DEBUG_ENV = "TINYGPT_DEBUG_DIR"  # see _Trace
+SIZE_FIELDS = ("n_layer", "n_head", "n_embd")  # setting any of these turns budget sizing off
+MIN_SIZED_STEPS = 100  # a model sized for a time budget gets at least this many optimizer steps
 
 
 @dataclass
@@ -80,6 +92,166 @@ def default_model_config(vocab_size: int, train_tokens: int, val_tokens: int) ->
         block //= 2
     cfg.block_size = block
     return cfg
+
+
+@dataclass
+class ModelChoice:
+    """The model choose_model picked, and why.
+
+    Args:
+        config: the architecture.
+        rule: "given" (size fields were set), "data" (no time budget: sized for the data),
+            "chinchilla" or "sweep" (sized for a time budget by that rule).
+        reason: one line for the user.
+        plan: for a time budget: seconds, flops_per_second, flops, params, tokens, steps, epochs.
+    """
+
+    config: GPTConfig
+    rule: str
+    reason: str
+    plan: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "reason": self.reason, "config": self.config.to_dict(), "plan": self.plan}
+
+
+def eval_overhead(cfg: TrainConfig) -> float:
+    """Evaluation time as a share of training time: an evaluation runs 2 x eval_iters forward passes
+    every eval_interval steps, and a forward pass is about a third of a training step."""
+    return (2 * cfg.eval_iters) / (3 * cfg.grad_accum * cfg.eval_interval)
+
+
+def _describe(cfg: GPTConfig) -> str:
+    layers, heads = ("layer" if cfg.n_layer == 1 else "layers"), ("head" if cfg.n_head == 1 else "heads")
+    return (f"{cfg.n_layer} {layers} x {cfg.n_embd} wide, {cfg.n_head} {heads} "
+            f"({format_count(count_params(cfg).total)} parameters)")
+
+
+def choose_model(
+    vocab_size: int,
+    train_tokens: int,
+    val_tokens: int,
+    train_config: TrainConfig | None = None,
+    *,
+    fixed: dict[str, Any] | None = None,
+    sweep: ScalingLaw | None = None,
+    flops_per_second: float | None = None,
+) -> ModelChoice:
+    """The model to train when none is given: sized for the time budget if there is one, else for the data.
+
+    With train_config.max_time set and none of n_layer, n_head, n_embd fixed, the model is sized
+    for the compute the budget buys here. The speed is measured with a few real training steps
+    at the run's batch size, context, device and dtype: once on a probe (about 1M parameters on a
+    CPU, GPT-2 small's size on a GPU), then again on the size that speed points to, since smaller
+    models run at fewer FLOP/s.
+    The compute C = FLOP/s x max_time, less the share evaluations take, gives N by the sweep's
+    frontier (`sweep`) or Chinchilla's rule N = sqrt(C / 120); calc.shape_for_params turns N into
+    a shape, no smaller than the smallest one and small enough to get MIN_SIZED_STEPS steps of
+    batch_size x grad_accum x block_size tokens. Without a time budget it is default_model_config's
+    model. Fields in `fixed` are kept either way (block_size among them: it changes FLOPs per
+    token and speed, so the sizing uses it).
+
+    Args:
+        vocab_size, train_tokens, val_tokens: the data's, as its meta.json gives them.
+        train_config: batch_size, grad_accum, max_time, eval settings, device and dtype (TrainConfig()).
+        fixed: model fields set by the user (block_size, dropout, bias, ...).
+        sweep: a sweep's fit (tinygpt.sweep.load_fit) to size by, instead of Chinchilla's rule.
+        flops_per_second: a known training speed, instead of measuring it.
+
+    Raises:
+        ConfigError: a sweep without a time budget, or with size fields fixed; invalid fixed fields.
+    """
+    cfg = train_config or TrainConfig()
+    fixed = dict(fixed or {})
+    base = from_mapping(GPTConfig, {**default_model_config(vocab_size, train_tokens, val_tokens).to_dict(), **fixed})
+    sized_by_user = [f for f in SIZE_FIELDS if f in fixed]
+    if sweep is not None and (cfg.max_time is None or sized_by_user):
+        why = "a time budget (max_time)" if cfg.max_time is None else f"no size fields (got {', '.join(sized_by_user)})"
+        raise ConfigError(f"a sweep's fit sizes the model for a time budget: it needs {why}")
+    if sized_by_user:
+        return ModelChoice(base, "given", f"model: {_describe(base)}, as given")
+    if cfg.max_time is None:
+        return ModelChoice(base, "data", f"model: {_describe(base)}, the default for {train_tokens:,} training tokens")
+
+    seconds = cfg.max_time
+    share = 1 / (1 + eval_overhead(cfg))
+    T = base.block_size
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * T
+    smallest = smallest_shape(vocab_size=base.vocab_size, block_size=T, base=base)
+
+    def size_for(flops: float) -> tuple[GPTConfig, float, list[str]]:
+        target = sweep.optimal_params(flops) if sweep is not None else compute_optimal(flops=flops).params
+        notes = []
+        if target <= count_params(smallest).total:
+            model = smallest
+            notes.append("the smallest model: the budget buys less")
+        else:
+            model = shape_for_params(target, vocab_size=base.vocab_size, block_size=T, base=base)
+        # a model too big for the batch would take a handful of steps: shrink it until it gets enough
+        smaller = target
+        while model is not smallest and flops / flops_per_token(model).training < MIN_SIZED_STEPS * tokens_per_step:
+            smaller *= 0.8
+            if smaller <= count_params(smallest).total:
+                model = smallest
+            else:
+                model = shape_for_params(smaller, vocab_size=base.vocab_size, block_size=T, base=base)
+            if not notes or "steps" not in notes[-1]:
+                notes.append(f"made smaller to get {MIN_SIZED_STEPS} steps of {tokens_per_step:,} tokens")
+        return model, target, notes
+
+    measured = flops_per_second is None
+    if measured:
+        # the first guess at a size to time: what a laptop trains in minutes, or GPT-2 small on a GPU
+        # (where a small model would time kernel launches rather than compute)
+        guess = 124e6 if resolve_device(cfg.device).type == "cuda" else 1e6
+        guess = max(guess, 2 * count_params(smallest).total)  # a big vocabulary sets a floor
+        probe = shape_for_params(guess, vocab_size=base.vocab_size, block_size=T, base=base)
+        speed = _measure_speed(probe, cfg)
+    else:
+        speed = flops_per_second
+    model, target, notes = size_for(speed * seconds * share)
+    if measured:
+        # the probe's speed is not the chosen model's: small models do fewer FLOP/s; measure that one
+        speed = _measure_speed(model, cfg)
+        model, target, notes = size_for(speed * seconds * share)
+    flops = speed * seconds * share
+    tokens = flops / flops_per_token(model).training
+    steps = int(tokens // tokens_per_step)
+    epochs = tokens / max(1, train_tokens)
+    if sweep is not None:
+        rule = "sweep"
+        law = f"the sweep{' in ' + sweep.source if sweep.source else ''} ({sweep.rule})"
+        low, high = sweep.flops_range
+        if not low / 10 <= flops <= high * 10:
+            notes.append(f"extrapolated: the sweep spans {low:.2g}-{high:.2g} FLOP")
+    else:
+        rule, law = "chinchilla", "Chinchilla's rule N = sqrt(C/120)"
+    where = "measured here" if measured else "given"
+    batch = f"{cfg.batch_size} x {T}" if cfg.grad_accum == 1 else f"{cfg.batch_size} x {cfg.grad_accum} x {T}"
+    reason = (
+        f"model: {_describe(model)} for a {seconds:g} s budget: {speed / 1e9:.3g} GFLOP/s ({where}) x {seconds:g} s "
+        f"= {flops:.3g} FLOP after evaluations; {law} -> N = {format_count(target)}; "
+        f"about {format_count(tokens)} tokens, {steps:,} steps of {batch} tokens"
+        + (f", {epochs:.1f} epochs of the data" if epochs >= 1 else "")
+        + "".join(f"; {n}" for n in notes)
+    )
+    plan = {"seconds": seconds, "flops_per_second": speed, "measured": measured, "flops": flops, "target_params": target,
+            "params": count_params(model).total, "tokens": tokens, "steps": steps, "epochs": epochs,
+            "tokens_per_step": tokens_per_step}
+    return ModelChoice(model, rule, reason, plan)
+
+
+def _measure_speed(model: GPTConfig, cfg: TrainConfig) -> float:
+    """Training FLOP/s of `model` here, with the run's batch size, device and dtype (a few real steps)."""
+    from .device import DTYPES
+    from .throughput import measure_training_throughput  # it builds on this module's optimizer
+
+    device = resolve_device(cfg.device)
+    dtype = {v: k for k, v in DTYPES.items()}[resolve_dtype(cfg.dtype, device)]
+    dtype = "bfloat16" if dtype == "float16" else dtype  # measured alike; float16 is not a measuring dtype
+    return measure_training_throughput(
+        model, batch_size=cfg.batch_size, steps=3, warmup=1, dtype=dtype, device=str(device), seed=cfg.seed
+    ).flops_per_second
 
 
 def sample_offsets(n_tokens: int, block_size: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -190,20 +362,25 @@ def train(
     resume: bool = False,
     progress: bool = True,
     should_stop: Callable[[int], bool] | None = None,
+    notes: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Train a GPT on a prepared data folder and keep it in a run folder.
 
     Args:
         data: a folder written by `tinygpt prepare`.
         out: the run folder (created; refused if it already holds a run unless resuming).
-        model_config: the architecture; None picks one for the data (see default_model_config).
-            A vocab_size smaller than the data's vocabulary is refused.
+        model_config: the architecture; None lets choose_model pick one: sized for
+            train_config.max_time on this machine when it is set, else for the data (the choice
+            is recorded in train_config.json under notes.model_choice). A vocab_size smaller than
+            the data's vocabulary is refused.
         train_config: the optimization settings (TrainConfig()).
         resume: continue the run in `out` from its last checkpoint; with the same settings the
             result is bitwise equal to an uninterrupted run (CPU, float32).
         progress: show a progress bar and evaluation lines on stderr.
         should_stop: called after every optimizer step with the step number; True stops
             training there (saving first), as a signal would.
+        notes: JSON-ready facts about how the run was set up (how its size was chosen, a sweep's
+            grid point), kept in train_config.json under "notes" (merged on resume).
 
     Several processes: launched by torchrun (WORLD_SIZE > 1), every process calls train() with the
     same arguments. They join one process group (gloo on CPU, NCCL with one GPU per process),
@@ -220,7 +397,7 @@ def train(
     cfg = train_config or TrainConfig()
     with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
         try:
-            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop)
+            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop, notes)
         except Exception as e:
             if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
                 raise
@@ -240,6 +417,7 @@ def _train(
     resume: bool,
     progress: bool,
     should_stop: Callable[[int], bool] | None,
+    notes: dict[str, Any] | None,
 ) -> TrainResult:
     run = Path(out)
     dataset = load_data(data)
@@ -255,7 +433,14 @@ def _train(
         if has_checkpoint(run):
             raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
         if model_config is None:
-            model_config = default_model_config(vocab, len(dataset.train), len(dataset.val))
+            # several processes would each time themselves and could size differently: they take
+            # the data's default, which every process computes alike
+            sizing = dataclasses.replace(cfg, max_time=None) if ctx.enabled else cfg
+            choice = choose_model(vocab, len(dataset.train), len(dataset.val), sizing)
+            model_config = choice.config
+            notes = {**(notes or {}), "model_choice": choice.to_dict()}
+            if progress and choice.plan is not None:
+                print(choice.reason, file=sys.stderr)
     if model_config.vocab_size < vocab:
         raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
     block = model_config.block_size
@@ -302,7 +487,12 @@ def _train(
             _metrics_upto(run, step)
     if ctx.is_main:
         run.mkdir(parents=True, exist_ok=True)
-        write_json(run / TRAIN_CONFIG, {"data": str(Path(data).resolve()), "train": cfg.to_dict()})
+        if resume and (run / TRAIN_CONFIG).exists():
+            saved = read_json(run / TRAIN_CONFIG, TrainingError)
+            previous = saved.get("notes") if isinstance(saved, dict) else None
+            notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
+        record = {"data": str(Path(data).resolve()), "train": cfg.to_dict()}
+        write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
         if state is None:
             (run / METRICS).write_text("")
 
@@ -491,9 +681,7 @@ class _Trace:
 
 def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> int:
     """How many more steps fit in the time budget, counting the evaluations they bring."""
-    per_step = float(np.median(step_times))
-    # an evaluation runs 2 x eval_iters forward passes; a forward is about a third of a training step
-    per_step *= 1 + (2 * cfg.eval_iters) / (3 * cfg.grad_accum * cfg.eval_interval)
+    per_step = float(np.median(step_times)) * (1 + eval_overhead(cfg))
     return max(1, int((cfg.max_time - elapsed) / per_step))
 
 
