@@ -61,7 +61,7 @@ def test_sweep_bad_input_is_a_clean_error(char_data, tmp_path, capsys, flags, fr
 
 def test_train_with_a_time_budget_and_no_model_flags_says_what_it_chose(char_data, tmp_path):
     run = tmp_path / "run"
-    r = tinygpt("train", "--data", char_data, "--out", run, "--max-time", "3s", "--device", "cpu", "--batch-size", "4",
+    r = tinygpt("train", "--data", char_data, "--out", run, "--max-time", "1s", "--device", "cpu", "--batch-size", "4",
                 "--eval-iters", "2", "--quiet")
     assert r.returncode == 0, r.stderr
     first = r.stderr.strip().splitlines()[0]
@@ -105,7 +105,7 @@ def test_train_sized_by_a_sweep(char_data, tmp_path):
     fit.update(frontier={"params": PowerLaw(2.0, 0.35).to_dict(), "tokens": PowerLaw(0.1, 0.65).to_dict()},
                flops_range=[1e8, 1e12])
     (sweep / "fit.json").write_text(json.dumps(fit))
-    r = tinygpt("train", "--data", char_data, "--out", tmp_path / "run", "--sweep", sweep, "--max-time", "2s",
+    r = tinygpt("train", "--data", char_data, "--out", tmp_path / "run", "--sweep", sweep, "--max-time", "1s",
                 "--device", "cpu", "--batch-size", "4", "--eval-iters", "2", "--quiet")
     assert r.returncode == 0, r.stderr
     assert r.stderr.startswith("model: ") and f"the sweep in {sweep}" in r.stderr.splitlines()[0]
