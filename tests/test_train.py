@@ -27,6 +27,11 @@ def test_lr_schedule():
     assert lr_at(110, c, 110) == pytest.approx(0.1)
     assert lr_at(500, c, 110) == pytest.approx(0.1)
     assert TrainConfig(lr=1e-3).final_lr == pytest.approx(1e-4)
+    # a time budget's estimated length keeps the warmup to a tenth of it
+    timed = TrainConfig(lr=1.0, min_lr=0.0, warmup=100, max_time=60)
+    assert lr_at(2, timed, None) == pytest.approx(0.03)  # not timed yet: the warmup as given
+    assert lr_at(4, timed, 50) == pytest.approx(1.0)
+    assert lr_at(50, timed, 50) == pytest.approx(0.0)
 
 
 def test_train_writes_a_run_and_metrics(char_data, tmp_path):

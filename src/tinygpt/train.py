@@ -59,12 +59,19 @@ class TrainResult:
 
 
 def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+
+    `max_iters` is the schedule's length; for a time budget it is estimated once training has
+    been timed, and the warmup then takes at most a tenth of it.
+    """
+    warmup = cfg.warmup
+    if cfg.max_iters is None and max_iters is not None:
+        warmup = min(warmup, max(1, max_iters // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
     if max_iters is None:  # a time budget whose length is not known yet
         return cfg.lr
-    progress = min(1.0, (step - cfg.warmup) / max(1, max_iters - cfg.warmup))
+    progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
     return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
 
 
