@@ -84,7 +84,8 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v, input_pos)  # (B, n_head, max_len, head_dim)
+            # (B, n_head, T_keys, head_dim): the keys so far, as many as the mask covers
+            k, v = kv_cache.update(layer, k, v, input_pos, mask.shape[-1])
         y, weights = attention(q, k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_drop(self.c_proj(y)), weights
@@ -199,8 +200,8 @@ class GPT(nn.Module):
                 raise ValueError("a non-causal model cannot decode with a KV cache; use use_cache=False")
             if input_pos is None:
                 raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
-            input_pos = pos = kv_cache.positions(input_pos, B)
-            mask = kv_cache.attention_mask(input_pos)
+            input_pos = pos = kv_cache.positions(input_pos, B)  # (T,) or (B, T)
+            mask = kv_cache.attention_mask(input_pos, kv_cache.used_length(input_pos))
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         weights = []
         for layer, block in enumerate(self.h):
