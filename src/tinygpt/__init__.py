@@ -7,6 +7,7 @@ from .errors import CheckpointError, ConfigError, DataError, TinyGPTError, Token
 from .generate import generate, generate_stream
 from .kv_cache import KVCache
 from .model import GPT
+from .quantize import quantize
 from .tokenizer import load_tokenizer
 from .train import train
 
@@ -25,6 +26,7 @@ __all__ = [
     "save",
     "load",
     "load_tokenizer",
+    "quantize",
     "TinyGPTError",
     "ConfigError",
     "DataError",
