@@ -132,3 +132,18 @@ def test_observer_greedy_choice_is_the_top_processed_logit(model):
     assert len(seen) == 6
     for s in seen:
         assert int(s.token[0]) == int(s.processed[0].argmax())
+
+
+def test_static_cache_path_matches_the_trimmed_one(model, monkeypatch):
+    # Under torch.compile (and on accelerators) attention reads the whole cache buffer behind a
+    # mask instead of the positions written so far: both must give the same logits.
+    idx = torch.randint(0, 29, (2, 6))
+    trimmed_cache, static_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
+    trimmed = [prefill(model, idx[:, :3], trimmed_cache)]
+    trimmed += [decode_step(model, idx[:, p], trimmed_cache, p) for p in range(3, 6)]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert static_cache.span(torch.tensor([3]))[0] == static_cache.max_len
+    static = [prefill(model, idx[:, :3], static_cache)]
+    static += [decode_step(model, idx[:, p], static_cache, p) for p in range(3, 6)]
+    for a, b in zip(trimmed, static):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

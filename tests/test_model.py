@@ -43,6 +43,17 @@ def test_attention_function_paths_agree_with_a_mask():
     assert torch.all(w[~mask.expand_as(w)] == 0)
 
 
+def test_attention_without_a_mask_is_causal_aligned_at_the_end():
+    # mask None: T_q == T_k is plain causal self-attention; one query (a decode step) sees every key
+    q, k, v = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    a, _ = attention(q, k, v)
+    b, w = attention(q, k, v, explicit=True)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert bool((w > 0).all())
+    full, _ = attention(q, k, v, torch.ones(1, 1, 1, 7, dtype=torch.bool))
+    torch.testing.assert_close(a, full, atol=1e-6, rtol=0)
+
+
 def test_causality():
     model = tiny().eval()
     idx = torch.randint(0, 37, (1, 16))

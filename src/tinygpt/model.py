@@ -35,8 +35,9 @@ def attention(
 
     Args:
         q, k, v: queries (..., T_q, D), keys and values (..., T_k, D).
-        mask: bool (..., T_q, T_k), True where a query may look. None means the plain causal
-            mask of a sequence attending to itself (T_q == T_k).
+        mask: bool (..., T_q, T_k), True where a query may look. None means causal, aligned at
+            the end: a sequence attending to itself (T_q == T_k), or one new query that sees
+            every key (T_q == 1).
         explicit: use the explicit path and return the weights.
         dropout: dropout on the attention weights.
 
@@ -44,11 +45,12 @@ def attention(
         (output (..., T_q, D), weights or None).
     """
     if not explicit:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+        causal = mask is None and q.shape[-2] > 1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
         return out, None
     if mask is None:
         t_q, t_k = q.shape[-2], k.shape[-2]
-        mask = torch.tril(torch.ones(t_q, t_k, device=q.device)) == 1
+        mask = torch.tril(torch.ones(t_q, t_k, device=q.device), diagonal=t_k - t_q) == 1
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (..., T_q, T_k)
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.softmax(scores, dim=-1)
@@ -78,16 +80,17 @@ class CausalSelfAttention(nn.Module):
         input_pos: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
         explicit: bool = False,
+        kv_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=-1)
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
-            # (B, n_head, T_keys, head_dim): the keys so far, as many as the mask covers
-            k, v = kv_cache.update(layer, k, v, input_pos, mask.shape[-1])
-        y, weights = attention(q, k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+            k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_head, kv_len, head_dim)
+        # a cache may hold another dtype than the activations (float32 on a CPU: see KVCache.for_model)
+        y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)  # heads side by side again
         return self.resid_drop(self.c_proj(y)), weights
 
 
@@ -113,8 +116,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, layer=0, input_pos=None, mask=None, explicit=False):
-        a, weights = self.attn(self.ln_1(x), kv_cache, layer, input_pos, mask, explicit)
+    def forward(self, x, kv_cache=None, layer=0, input_pos=None, mask=None, explicit=False, kv_len=None):
+        a, weights = self.attn(self.ln_1(x), kv_cache, layer, input_pos, mask, explicit, kv_len)
         x = x + a
         return x + self.mlp(self.ln_2(x)), weights
 
@@ -188,7 +191,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
-        mask = None
+        mask, kv_len = None, None
         if kv_cache is None:
             pos = torch.arange(T, device=idx.device)
             if not self.causal:
@@ -201,11 +204,11 @@ class GPT(nn.Module):
             if input_pos is None:
                 raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
             input_pos = pos = kv_cache.positions(input_pos, B)  # (T,) or (B, T)
-            mask = kv_cache.attention_mask(input_pos, kv_cache.used_length(input_pos))
+            kv_len, mask = kv_cache.span(input_pos)  # the cached positions to read, and who sees what
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
         weights = []
         for layer, block in enumerate(self.h):
-            x, w = block(x, kv_cache, layer, input_pos, mask, return_attention)
+            x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len)
             weights.append(w)
         if last_only:
             x = x[:, -1:]
