@@ -153,6 +153,23 @@ def test_activation_estimate_matches_what_autograd_saves(dtype, overrides):
     assert (memory.autocast_weights > 0) == (dtype == "bfloat16")
 
 
+@pytest.mark.parametrize("overrides", [{}, dict(dropout=0.1)])
+def test_activation_estimate_past_the_matmul_attention_limit(overrides, monkeypatch):
+    # bf16 training on a CPU uses the matmul attention path only for small T x T scores: past the
+    # limit it is SDPA again, and the estimate follows
+    from tinygpt import model as model_module
+    from tinygpt.calc import memory
+
+    assert memory.MATH_ATTENTION_MAX_SCORES == model_module.MATH_ATTENTION_MAX_SCORES
+    monkeypatch.setattr(memory, "MATH_ATTENTION_MAX_SCORES", 100)
+    monkeypatch.setattr(model_module, "MATH_ATTENTION_MAX_SCORES", 100)
+    cfg = tiny_config(**overrides)
+    model = GPT(cfg).train()
+    real = _saved_bytes(model, torch.randint(0, cfg.vocab_size, (3, 24)), "bfloat16")
+    m = calc.training_memory(cfg, 3, 24, dtype="bfloat16")
+    assert m.activations + m.autocast_weights == pytest.approx(real, rel=0.01)
+
+
 def test_training_memory_parts():
     cfg = GPTConfig.from_preset("gpt2")
     m = calc.training_memory(cfg, 4, 512, dtype="bf16")

@@ -113,3 +113,31 @@ def test_gradient_clipping_logs_norm_before_clipping(char_data, tmp_path):
     norms = [r["grad_norm"] for r in lines if "grad_norm" in r]
     assert all(n > 1e-3 for n in norms)  # the logged norm is the one before clipping
     assert all(math.isfinite(n) for n in norms)
+
+
+def test_bfloat16_training_stays_within_two_percent_of_float32(char_data, tmp_path):
+    # the numerics bound behind dtype "auto" picking bfloat16 on CPUs that compute it natively
+    model = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    losses = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs faster on one core than on two that others share
+    try:
+        for dtype in ("float32", "bfloat16"):
+            c = cfg(dtype=dtype, batch_size=8, max_iters=200, eval_interval=200, warmup=20, lr=3e-3)
+            losses[dtype] = train(char_data, tmp_path / dtype, model, c, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    fp32, bf16 = losses["float32"], losses["bfloat16"]
+    assert fp32.train_loss < 2.5  # it learned: the comparison is not between two random models
+    assert bf16.train_loss == pytest.approx(fp32.train_loss, rel=0.02)
+    assert bf16.val_loss == pytest.approx(fp32.val_loss, rel=0.02)
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_hardware_has_it(monkeypatch):
+    from tinygpt import device
+
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: True)
+    assert device.resolve_dtype("auto", torch.device("cpu")) is torch.bfloat16
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
+    assert device.resolve_dtype("auto", torch.device("cpu")) is torch.float32
+    assert device.resolve_dtype("float32", torch.device("cpu")) is torch.float32

@@ -35,9 +35,9 @@ TIED_KEY = "lm_head.weight"
 
 
 def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    if getattr(model, "inference_only", False):  # set by tinygpt.quantize: int8 or packed weights
+        raise CheckpointError("a model converted by tinygpt.quantize is for inference only: save it before quantizing")
     state = dict(model.state_dict() if state is None else state)
-    if any(not t.is_floating_point() for t in state.values()):
-        raise CheckpointError("an int8-quantized model is for inference only: save the model before quantizing it")
     if model.config.tie_weights:
         state.pop(TIED_KEY, None)  # the same tensor as wte.weight
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}

@@ -211,11 +211,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_SIGNAL.get(result.stopped, 0)
 
 
-def _load_run(run: str, device: str):
-    """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve)."""
+def _load_run(run: str, device: str, quantize: str | None = None):
+    """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
+    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels."""
     from .checkpoint import load_run
+    from .quantize import quantize as to_format
 
-    return load_run(run, device)
+    model, tokenizer = load_run(run, device)
+    return to_format(model, quantize or "fp32"), tokenizer
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -245,7 +248,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.trace_top is not None and args.trace_top < 1:
         raise ConfigError("--trace-top must be >= 1")
     args.trace = args.trace or args.trace_top is not None
-    model, tokenizer = _load_run(args.run, args.device)
+    model, tokenizer = _load_run(args.run, args.device, args.quantize)
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
@@ -479,7 +482,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
     from .train import evaluate, read_train_config
 
-    model, tokenizer = _load_run(args.run, args.device)
+    model, tokenizer = _load_run(args.run, args.device, args.quantize)
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -625,7 +628,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model, tokenizer = _load_run(args.run, args.device)
+    model, tokenizer = _load_run(args.run, args.device, args.quantize)
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()))
@@ -637,6 +640,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"serving {args.run} as model '{name}' on {device}\n  playground  {url}/\n  OpenAI API  {url}/v1{key}",
           flush=True)
     serve(app, sock)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Measure this machine's limits, training and generation speed, beside Hugging Face transformers.
+
+    Prints tables and the target ratios, all measured in the same run (a shared machine's absolute
+    figures move between runs; the ratios are what to compare).
+
+    Args (flags):
+        --quick: a shorter run (under two minutes on a 2-core CPU).
+        --json FILE: also write every figure as JSON.
+        --only SECTION: limits, train or generate (repeatable; default all).
+        --no-peers: skip transformers even when it is installed.
+    """
+    import json
+
+    from . import bench
+    from .fileio import write_json
+
+    sections = tuple(args.only or ("limits", "train", "generate"))
+    result = bench.run(quick=args.quick, sections=sections, peers=not args.no_peers,
+                       log=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.render(result))
+    if args.json:
+        write_json(args.json, result)
+        print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 
@@ -939,6 +969,11 @@ def _progress_bars():
     return update, close
 
 
+def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", choices=("int8", "bf16"),
+                   help="run with low-precision weights: int8 (weight-only, per-channel scales) or bf16")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tinygpt", description="Build, train, inspect and serve small GPTs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -1008,6 +1043,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show every step: the context, the top candidates after sampling settings, the choice")
     p.add_argument("--trace-top", type=int, metavar="N", help="candidates shown per step (5); implies --trace")
     p.add_argument("--device", default="auto")
+    _add_quantize_flag(p)
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("attention", help="draw attention maps for a prompt", description=cmd_attention.__doc__,
@@ -1061,6 +1097,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens (a quicker estimate)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--device", default="auto")
+    _add_quantize_flag(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(
@@ -1190,7 +1227,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
     p.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    _add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("bench", help="training and generation speed against transformers, in one run",
+                       description=cmd_bench.__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a shorter run (under two minutes)")
+    p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--only", action="append", choices=("limits", "train", "generate"), help="measure only this")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -44,7 +44,7 @@ def attention(
     Returns:
         (output (..., T_q, D), weights or None).
     """
-    if not explicit and not _sdpa_is_slow(q):
+    if not explicit and not _sdpa_is_slow(q, k):
         causal = mask is None and q.shape[-2] > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
         return out, None
@@ -58,12 +58,19 @@ def attention(
     return out, weights if explicit else None
 
 
-def _sdpa_is_slow(q: torch.Tensor) -> bool:
+# B x heads x T_q x T_k scores up to which bf16 training on a CPU takes the matmul path (see below)
+MATH_ATTENTION_MAX_SCORES = 2**25
+
+
+def _sdpa_is_slow(q: torch.Tensor, k: torch.Tensor) -> bool:
     # PyTorch's CPU flash-attention backward is slow in bfloat16: for a 4 x 12-head x 256 batch
     # the plain matmul path above ran forward + backward in 25 ms against SDPA's 43 ms, and for the
     # 4-head, 64-long char model 2.3 ms against 7.7 ms (one thread). So bf16 training on a CPU
-    # takes the matmul path; inference and float32 keep SDPA, which is as fast or faster there.
-    return q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad
+    # takes the matmul path, as long as its T x T scores (kept for backward, 2 bytes each) stay
+    # small; inference and float32 keep SDPA, which is as fast or faster there.
+    scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad
+            and scores <= MATH_ATTENTION_MAX_SCORES)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,8 +104,9 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_head, kv_len, head_dim)
         # a cache may hold another dtype than the activations (float32 on a CPU: see KVCache.for_model)
+        dtype = q.dtype
         y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C).to(x.dtype)  # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, C).to(dtype)  # heads side by side again
         return self.resid_drop(self.c_proj(y)), weights
 
 

@@ -33,7 +33,7 @@ from .calc import (
 )
 from .config import GPTConfig, TrainConfig, from_mapping
 from .data import get_batch, load_data
-from .device import autocast, resolve_device, resolve_dtype
+from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import ConfigError, NonFiniteError, TinyGPTError, TrainingError
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
@@ -464,6 +464,7 @@ def _train(
 
     device = ctx.device
     dtype = resolve_dtype(cfg.dtype, device)
+    allow_fast_float32(device)
     fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
     if fsdp and dtype is torch.float16:
         raise TrainingError("--fsdp trains in float32 or bfloat16: float16 needs loss scaling across the shards")

@@ -25,6 +25,10 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
                 with dropout, CPU attention leaves the fused kernel for the math path, which
                 computes in float32 and keeps q, k, v (3 BTd x 4 bytes instead of 3 BTd c) and
                 three a T x T matrices (weights, dropout mask, dropped weights: 3 BaT^2 x 4)
+    bf16, CPU   autocast training takes tinygpt's matmul attention path while BaT^2 <= 2^25
+                (PyTorch's bf16 flash backward is slow there): q, k, v (3 BTd c), the
+                probabilities (BaT^2 c; with dropout also the mask and the dropped ones, 3 BaT^2 c)
+                and the T^2 causal mask, instead of the fused kernel's logsumexp
 
 This is Korthikanti et al.'s (2022) count (34 bytes per token and unit of width per layer at 2
 bytes a value, plus 5 aT^2 for unfused attention) adapted to fused attention, the loss, autocast
@@ -38,6 +42,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import GPTConfig
+
+# mirrors model.MATH_ATTENTION_MAX_SCORES (calc imports no torch): the tests hold the two together
+MATH_ATTENTION_MAX_SCORES = 2**25
 from .flops import tokens_in_view
 from .params import count_params
 from .units import check_int, dtype_bytes, dtype_name
@@ -112,8 +119,14 @@ def activation_bytes(
     BTd = B * T * d
     per_block = 2 * BTd * r + 11 * BTd * c + 16 * B * T
     if config.dropout > 0:
-        # masks after c_proj and the MLP; attention on the math path, in float32, with T x T matrices
-        per_block += 2 * BTd * c + (3 * BTd + 3 * B * a * T * T) * 4
+        per_block += 2 * BTd * c  # the dropout masks after c_proj and the MLP
+    if dtype == "bfloat16" and param_dtype == "float32" and B * a * T * T <= MATH_ATTENTION_MAX_SCORES:
+        # bf16 training on a CPU takes tinygpt's matmul attention path (model._sdpa_is_slow):
+        # q, k, v, the T x T probabilities (with dropout also its mask and output), the causal mask
+        per_block += 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c + T * T
+    elif config.dropout > 0:
+        # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices
+        per_block += (3 * BTd + 3 * B * a * T * T) * 4
     else:
         per_block += 3 * BTd * c + 4 * B * a * T  # q, k, v and the fused kernel's logsumexp
     final = BTd * (r + c) + 8 * B * T + B * T * V * (c + 4) + 8 * (B * T + T)  # ln_f, logits, token ids

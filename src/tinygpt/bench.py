@@ -1,0 +1,548 @@
+"""The benchmark behind `tinygpt bench`: this machine's limits, then training and generation speed,
+each beside Hugging Face transformers' GPT-2 on the same sizes (and, for generation, the same
+weights), measured in the same run.
+
+A shared machine's figures move 10-30% from one minute to the next, so what to read are the
+ratios between rows measured in the same run; the limits measured at the start (matmul FLOP/s,
+memory read bandwidth) turn speeds into MFU and bandwidth use.
+
+    limits       dense matmul GFLOP/s (float32, bfloat16), memory read GB/s (a sum over 1 GiB)
+    training     tokens/s and MFU of real `tinygpt.train` steps (AdamW, clipping, logging) and of a
+                 transformers loop with fused AdamW, float32 and bfloat16 autocast
+    generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8, with and
+                 without the KV cache, for each weight format; decode bandwidth use (bytes of
+                 weights and cache read per token / time / measured bandwidth)
+
+transformers is imported only here, and only when installed (the hf extra); without it the
+tinygpt rows are measured alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .calc import flops_per_token
+from .config import GPTConfig, TrainConfig
+from .device import resolve_device
+from .generate import generate_stream
+from .model import GPT
+from .quantize import Int8Linear, quantize
+
+FORMATS = ("fp32", "bf16", "int8")
+CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's reference figures do
+# The from-scratch peer's character model: 4 layers, 4 heads, 128 wide, context 64, batch 12.
+PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0)
+PEER_CHAR_TOKENS_PER_S = 16_000  # its float32 speed on this machine kind (issue 4)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much a run measures; `quick` fits in under two minutes on a 2-core CPU."""
+
+    matmul_n: int
+    memory_mib: int
+    repeats: int
+    repeats_gen: int
+    train: tuple[tuple[str, int, int], ...]  # (model, batch, steps)
+    prompt: int
+    new_tokens: int
+    no_cache_tokens: int
+    gen_models: tuple[str, ...]
+    gen_batches: tuple[int, ...]
+    peer_formats: tuple[str, ...]
+
+
+FULL = Plan(
+    matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3,
+    train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4)),
+    prompt=64, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
+    peer_formats=("fp32", "bf16"),
+)
+QUICK = Plan(
+    matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=1,
+    train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
+    prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
+    peer_formats=("fp32",),
+)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    fn()
+    _sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+# ---- the machine --------------------------------------------------------------------------------
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """What the run measured on: processor, threads, torch, load."""
+    info: dict[str, Any] = {
+        "device": str(device),
+        "processor": _cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average": _load(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def limits(plan: Plan, device: torch.device) -> dict[str, float]:
+    """Dense matmul GFLOP/s in float32 and bfloat16, and memory read GB/s (a sum over a big tensor)."""
+    out = {}
+    n = plan.matmul_n
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = _best_time(lambda: a @ b, plan.repeats, device)
+        out[f"matmul_{name}_gflops"] = 2 * n**3 / seconds / 1e9
+    x = torch.ones(plan.memory_mib * 2**20 // 4, device=device)
+    seconds = _best_time(lambda: x.sum(), plan.repeats, device)
+    out["memory_read_gbs"] = x.numel() * 4 / seconds / 1e9
+    return out
+
+
+# ---- configurations -----------------------------------------------------------------------------
+
+
+def bench_config(name: str, *, training: bool) -> GPTConfig:
+    """The model a row measures: a preset, or "char" (the peer's 4-layer, 128-wide model). Training
+    rows use a CHAR_VOCAB-symbol vocabulary; generation rows keep the preset's (GPT-2's 50,257)."""
+    if name == "char":
+        return GPTConfig(vocab_size=CHAR_VOCAB if training else 65, **PEER_CHAR)
+    cfg = GPTConfig.from_preset(name)
+    if training:
+        cfg.vocab_size = CHAR_VOCAB
+    else:
+        cfg.dropout = 0.0
+    return cfg
+
+
+def _hf_config(cfg: GPTConfig):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
+        n_head=cfg.n_head, activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
+        layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=cfg.tie_weights,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa",
+    )
+
+
+# The four projections GPT-2 stores as Conv1D (in, out): the transpose of nn.Linear's (out, in).
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def to_transformers(model: GPT):
+    """A transformers GPT2LMHeadModel holding the same weights as `model` (which needs biases)."""
+    from transformers import GPT2LMHeadModel
+
+    if not model.config.bias:
+        raise ValueError("transformers' GPT-2 always has biases: benchmark a model with bias=True")
+    hf = GPT2LMHeadModel(_hf_config(model.config))
+    state = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if not model.config.tie_weights:
+                state[name] = t
+            continue
+        state["transformer." + name] = t.t().contiguous() if name.endswith(_CONV1D) else t
+    result = hf.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k != "lm_head.weight" and not k.endswith(".attn.bias")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"weights do not map onto GPT2LMHeadModel: {missing[:3]} {result.unexpected_keys[:3]}")
+    hf.tie_weights()
+    return hf.eval()
+
+
+def peers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- training -----------------------------------------------------------------------------------
+
+
+def _char_data(root: Path, vocab: int) -> Path:
+    """A prepared character data folder over `vocab` symbols (random text: only speed is measured)."""
+    from .data import prepare
+
+    g = torch.Generator().manual_seed(0)
+    alphabet = [chr(33 + i) for i in range(vocab)]
+    ids = torch.randint(0, vocab, (200_000,), generator=g).tolist()
+    ids[:vocab] = range(vocab)  # every symbol appears, so the vocabulary is exactly `vocab`
+    text = root / "text.txt"
+    text.write_text("".join(alphabet[i] for i in ids))
+    prepare([str(text)], root / "data", tokenizer="char", val_fraction=0.1)
+    return root / "data"
+
+
+def train_tinygpt(
+    cfg: GPTConfig, batch: int, steps: int, dtype: str, data: Path, *, compile: bool = False, warmup: int = 2
+) -> dict[str, Any]:
+    """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones)."""
+    import json
+
+    from .train import METRICS, train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tc = TrainConfig(
+            batch_size=batch, max_iters=warmup + steps, warmup=10, eval_interval=10**6, eval_iters=1,
+            dtype=dtype, compile=compile, seed=0,
+        )
+        start = time.perf_counter()
+        train(data, Path(tmp) / "run", cfg, tc, progress=False)
+        wall = time.perf_counter() - start
+        lines = [json.loads(line) for line in (Path(tmp) / "run" / METRICS).read_text().splitlines()]
+    rates = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r][warmup:]
+    return {"tokens_per_s": statistics.median(rates), "wall_s": wall}
+
+
+def train_transformers(
+    cfg: GPTConfig, batch: int, steps: int, dtype: str, device: torch.device, *, warmup: int = 2
+) -> dict[str, Any]:
+    """Tokens/s of a plain transformers GPT2LMHeadModel loop: autocast, fused AdamW, clipping."""
+    from transformers import GPT2LMHeadModel
+
+    from .device import DTYPES, autocast
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(_hf_config(cfg)).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    T, V = cfg.block_size, cfg.vocab_size
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for i in range(warmup + steps):
+        tokens = torch.randint(0, V, (batch, T + 1), generator=g).to(device)
+        start = time.perf_counter()
+        with autocast(device, DTYPES[dtype]):
+            logits = model(tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, V).float(), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return {"tokens_per_s": batch * T / statistics.median(times)}
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+class _Clock:
+    """Timestamps of each step of a generation: the first token, then every other one."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.times: list[float] = []
+
+    def tick(self) -> None:
+        self.times.append(time.perf_counter() - self.start)
+
+    def result(self, prompt_tokens: int, batch: int, tokens: list[int]) -> dict[str, Any]:
+        ttft = self.times[0]
+        decode = (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else float("nan")
+        return {"ttft_s": ttft, "prefill_tokens_per_s": prompt_tokens * batch / ttft, "decode_tokens_per_s": decode * batch,
+                "tokens": tokens}
+
+
+def generate_tinygpt(model, idx: torch.Tensor, new_tokens: int, *, use_cache: bool) -> dict[str, Any]:
+    """Greedy generation with tinygpt.generate_stream: TTFT, prefill and decode rates, row 0's tokens."""
+    clock, tokens = _Clock(), []
+    for token in generate_stream(model, idx, new_tokens, greedy=True, use_cache=use_cache):
+        clock.tick()
+        tokens.append(int(token[0]))
+    return clock.result(idx.shape[1], idx.shape[0], tokens)
+
+
+def generate_transformers(hf, idx: torch.Tensor, new_tokens: int, *, use_cache: bool) -> dict[str, Any]:
+    """Greedy GPT2LMHeadModel.generate, timed through a streamer: the same figures as generate_tinygpt."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Streamer(BaseStreamer):
+        def __init__(self) -> None:
+            self.prompt_seen = False
+
+        def put(self, value) -> None:
+            if self.prompt_seen:  # the first call hands over the prompt
+                clock.tick()
+            self.prompt_seen = True
+
+        def end(self) -> None:
+            pass
+
+    clock = _Clock()
+    with torch.inference_mode():
+        out = hf.generate(
+            idx, attention_mask=torch.ones_like(idx), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+            do_sample=False, use_cache=use_cache, pad_token_id=0, streamer=Streamer(),
+        )
+    return clock.result(idx.shape[1], idx.shape[0], out[0, idx.shape[1]:].tolist())
+
+
+def bytes_per_token(model, batch: int, context: float) -> float:
+    """Bytes a decode step reads: every matrix once (the embedding row lookups aside) and, per row,
+    the keys and values of `context` positions in every layer."""
+    weights = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear):
+            weights += m.weight.numel() + m.scales.numel() * m.scales.element_size()
+        elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
+            weights += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    cfg = model.config
+    cache = 2 * cfg.n_layer * cfg.n_embd * context * model.wte.weight.element_size() * batch
+    return weights + cache
+
+
+def _formats(model: GPT) -> dict[str, GPT]:
+    out = {"fp32": model}
+    for fmt in ("bf16", "int8"):
+        out[fmt] = quantize(copy.deepcopy(model), fmt)
+    return out
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+
+def run(
+    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate"), peers: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Measure and return everything as one JSON-ready dict (see the module docstring).
+
+    Args:
+        quick: the short plan (under two minutes on a 2-core CPU).
+        sections: any of "limits", "train", "generate".
+        peers: measure transformers beside tinygpt (when it is installed).
+        log: called with a line per measurement, as it is taken.
+    """
+    plan = QUICK if quick else FULL
+    device = resolve_device("auto")
+    peers = peers and peers_available()
+    if not peers:
+        log("transformers is not installed (pip install 'tinygpt[hf]'): measuring tinygpt alone")
+    result: dict[str, Any] = {"quick": quick, "machine": machine(device), "peers": peers}
+    started = time.perf_counter()
+    lim = limits(plan, device)  # MFU and bandwidth use need them, so they are always measured
+    result["limits"] = lim
+    log(
+        f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
+        f"bfloat16; memory read {lim['memory_read_gbs']:.1f} GB/s"
+    )
+    if "train" in sections:
+        result["training"] = _training(plan, device, lim, peers, log)
+    if "generate" in sections:
+        result["generation"] = _generation(plan, device, lim, peers, log)
+    result["ratios"] = ratios(result)
+    result["machine"]["load_average_end"] = _load()
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = _char_data(Path(tmp), CHAR_VOCAB)
+        for name, batch, steps in plan.train:
+            cfg = bench_config(name, training=True)
+            flops = flops_per_token(cfg, cfg.block_size).training
+            impls = [("tinygpt", d) for d in ("float32", "bfloat16")]
+            if peers:
+                impls += [("transformers", d) for d in ("float32", "bfloat16")]
+            for impl, dtype in impls:
+                if impl == "tinygpt":
+                    r = train_tinygpt(cfg, batch, steps, dtype, data)
+                else:
+                    r = train_transformers(cfg, batch, steps, dtype, device)
+                peak = lim[f"matmul_{dtype}_gflops"] * 1e9
+                row = {"model": name, "impl": impl, "dtype": dtype, "batch": batch, "seq_len": cfg.block_size,
+                       "vocab": cfg.vocab_size, "tokens_per_s": r["tokens_per_s"],
+                       "mfu": r["tokens_per_s"] * flops / peak}
+                rows.append(row)
+                log(f"train {name:6s} {impl:12s} {dtype:8s} {batch}x{cfg.block_size}: "
+                    f"{row['tokens_per_s']:10,.0f} tokens/s  MFU {row['mfu']:.0%}")
+    return rows
+
+
+def _generation(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
+    rows = []
+    for name in plan.gen_models:
+        cfg = bench_config(name, training=False)
+        torch.manual_seed(0)
+        base = GPT(cfg).to(device).eval()
+        engines: list[tuple[str, str, Any]] = []
+        if peers:
+            hf = to_transformers(base).to(device)
+            for fmt in plan.peer_formats:
+                engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16)))
+        for fmt in FORMATS:  # converted last: a packed fp32 model cannot be copied
+            model = base if fmt == "fp32" else copy.deepcopy(base)
+            engines.append(("tinygpt", fmt, quantize(model, fmt)))
+        g = torch.Generator().manual_seed(1)
+        prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
+        cases = [(True, b) for b in plan.gen_batches] + [(False, 1)]
+        best: dict[tuple, dict[str, Any]] = {}
+        for _ in range(plan.repeats_gen):  # interleaved, so a busy moment hits every engine alike
+            for impl, fmt, model in engines:
+                fn = generate_tinygpt if impl == "tinygpt" else generate_transformers
+                for use_cache, batch in cases:
+                    idx = prompts[batch]
+                    new = plan.new_tokens if use_cache else plan.no_cache_tokens
+                    fn(model, idx[:, :8], 2, use_cache=use_cache)  # warm up kernels and allocations
+                    r = fn(model, idx, new, use_cache=use_cache)
+                    key = (impl, fmt, batch, use_cache)
+                    if key not in best or r["decode_tokens_per_s"] > best[key]["decode_tokens_per_s"]:
+                        best[key] = {"model": name, "impl": impl, "format": fmt, "batch": batch, "kv_cache": use_cache,
+                                     "prompt": plan.prompt, "new_tokens": new, **r}
+        ours = best[("tinygpt", "fp32", 1, True)]["tokens"]
+        for (impl, fmt, batch, use_cache), row in best.items():
+            tokens = row.pop("tokens")
+            if impl == "transformers" and fmt == "fp32" and batch == 1 and use_cache:
+                row["same_tokens_as_tinygpt"] = tokens == ours  # greedy on identical float32 weights
+            if impl == "tinygpt" and use_cache:
+                model = next(m for i, f, m in engines if i == impl and f == fmt)
+                per_step = bytes_per_token(model, batch, plan.prompt + row["new_tokens"] / 2)
+                row["bytes_per_step"] = per_step
+                row["bandwidth_use"] = per_step * row["decode_tokens_per_s"] / batch / (lim["memory_read_gbs"] * 1e9)
+            rows.append(row)
+            bw = f"  bandwidth {row['bandwidth_use']:.0%}" if "bandwidth_use" in row else ""
+            log(f"generate {name:5s} {impl:12s} {fmt:4s} batch {batch} {'cache' if use_cache else 'no-cache':8s}: "
+                f"decode {row['decode_tokens_per_s']:8.1f} tokens/s  prefill {row['prefill_tokens_per_s']:8.0f} tokens/s"
+                f"  TTFT {row['ttft_s'] * 1000:7.1f} ms{bw}")
+    return rows
+
+
+# ---- ratios against targets ---------------------------------------------------------------------
+
+# (name, target, numerator, denominator): each side a (model, impl, format) decode row at batch 1
+# with the cache, or a training row; "best" picks the faster of the listed formats.
+DECODE_TARGETS = [
+    ("decode gpt2 b1: tinygpt fp32 / transformers fp32", 1.5, ("gpt2", "tinygpt", ["fp32"]), ("gpt2", "transformers", ["fp32"])),
+    ("decode gpt2 b1: tinygpt int8 / transformers fp32", 3.0, ("gpt2", "tinygpt", ["int8"]), ("gpt2", "transformers", ["fp32"])),
+    ("decode gpt2 b1: tinygpt best low-precision / transformers bf16", 2.0,
+     ("gpt2", "tinygpt", ["bf16", "int8"]), ("gpt2", "transformers", ["bf16"])),
+    ("decode baby b1: tinygpt fp32 / transformers fp32", 2.0, ("baby", "tinygpt", ["fp32"]), ("baby", "transformers", ["fp32"])),
+    ("decode baby b1: tinygpt int8 / transformers fp32", 5.0, ("baby", "tinygpt", ["int8"]), ("baby", "transformers", ["fp32"])),
+    ("decode baby b1: tinygpt bf16 / transformers bf16", None, ("baby", "tinygpt", ["bf16"]), ("baby", "transformers", ["bf16"])),
+]
+TRAIN_TARGETS = [
+    ("train gpt2 4x256: tinygpt best / transformers best", 1.3, ("gpt2", "tinygpt", ["float32", "bfloat16"]),
+     ("gpt2", "transformers", ["float32", "bfloat16"])),
+    ("train gpt2 4x256: tinygpt best / transformers fp32", 2.0, ("gpt2", "tinygpt", ["float32", "bfloat16"]),
+     ("gpt2", "transformers", ["float32"])),
+    ("train gpt2 4x256: tinygpt fp32 / transformers fp32", None, ("gpt2", "tinygpt", ["float32"]),
+     ("gpt2", "transformers", ["float32"])),
+    ("train char 12x64: tinygpt best / transformers best", None, ("char", "tinygpt", ["float32", "bfloat16"]),
+     ("char", "transformers", ["float32", "bfloat16"])),
+]
+
+
+def _best(rows: list[dict], key: str, model: str, impl: str, formats: list[str], field: str) -> float | None:
+    values = [r[key] for r in rows if r["model"] == model and r["impl"] == impl and r[field] in formats]
+    return max(values) if values else None
+
+
+def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target ratio that the run's rows allow, with whether it is met."""
+    out = []
+    decode = [r for r in result.get("generation", []) if r["batch"] == 1 and r["kv_cache"]]
+    train = result.get("training", [])
+    for targets, rows, key, field in ((DECODE_TARGETS, decode, "decode_tokens_per_s", "format"),
+                                      (TRAIN_TARGETS, train, "tokens_per_s", "dtype")):
+        for name, target, num, den in targets:
+            a, b = _best(rows, key, *num, field), _best(rows, key, *den, field)
+            if a is None or b is None:
+                continue
+            out.append({"name": name, "ratio": a / b, "target": target, "met": None if target is None else a / b >= target})
+    best_char = _best(train, "tokens_per_s", "char", "tinygpt", ["float32", "bfloat16"], "dtype")
+    if best_char is not None:
+        target = 2 * PEER_CHAR_TOKENS_PER_S
+        out.append({"name": f"train char 12x64: tinygpt best tokens/s / {target:,} (2x the peer's)",
+                    "ratio": best_char / target, "target": 1.0, "met": best_char >= target})
+    return out
+
+
+def render(result: dict[str, Any]) -> str:
+    """The run as tables for a terminal."""
+    m, lim = result["machine"], result["limits"]
+    lines = [
+        f"tinygpt bench{' --quick' if result['quick'] else ''}: {m['processor']}, {m['cores']} cores, "
+        f"{m['threads']} threads, torch {m['torch']} ({m['cpu_capability']}), load {m['load_average']} -> "
+        f"{m.get('load_average_end')}, {result['seconds']:.0f} s",
+        f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
+        f"GFLOP/s bfloat16; memory read {lim['memory_read_gbs']:.1f} GB/s",
+    ]
+    if result.get("training"):
+        lines += ["", f"{'training':<8} {'impl':<13}{'dtype':<10}{'batch':>8}{'tokens/s':>12}{'MFU':>7}"]
+        for r in result["training"]:
+            lines.append(f"{r['model']:<8} {r['impl']:<13}{r['dtype']:<10}{r['batch']:>4}x{r['seq_len']:<4}"
+                         f"{r['tokens_per_s']:>11,.0f}{r['mfu']:>7.0%}")
+    if result.get("generation"):
+        lines += ["", f"{'generate':<8} {'impl':<13}{'weights':<8}{'batch':>5} {'cache':<6}{'decode tok/s':>13}"
+                      f"{'prefill tok/s':>14}{'TTFT ms':>9}{'bandwidth':>10}"]
+        for r in result["generation"]:
+            bw = f"{r['bandwidth_use']:>10.0%}" if "bandwidth_use" in r else f"{'':>10}"
+            lines.append(f"{r['model']:<8} {r['impl']:<13}{r['format']:<8}{r['batch']:>5} {'yes' if r['kv_cache'] else 'no':<6}"
+                         f"{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}{r['ttft_s'] * 1000:>9.1f}{bw}")
+    same = [f"{r['model']} {'yes' if r['same_tokens_as_tinygpt'] else 'NO'}" for r in result.get("generation", [])
+            if "same_tokens_as_tinygpt" in r]
+    if same:
+        lines.append(f"greedy tokens equal to transformers' on the same float32 weights: {', '.join(same)}")
+    if result.get("ratios"):
+        lines += ["", "ratios (same run)"]
+        for r in result["ratios"]:
+            target = f"target >= {r['target']:g}: {'met' if r['met'] else 'NOT met'}" if r["target"] is not None else ""
+            lines.append(f"  {r['name']:<64}{r['ratio']:>7.2f}x  {target}")
+    return "\n".join(lines)
