@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test test-slow lesson demo fewshot-demo
+.PHONY: install test test-slow lesson demo fewshot-demo bench
 
 install: $(STAMP)
 
@@ -18,6 +18,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow
+
+# Speed against transformers in one run (needs the hf extra, which the dev install pulls in).
+bench: $(STAMP)
+	$(BIN)/tinygpt bench --json bench.json
 
 lesson: $(STAMP)
 	$(BIN)/tinygpt lesson
