@@ -39,7 +39,7 @@ from .config import GPTConfig, TrainConfig
 from .device import resolve_device
 from .generate import generate_stream
 from .model import GPT
-from .quantize import Int8Linear, quantize
+from .quantize import Int8Linear, PackedLinear, quantize
 
 FORMATS = ("fp32", "bf16", "int8")
 CHAR_VOCAB = 77  # training rows use a character vocabulary, as the reference figures do
@@ -339,18 +339,14 @@ def bytes_per_token(model, batch: int, context: float) -> float:
     for m in model.modules():
         if isinstance(m, Int8Linear):
             weights += m.weight.numel() + m.scales.numel() * m.scales.element_size()
+        elif isinstance(m, PackedLinear):
+            weights += m.in_features * m.out_features * m.dtype.itemsize
+            weights += m.bias.numel() * m.bias.element_size() if m.bias is not None else 0
         elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
             weights += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     cfg = model.config
     cache = 2 * cfg.n_layer * cfg.n_embd * context * model.wte.weight.element_size() * batch
     return weights + cache
-
-
-def _formats(model: GPT) -> dict[str, GPT]:
-    out = {"fp32": model}
-    for fmt in ("bf16", "int8"):
-        out[fmt] = quantize(copy.deepcopy(model), fmt)
-    return out
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -427,9 +423,9 @@ def _generation(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any
             hf = to_transformers(base).to(device)
             for fmt in plan.peer_formats:
                 engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16)))
-        for fmt in FORMATS:  # converted last: a packed fp32 model cannot be copied
-            model = base if fmt == "fp32" else copy.deepcopy(base)
-            engines.append(("tinygpt", fmt, quantize(model, fmt)))
+        copies = {fmt: copy.deepcopy(base) for fmt in FORMATS if fmt != "fp32"}  # before packing: no copies after
+        copies["fp32"] = base
+        engines += [("tinygpt", fmt, quantize(copies[fmt], fmt)) for fmt in FORMATS]
         g = torch.Generator().manual_seed(1)
         prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
         cases = [(True, b) for b in plan.gen_batches] + [(False, 1)]
