@@ -46,6 +46,7 @@ CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's refe
 # The from-scratch peer's character model: 4 layers, 4 heads, 128 wide, context 64, batch 12.
 PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0)
 PEER_CHAR_TOKENS_PER_S = 16_000  # its float32 speed on this machine kind (issue 4)
+TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequences (gpt2 at 4 x 256)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ FULL = Plan(
     peer_formats=("fp32", "bf16"),
 )
 QUICK = Plan(
-    matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=1,
+    matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",),
@@ -153,12 +154,14 @@ def limits(plan: Plan, device: torch.device) -> dict[str, float]:
 
 def bench_config(name: str, *, training: bool) -> GPTConfig:
     """The model a row measures: a preset, or "char" (the peer's 4-layer, 128-wide model). Training
-    rows use a CHAR_VOCAB-symbol vocabulary; generation rows keep the preset's (GPT-2's 50,257)."""
+    rows use a CHAR_VOCAB-symbol vocabulary and at most TRAIN_CONTEXT positions; generation rows keep
+    the preset's vocabulary (GPT-2's 50,257) and context."""
     if name == "char":
         return GPTConfig(vocab_size=CHAR_VOCAB if training else 65, **PEER_CHAR)
     cfg = GPTConfig.from_preset(name)
     if training:
         cfg.vocab_size = CHAR_VOCAB
+        cfg.block_size = min(cfg.block_size, TRAIN_CONTEXT)
     else:
         cfg.dropout = 0.0
     return cfg
@@ -293,7 +296,9 @@ class _Clock:
 
     def result(self, prompt_tokens: int, batch: int, tokens: list[int]) -> dict[str, Any]:
         ttft = self.times[0]
-        decode = (len(self.times) - 1) / (self.times[-1] - self.times[0]) if len(self.times) > 1 else float("nan")
+        # the median step, not the mean: a busy moment on a shared machine stalls a few steps, not the rate
+        steps = [b - a for a, b in zip(self.times, self.times[1:])]
+        decode = 1 / statistics.median(steps) if steps else float("nan")
         return {"ttft_s": ttft, "prefill_tokens_per_s": prompt_tokens * batch / ttft, "decode_tokens_per_s": decode * batch,
                 "tokens": tokens}
 
@@ -354,17 +359,18 @@ def bytes_per_token(model, batch: int, context: float) -> float:
 
 def run(
     *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate"), peers: bool = True,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, plan: Plan | None = None,
 ) -> dict[str, Any]:
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
     Args:
         quick: the short plan (under two minutes on a 2-core CPU).
+        plan: what to measure, instead of the full or quick plan.
         sections: any of "limits", "train", "generate".
         peers: measure transformers beside tinygpt (when it is installed).
         log: called with a line per measurement, as it is taken.
     """
-    plan = QUICK if quick else FULL
+    plan = plan or (QUICK if quick else FULL)
     device = resolve_device("auto")
     peers = peers and peers_available()
     if not peers:

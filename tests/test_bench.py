@@ -1,0 +1,79 @@
+"""tinygpt bench: the transformers twin computes what tinygpt computes, and a tiny run yields every
+row and ratio the report needs (speed itself is never asserted)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tinygpt import GPT, GPTConfig
+from tinygpt.bench import Plan, bench_config, bytes_per_token, ratios, render, run, to_transformers
+from tinygpt.quantize import quantize
+
+pytest.importorskip("transformers")
+
+TINY = Plan(
+    matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
+    no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
+)
+
+
+def test_the_transformers_twin_holds_the_same_weights():
+    torch.manual_seed(0)
+    for cfg in (GPTConfig.from_preset("lesson"), GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)):
+        model = GPT(cfg).eval()
+        idx = torch.randint(0, cfg.vocab_size, (2, 8))
+        with torch.no_grad():
+            torch.testing.assert_close(to_transformers(model)(idx).logits, model(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_training_rows_use_a_char_vocabulary_and_short_context():
+    cfg = bench_config("gpt2", training=True)
+    assert (cfg.vocab_size, cfg.block_size, cfg.n_layer) == (77, 256, 12)
+    assert bench_config("gpt2", training=False).block_size == 1024
+
+
+def test_bytes_per_token_count_each_format():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    fp32 = bytes_per_token(quantize(GPT(cfg), "fp32", pack=False), 1, 0)
+    int8 = bytes_per_token(quantize(GPT(cfg), "int8"), 1, 0)
+    matrices = 2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 32 * 64  # the blocks' Linears and the head
+    assert fp32 > 4 * matrices and int8 < fp32 / 3
+
+
+def test_a_tiny_run_measures_every_row_and_ratio():
+    lines = []
+    result = run(plan=TINY, log=lines.append)
+    json.dumps(result)  # all JSON-ready
+    assert result["limits"]["matmul_float32_gflops"] > 0 and result["limits"]["memory_read_gbs"] > 0
+    train = {(r["impl"], r["dtype"]) for r in result["training"]}
+    assert train == {(i, d) for i in ("tinygpt", "transformers") for d in ("float32", "bfloat16")}
+    assert all(r["tokens_per_s"] > 0 for r in result["training"])
+    gen = {(r["impl"], r["format"], r["batch"], r["kv_cache"]) for r in result["generation"]}
+    assert ("tinygpt", "int8", 2, True) in gen and ("transformers", "bf16", 1, False) in gen
+    peer = next(r for r in result["generation"] if r["impl"] == "transformers" and r["format"] == "fp32"
+                and r["batch"] == 1 and r["kv_cache"])
+    assert peer["same_tokens_as_tinygpt"]  # greedy on identical weights: the same tokens
+    text = render(result)
+    assert "tinygpt bench" in text and "transformers" in text and len(lines) >= 8
+
+
+def test_ratios_read_the_best_format_against_each_target():
+    row = dict(batch=1, kv_cache=True)
+    result = {"generation": [
+        {**row, "model": "baby", "impl": "transformers", "format": "fp32", "decode_tokens_per_s": 100.0},
+        {**row, "model": "baby", "impl": "tinygpt", "format": "fp32", "decode_tokens_per_s": 250.0},
+        {**row, "model": "baby", "impl": "tinygpt", "format": "int8", "decode_tokens_per_s": 400.0},
+    ], "training": [{"model": "char", "impl": "tinygpt", "dtype": "bfloat16", "tokens_per_s": 40_000.0}]}
+    got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
+    assert got["decode baby b1: tinygpt fp32 / transformers fp32"] == (2.5, True)
+    assert got["decode baby b1: tinygpt int8 / transformers fp32"] == (4.0, False)
+    assert got["train char 12x64: tinygpt best tokens/s / 32,000 (2x the peer's)"] == (1.25, True)
+
+
+def test_cli_refuses_an_unknown_section():
+    r = subprocess.run([sys.executable, "-m", "tinygpt", "bench", "--only", "nothing"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
