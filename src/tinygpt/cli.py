@@ -655,7 +655,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --only SECTION: limits, train or generate (repeatable; default all).
         --no-peers: skip transformers even when it is installed.
     """
-    import json
 
     from . import bench
     from .fileio import write_json

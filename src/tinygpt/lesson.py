@@ -71,12 +71,12 @@ class GenerationStep:
     token: int  # the argmax of the last position's logits
 
 
-def greedy_steps(start: list[int] = [5, 12, 3], max_new: int = 5, seed: int = LESSON_SEED) -> list[GenerationStep]:
+def greedy_steps(start: tuple[int, ...] | list[int] = (5, 12, 3), max_new: int = 5, seed: int = LESSON_SEED) -> list[GenerationStep]:
     """Greedy generation from `start` with a freshly built TinyGPT, one record per step."""
     model = lesson_model(seed)
     tokens = list(start)
     steps = []
-    for token in generate_stream(model, torch.tensor([start]), max_new, greedy=True):
+    for token in generate_stream(model, torch.tensor([tokens]), max_new, greedy=True):
         steps.append(GenerationStep(context=tokens[-model.config.block_size :], token=int(token[0])))
         tokens.append(int(token[0]))
     return steps
