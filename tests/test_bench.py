@@ -1,5 +1,5 @@
-"""tinygpt bench: the transformers twin computes what tinygpt computes, and a tiny run yields every
-row and ratio the report needs (speed itself is never asserted)."""
+"""tinygpt bench: a tiny run yields every row and ratio the report needs, and greedy tokens agree
+with transformers on the same weights (speed itself is never asserted)."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tinygpt import GPT, GPTConfig
-from tinygpt.bench import Plan, bench_config, bytes_per_token, ratios, render, run, to_transformers
+from tinygpt.bench import Plan, bench_config, bytes_per_token, ratios, render, run
 from tinygpt.quantize import quantize
 
 pytest.importorskip("transformers")
@@ -18,15 +18,6 @@ TINY = Plan(
     matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
     no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
 )
-
-
-def test_the_transformers_twin_holds_the_same_weights():
-    torch.manual_seed(0)
-    for cfg in (GPTConfig.from_preset("lesson"), GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32)):
-        model = GPT(cfg).eval()
-        idx = torch.randint(0, cfg.vocab_size, (2, 8))
-        with torch.no_grad():
-            torch.testing.assert_close(to_transformers(model)(idx).logits, model(idx), atol=1e-5, rtol=1e-5)
 
 
 def test_training_rows_use_a_char_vocabulary_and_short_context():

@@ -38,6 +38,7 @@ from .calc import flops_per_token
 from .config import GPTConfig, TrainConfig
 from .device import resolve_device
 from .generate import generate_stream
+from .hf_gpt2 import to_transformers
 from .model import GPT
 from .quantize import Int8Linear, PackedLinear, quantize
 
@@ -167,44 +168,6 @@ def bench_config(name: str, *, training: bool) -> GPTConfig:
     return cfg
 
 
-def _hf_config(cfg: GPTConfig):
-    from transformers import GPT2Config
-
-    return GPT2Config(
-        vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-        n_head=cfg.n_head, activation_function="gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
-        resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=cfg.tie_weights,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa",
-    )
-
-
-# The four projections GPT-2 stores as Conv1D (in, out): the transpose of nn.Linear's (out, in).
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-
-def to_transformers(model: GPT):
-    """A transformers GPT2LMHeadModel holding the same weights as `model` (which needs biases)."""
-    from transformers import GPT2LMHeadModel
-
-    if not model.config.bias:
-        raise ValueError("transformers' GPT-2 always has biases: benchmark a model with bias=True")
-    hf = GPT2LMHeadModel(_hf_config(model.config))
-    state = {}
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight":
-            if not model.config.tie_weights:
-                state[name] = t
-            continue
-        state["transformer." + name] = t.t().contiguous() if name.endswith(_CONV1D) else t
-    result = hf.load_state_dict(state, strict=False)
-    missing = [k for k in result.missing_keys if k != "lm_head.weight" and not k.endswith(".attn.bias")]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"weights do not map onto GPT2LMHeadModel: {missing[:3]} {result.unexpected_keys[:3]}")
-    hf.tie_weights()
-    return hf.eval()
-
-
 def peers_available() -> bool:
     try:
         import transformers  # noqa: F401
@@ -255,12 +218,10 @@ def train_transformers(
     cfg: GPTConfig, batch: int, steps: int, dtype: str, device: torch.device, *, warmup: int = 2
 ) -> dict[str, Any]:
     """Tokens/s of a plain transformers GPT2LMHeadModel loop: autocast, fused AdamW, clipping."""
-    from transformers import GPT2LMHeadModel
-
     from .device import DTYPES, autocast
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(_hf_config(cfg)).to(device).train()
+    model = to_transformers(GPT(cfg)).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     T, V = cfg.block_size, cfg.vocab_size
     g = torch.Generator().manual_seed(0)

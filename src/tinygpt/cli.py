@@ -1018,7 +1018,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-iters", type=int, help="batches per evaluation (20)")
     t.add_argument("--seed", type=int, help="initialization, dropout and batch order (1337)")
     t.add_argument("--device", help="auto, cpu, cuda, mps")
-    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: bfloat16 autocast where the hardware multiplies it natively, "
+                        "CUDA GPUs and CPUs with AVX-512 BF16 or AMX; else float32)")
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")

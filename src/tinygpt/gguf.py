@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .config import GPTConfig
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, MissingDependencyError
 from .fileio import atomic_write
 from .hf_gpt2 import byte_level_vocab, gpt2_shapes, gpt2_tensors
 from .model import GPT
@@ -40,7 +40,7 @@ def _gguf() -> Any:
     try:
         import gguf
     except ImportError:
-        raise ImportError("the gguf package is not installed: pip install 'tinygpt[hf]'") from None
+        raise MissingDependencyError("the gguf package is not installed: pip install 'tinygpt[hf]'") from None
     return gguf
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from .checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, is_hf_folder, model_from_tensors
 from .config import GPTConfig
-from .errors import CheckpointError, ConfigError, TokenizerError
+from .errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT
 from .tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_to_unicode
@@ -545,7 +545,7 @@ def to_transformers(model: GPT) -> Any:
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
-        raise ImportError("transformers is not installed: pip install 'tinygpt[hf]'") from None
+        raise MissingDependencyError("transformers is not installed: pip install 'tinygpt[hf]'") from None
     fields = {k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")}
     config = GPT2Config(**fields)
     hf = GPT2LMHeadModel(config)
