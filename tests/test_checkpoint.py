@@ -63,7 +63,7 @@ def test_config_disagrees_with_weights(tmp_path):
     with pytest.raises(CheckpointError, match="disagrees with the weights"):
         load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layer": 3}))
-    with pytest.raises(CheckpointError, match="missing"):
+    with pytest.raises(CheckpointError, match="n_layer=3 but the weights hold 2 layers"):
         load(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "n_layers": 3}))
     with pytest.raises(CheckpointError, match="unknown key"):

@@ -14,7 +14,11 @@ Nothing here unpickles: safetensors for tensors, torch.load(weights_only=True) f
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ from safetensors.torch import save_file
 
 from .config import GPTConfig
 from .errors import CheckpointError, ConfigError
-from .fileio import atomic_write, fsync_dir, read_json, write_json
+from .fileio import atomic_write, check_regular_file, fsync_dir, read_json, write_json
 from .model import GPT
 
 CONFIG = "config.json"
@@ -32,6 +36,15 @@ WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 STATE = "train_state.pt"
 TIED_KEY = "lm_head.weight"
+# A safetensors header is JSON naming every tensor: about 1 KB per layer (GPT-2 XL's is 64 KB).
+# safetensors itself allows 100 MB, but parsed JSON can take 25x its size in memory, so tinygpt
+# refuses a header over 8 MB before reading it, and one with more JSON objects and arrays than
+# MAX_TENSORS entries need (one object and two arrays each) before parsing it.
+MAX_HEADER_BYTES = 8 * 1024 * 1024
+MAX_TENSORS = 65536
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_LAYER = re.compile(r"(?:transformer\.)?h\.(\d+)\.")  # the block index in a parameter name
 
 
 def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -83,7 +96,104 @@ def load_config(path: str | Path) -> GPTConfig:
         raise CheckpointError(f"{path / CONFIG}: {e}") from None
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
+    return dict(pairs)
+
+
+def _no_float(text: str) -> float:
+    raise ValueError(f"a number {text[:20]!r} that is not an integer")  # no field of a header holds one
+
+
+def read_header(file: str | Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), checked strictly
+    before any tensor data is read.
+
+    The file must be a regular file whose 8-byte header length fits both the file and
+    MAX_HEADER_BYTES (checked before the header is read); the header must be a UTF-8 JSON object
+    without duplicate keys or fractions, and with no more objects and arrays than MAX_TENSORS
+    entries need (checked before it is parsed); each tensor's shape and dtype must give exactly its
+    byte span; and the spans must tile the data section from its start to the end of the file, with
+    no gap, overlap or trailing byte. The safetensors library checks most of this too, but keeps
+    the last of two duplicate keys and allows a 100 MB header.
+
+    Raises:
+        CheckpointError: naming the first problem found.
+    """
+    file = Path(file)
+    size = check_regular_file(file, CheckpointError)
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: corrupt or truncated safetensors file: {why}")
+
+    if size < 8:
+        raise bad(f"{size} bytes, too short to hold the header length")
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > MAX_HEADER_BYTES:
+            raise bad(f"the header claims {n:,} bytes, more than tinygpt reads ({MAX_HEADER_BYTES:,})")
+        if n > size - 8:
+            raise bad(f"the header claims {n:,} bytes but only {size - 8:,} follow the length")
+        raw = f.read(n)
+    if raw.count(b"{") + raw.count(b"[") > 3 * MAX_TENSORS + 2:
+        raise bad(f"the header holds more JSON objects and arrays than {MAX_TENSORS:,} tensors need")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_float=_no_float)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise bad(f"the header is not valid JSON ({why})") from None
+    del raw
+    if not isinstance(header, dict):
+        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ must map strings to strings")
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise bad(f"tensor {name!r} lacks dtype, shape or data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPE_BYTES:
+            raise bad(f"tensor {name!r} has an unknown dtype {dtype!r}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+        need = math.prod(shape) * DTYPE_BYTES[dtype]  # Python integers: a huge shape cannot overflow
+        if need != offsets[1] - offsets[0]:
+            raise bad(f"tensor {name!r}: shape {shape} of {dtype} needs {need:,} bytes but its offsets span "
+                      f"{offsets[1] - offsets[0]:,}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, "
+                      f"{'overlapping the tensor before it' if begin < end else f'leaving a gap after byte {end:,}'}")
+        end = stop
+    data = size - 8 - n
+    if end != data:
+        raise bad(f"the tensors need {end:,} bytes of data but the file holds {data:,}"
+                  + (" (trailing bytes)" if end < data else " (truncated)"))
+    header["__metadata__"] = meta
+    return header
+
+
+def check_layers(config: GPTConfig, names: Any, where: str) -> None:
+    """Refuse weights whose block indices (h.N.) are not exactly 0..n_layer-1, before a model of
+    config's size is built: a config.json claiming a million layers must not cost a million blocks."""
+    layers = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
+    if len(layers) != config.n_layer or (layers and (min(layers) != 0 or max(layers) != config.n_layer - 1)):
+        raise CheckpointError(
+            f"{where}: config.json disagrees with the weights: n_layer={config.n_layer} but the weights hold "
+            f"{len(layers)} layers"
+        )
+
+
 def _read_weights(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    read_header(file)
     try:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
@@ -93,8 +203,11 @@ def _read_weights(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 
 def weights_step(path: str | Path) -> int:
     """The training step stored with a run's weights (-1 when saved outside training)."""
-    _, meta = _read_weights(Path(path) / WEIGHTS)
-    return int(meta.get("step", -1))
+    file = Path(path) / WEIGHTS
+    step = read_header(file)["__metadata__"].get("step", "-1")
+    if not re.fullmatch(r"-1|[0-9]+", step):
+        raise CheckpointError(f"{file}: the step in its metadata is {step!r}, not a number")
+    return int(step)
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -133,6 +246,7 @@ def load(
         return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
     config = load_config(path)
     tensors, _ = _read_weights(path / WEIGHTS)
+    check_layers(config, tensors, str(path))  # before a model of config's size is built
     return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
 
 
@@ -173,7 +287,7 @@ def model_from_tensors(
         if not t.is_floating_point():
             raise CheckpointError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
         if not allow_nonfinite and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{where}: {name} holds NaN or infinite values")
+            raise CheckpointError(f"{where}: {name} holds NaN or infinite values (--allow-nonfinite loads them)")
     tensors = dict(tensors)
     if config.tie_weights:
         tensors[TIED_KEY] = tensors["wte.weight"]
@@ -184,7 +298,8 @@ def model_from_tensors(
 
 
 def load_run(
-    path: str | Path, device: str | torch.device = "auto", *, tokenizer_required: bool = True
+    path: str | Path, device: str | torch.device = "auto", *, tokenizer_required: bool = True,
+    allow_nonfinite: bool = False,
 ) -> tuple[GPT, Any]:
     """A model and its tokenizer, from a run folder or a Hugging Face GPT-2 folder: what `sample`,
     `eval`, `serve` and `export` start from.
@@ -193,6 +308,7 @@ def load_run(
         path: the folder.
         device: "auto", "cpu", "cuda", "mps" or a torch.device.
         tokenizer_required: raise if the folder has no tokenizer (else the tokenizer is None).
+        allow_nonfinite: accept NaN or infinite weights (refused by default).
 
     Raises:
         CheckpointError, TokenizerError: the folder cannot be used (a folder without a tokenizer
@@ -204,7 +320,7 @@ def load_run(
 
     if not isinstance(device, torch.device):
         device = resolve_device(device)
-    model = load(path, device=device)
+    model = load(path, device=device, allow_nonfinite=allow_nonfinite)
     if is_hf_folder(path):
         from .hf_gpt2 import load_hf_tokenizer
 
@@ -235,43 +351,80 @@ def save_training(
     state_tmp = run / (STATE + ".tmp")
     weights_replaced = False
     try:
-        torch.save(state, state_tmp)  # complete and synced before the weights are replaced
-        with open(state_tmp, "rb+") as f:
+        # complete and synced before the weights are replaced; through a Python file, so that a failed
+        # write (a full disk) surfaces as the OSError behind torch's RuntimeError
+        with open(state_tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
             os.fsync(f.fileno())
         save(model, run, tokenizer, step=step, state_dict=state_dict)
         weights_replaced = True
         os.replace(state_tmp, run / STATE)
-    except BaseException:
+        fsync_dir(run)
+    except BaseException as e:
         if not weights_replaced:  # a failed save (ENOSPC, ...) leaves the previous pair as it was
             state_tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(run)
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        kept = "a --resume completes it" if weights_replaced else "the previous checkpoint is unchanged"
+        if not weights_replaced and (run / WEIGHTS).exists():
+            kept = f"the checkpoint of step {weights_step(run)} is unchanged"
+        raise CheckpointError(f"{run}: could not save the checkpoint of step {step}: {cause.strerror or cause}; "
+                              f"{kept}") from e
+
+
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The operating system's error behind a failed write, if that is what `e` is: torch.save raises
+    a RuntimeError whose context is the OSError, safetensors a SafetensorError ending '(os error N)'."""
+    while e is not None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, OSError):
+            return e
+        code = re.search(r"\(os error (\d+)\)", str(e)) if isinstance(e, SafetensorError) else None
+        if code:
+            return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _read_state(file: Path) -> dict[str, Any]:
+    check_regular_file(file, CheckpointError)
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated zip, or an object that weights_only refuses to build
-        raise CheckpointError(f"{file}: unreadable training state ({type(e).__name__}: {e})") from None
+        # torch's message spans lines and suggests weights_only=False, which would run the file's code:
+        # keep the reason only
+        text = str(e)
+        found = re.search(r"WeightsUnpickler error: \s*(.*?)(?: Please use|\n\n|$)", text, re.DOTALL)
+        reason = found.group(1).strip() if found else (text.strip().splitlines() or [type(e).__name__])[0]
+        if "GLOBAL" in reason:
+            reason += ": the file asks to build objects other than tensors and plain data, which tinygpt never does"
+        raise CheckpointError(f"{file}: unreadable training state ({reason})") from None
 
 
 def load_training(run: str | Path) -> dict[str, Any]:
-    """The training state of a run, matched to its weights; finishes a save cut short by a kill."""
+    """The training state of a run, matched to its weights; finishes a save cut short by a kill and
+    removes the temporary files such a save leaves (the caller is about to write this run)."""
     run = Path(run)
     step = weights_step(run)
+    for stale in run.glob(".*.tmp-*"):  # atomic_write's temp files of saves a kill cut short
+        if stale.is_file():
+            stale.unlink(missing_ok=True)
     pending = run / (STATE + ".tmp")
     if pending.exists():
         try:
             candidate = _read_state(pending)
         except CheckpointError:
             candidate = None
-        if candidate is not None and int(candidate.get("step", -2)) == step:
+        if isinstance(candidate, dict) and candidate.get("step") == step:
             os.replace(pending, run / STATE)  # the kill came between the two renames: roll forward
         else:
             pending.unlink()
     if not (run / STATE).exists():
         raise CheckpointError(f"{run}: no {STATE}, so there is no training to resume")
     state = _read_state(run / STATE)
-    if int(state.get("step", -2)) != step:
+    if not isinstance(state, dict) or type(state.get("step")) is not int:
+        raise CheckpointError(f"{run / STATE}: not a training state (no step)")
+    if state["step"] != step:
         raise CheckpointError(f"{run}: training state is for step {state.get('step')} but the weights for {step}")
     return state

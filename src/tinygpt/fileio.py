@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# The largest JSON file tinygpt reads (refused unread): twice the largest tokenizer.json it writes (a
+# BPE of 2^20 tokens). JSON is parsed whole, and parsed it can take many times its size in memory.
+MAX_JSON_BYTES = 128 * 1024 * 1024
 
 
 def fsync_dir(folder: Path) -> None:
@@ -31,6 +36,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:  # a failed write or fsync names no file: say which one
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
@@ -42,11 +51,28 @@ def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> Non
     atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
+def check_regular_file(path: str | os.PathLike, error: type[Exception]) -> int:
+    """The size of `path`, which must be a regular file (after symlinks): opening a FIFO or a device
+    that a hostile folder put in place of a file would block or never end. Raises `error` otherwise."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error(f"{path} is missing") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error(f"{path} is not a regular file")
+    return info.st_size
+
+
 def read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
-    """Parse a JSON file; a missing or malformed file raises `error` with a one-line message."""
+    """Parse a JSON file; a missing, special, oversized or malformed file raises `error` with a one-line message."""
+    size = check_regular_file(path, error)
+    if size > MAX_JSON_BYTES:
+        raise error(f"{path} holds {size:,} bytes, more than a tinygpt JSON file may ({MAX_JSON_BYTES:,})")
     try:
         return json.loads(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} is missing") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{path} is not valid JSON: {e}") from None
+    except RecursionError:  # json gives up on deeply nested arrays or objects this way
+        raise error(f"{path} is not valid JSON: nested too deeply") from None

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, is_hf_folder, model_from_tensors
+from .checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, check_layers, is_hf_folder, model_from_tensors
 from .config import GPTConfig
 from .errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 from .fileio import atomic_write, read_json, write_json
@@ -269,7 +269,9 @@ def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfi
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such folder")
     config = config_from_hf(read_json(path / CONFIG, CheckpointError), str(path))
-    tensors = from_hf_state_dict(_read_hf_weights(path), config, str(path))
+    tensors = _read_hf_weights(path)
+    check_layers(config, tensors, str(path))  # before a model of config's size is built
+    tensors = from_hf_state_dict(tensors, config, str(path))
     return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
 
 

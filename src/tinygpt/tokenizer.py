@@ -617,10 +617,10 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "tokenizer.json").is_file():
+        if not (p / "tokenizer.json").exists():
             raise TokenizerError(f"no tokenizer.json in {p}")
         p = p / "tokenizer.json"
-    elif not p.is_file():
+    elif not p.exists():
         raise TokenizerError(f"tokenizer file not found: {p}")
     return tokenizer_from_dict(read_json(p, TokenizerError), where=str(p))
 

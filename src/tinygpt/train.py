@@ -34,7 +34,13 @@ from .calc import (
 from .config import GPTConfig, TrainConfig, from_mapping
 from .data import get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
-from .errors import ConfigError, NonFiniteError, TinyGPTError, TrainingError
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    TinyGPTError,
+    TrainingError,
+)
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
 
@@ -355,11 +361,21 @@ def _signals(stop: _Stop):
 
 
 def _metrics_upto(run: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint (those steps are redone)."""
+    """On resume, drop metric lines logged after the checkpoint (those steps are redone), and a last
+    line cut short (a full disk, a power cut)."""
     file = run / METRICS
     if not file.exists():
         return
-    kept = [line for line in file.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+
+    def logged_step(line: str) -> int | None:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return None
+        return record.get("step") if isinstance(record, dict) and type(record.get("step")) is int else None
+
+    lines = file.read_text(errors="replace").splitlines()
+    kept = [line for line in lines if (s := logged_step(line)) is not None and s <= step]
     atomic_write(file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
 
 
@@ -439,6 +455,7 @@ def _train(
             raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
         model_config = saved
         state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
+        _check_state(state, run)
     else:
         if has_checkpoint(run):
             raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
@@ -489,11 +506,16 @@ def _train(
         step, tokens_seen = int(state["step"]), int(state["tokens"])
         if cfg.max_iters is None and state["max_iters"] is not None:
             horizon = int(state["max_iters"])
-        distributed.load_optimizer_state(model, optimizer, state["optimizer"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        _restore_rng(state["rng"], ctx, device, cfg.seed + ctx.rank + 1_000_003 * step)
-        data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
+        _check_optimizer_state(state["optimizer"], optimizer, run)
+        try:
+            distributed.load_optimizer_state(model, optimizer, state["optimizer"])
+            if state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            _restore_rng(state["rng"], ctx, device, cfg.seed + ctx.rank + 1_000_003 * step)
+            data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise CheckpointError(f"{run / checkpoint.STATE}: does not fit this run ({why})") from None
         if ctx.is_main:
             _metrics_upto(run, step)
     if ctx.is_main:
@@ -547,8 +569,11 @@ def _train(
 
     def log(record: dict) -> None:
         if metrics is not None:
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            try:
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            except OSError as e:  # a full disk: say which file
+                raise OSError(e.errno, e.strerror, str(run / METRICS)) from e
 
     from tqdm.auto import tqdm
 
@@ -633,6 +658,50 @@ def _train(
             metrics.close()
         trace.close()
     return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, time.perf_counter() - started)
+
+
+def _check_state(state: dict[str, Any], run: Path) -> None:
+    """Refuse a training state that train() did not write (damaged, or crafted) with a CheckpointError
+    naming the field, before anything is restored from it."""
+
+    def count(v: Any) -> bool:
+        return type(v) is int and v >= 0
+
+    def rng_state(v: Any) -> bool:
+        return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
+
+    rng, opt = state.get("rng"), state.get("optimizer")
+    checks = {
+        "tokens": count(state.get("tokens")),
+        "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
+        "optimizer": isinstance(opt, dict) and isinstance(opt.get("state"), dict)
+        and isinstance(opt.get("param_groups"), list)
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"]),
+        "scaler": state.get("scaler") is None or isinstance(state.get("scaler"), dict),
+        "rng": isinstance(rng, dict) and rng_state(rng.get("torch")) and rng_state(rng.get("data")),
+    }
+    bad = [name for name, ok in checks.items() if not ok]
+    if bad:
+        raise CheckpointError(f"{run / checkpoint.STATE}: not a training state tinygpt wrote ({bad[0]} is missing "
+                              "or of the wrong type)")
+
+
+def _check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, run: Path) -> None:
+    """The saved AdamW moments must have the shapes of the parameters they belong to: a mismatch would
+    load silently and fail inside the first optimizer step."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    where = run / checkpoint.STATE
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise CheckpointError(f"{where}: its optimizer state has parameter groups of {sizes}, this model needs "
+                              f"{[len(g['params']) for g in optimizer.param_groups]}")
+    for index, moments in saved["state"].items():
+        if type(index) is not int or not 0 <= index < len(params) or not isinstance(moments, dict):
+            raise CheckpointError(f"{where}: its optimizer state names parameter {index!r}, which this model lacks")
+        for name, t in moments.items():
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != params[index].shape:
+                raise CheckpointError(f"{where}: optimizer {name} of parameter {index} has shape {tuple(t.shape)}, "
+                                      f"the parameter {tuple(params[index].shape)}")
 
 
 def _restore_rng(rng: dict[str, Any], ctx: distributed.Dist, device: torch.device, fresh_seed: int) -> None:
