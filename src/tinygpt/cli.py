@@ -211,13 +211,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_SIGNAL.get(result.stopped, 0)
 
 
-def _load_run(run: str, device: str, quantize: str | None = None):
+def _load_run(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
     """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
-    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels."""
+    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
+    NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from .checkpoint import load_run
     from .quantize import quantize as to_format
 
-    model, tokenizer = load_run(run, device)
+    model, tokenizer = load_run(run, device, allow_nonfinite=allow_nonfinite)
     return to_format(model, quantize or "fp32"), tokenizer
 
 
@@ -248,7 +249,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.trace_top is not None and args.trace_top < 1:
         raise ConfigError("--trace-top must be >= 1")
     args.trace = args.trace or args.trace_top is not None
-    model, tokenizer = _load_run(args.run, args.device, args.quantize)
+    model, tokenizer = _load_run(args.run, args.device, args.quantize, args.allow_nonfinite)
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
@@ -482,7 +483,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
     from .train import evaluate, read_train_config
 
-    model, tokenizer = _load_run(args.run, args.device, args.quantize)
+    model, tokenizer = _load_run(args.run, args.device, args.quantize, args.allow_nonfinite)
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -1045,6 +1046,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-top", type=int, metavar="N", help="candidates shown per step (5); implies --trace")
     p.add_argument("--device", default="auto")
     _add_quantize_flag(p)
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load NaN or infinite weights (refused by default), to inspect a diverged run")
     p.set_defaults(func=cmd_sample)
 
     p = sub.add_parser("attention", help="draw attention maps for a prompt", description=cmd_attention.__doc__,
@@ -1099,6 +1102,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--device", default="auto")
     _add_quantize_flag(p)
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load NaN or infinite weights (refused by default), to inspect a diverged run")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser(

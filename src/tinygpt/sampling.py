@@ -69,4 +69,10 @@ def choose(processed: torch.Tensor, cfg: SampleConfig, generator: torch.Generato
     if cfg.is_greedy:
         return processed.argmax(dim=-1)
     probs = processed.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    try:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    except RuntimeError:
+        if not bool(torch.isfinite(probs).all()):  # checked only on failure: no extra work per token
+            raise ValueError("the next-token probabilities are NaN or infinite: the model's output is not finite "
+                             "(non-finite weights, loaded with allow_nonfinite?)") from None
+        raise
