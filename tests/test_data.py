@@ -430,6 +430,10 @@ def test_cli_prepare_replace_reports_substitutions(tmp_path, capsys):
     [
         (["nope.txt"], "source not found"),
         (["bad.txt"], "invalid UTF-8 at byte 4"),
+        (["cut.txt"], "invalid UTF-8 at byte 3"),
+        (["surrogate.txt"], "invalid UTF-8 at byte 2"),
+        (["empty.txt"], "is empty"),
+        (["ok.txt", "blank.txt"], "holds only whitespace"),
         (["ok.txt", "--val-fraction", "0.9"], "val fraction must be between 0 and 0.5"),
         (["ok.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "too small"),
         (["ok.txt", "--tokenizer", "gpt2", "--tokenizer-file", "nope"], "tokenizer file not found"),
@@ -439,6 +443,10 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch, args, me
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ok.txt").write_text("fine text")
     (tmp_path / "bad.txt").write_bytes(b"abc \xff")
+    (tmp_path / "cut.txt").write_bytes(b"abc\xe6\x97")  # a character cut off by the end of the file
+    (tmp_path / "surrogate.txt").write_bytes(b"ab\xed\xa0\x80cd")
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_bytes(b" \r\n\t \n")
     assert cli.main(["prepare", *args, "--out", "data"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert err.startswith("tinygpt: error: ") and message in err and err.count("\n") == 1
