@@ -201,6 +201,8 @@ class _Server:
         self.authorize(request)
         if self.scheduler.draining:
             raise _unavailable()
+        if kind is not AttentionRequest and not self.scheduler.has_room(1):
+            raise _busy(1)  # a full server answers before reading and validating the body
         length = request.headers.get("content-length")
         if length is not None and _is_uint(length) and int(length) > MAX_BODY_BYTES:
             raise _too_large()
