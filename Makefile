@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test test-slow lesson demo fewshot-demo bench
+.PHONY: install test test-slow reliability lesson demo fewshot-demo bench
 
 install: $(STAMP)
 
@@ -22,6 +22,12 @@ test-slow: $(STAMP)
 # Speed against transformers in one run (needs the hf extra, which the dev install pulls in).
 bench: $(STAMP)
 	$(BIN)/tinygpt bench --json bench.json
+
+# The reliability and security suite with its long variants (30 kills, 2,000 fuzzed bodies, the load
+# run); prints the figures docs/RELIABILITY.md reports and keeps them in .reliability-figures.jsonl.
+reliability: $(STAMP)
+	rm -f .reliability-figures.jsonl
+	TINYGPT_FIGURES=$(CURDIR)/.reliability-figures.jsonl $(BIN)/python -m pytest -m reliability
 
 lesson: $(STAMP)
 	$(BIN)/tinygpt lesson

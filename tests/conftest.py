@@ -1,3 +1,5 @@
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -35,3 +37,31 @@ def char_data(tmp_path_factory):
     (root / "text.txt").write_text(make_text())
     prepare([str(root / "text.txt")], root / "data", tokenizer="char")
     return root / "data"
+
+
+# ---- figures: numbers a test measures for docs/RELIABILITY.md, listed at the end of the run ------
+
+_FIGURES: list[dict] = []
+
+
+@pytest.fixture
+def figure(request):
+    """record(name, value, detail="") keeps a measured figure; with TINYGPT_FIGURES=FILE they are also
+    appended to FILE as JSON lines (`make reliability` does this)."""
+
+    def record(name: str, value, detail: str = "") -> None:
+        _FIGURES.append({"test": request.node.nodeid, "figure": name, "value": value, "detail": detail})
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FIGURES:
+        return
+    terminalreporter.section("figures")
+    for f in _FIGURES:
+        terminalreporter.write_line(f"{f['figure']}: {f['value']}" + (f"  ({f['detail']})" if f["detail"] else ""))
+    if os.environ.get("TINYGPT_FIGURES"):
+        with open(os.environ["TINYGPT_FIGURES"], "a") as out:
+            for f in _FIGURES:
+                out.write(json.dumps(f) + "\n")
