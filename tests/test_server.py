@@ -485,6 +485,27 @@ def test_cors_is_off_unless_origins_are_given(model, tok):
         assert r.headers.get("access-control-allow-origin") != "https://evil.example"
 
 
+def test_a_full_server_answers_429_before_the_body_but_after_the_key(model, tok):
+    """While every place is taken, a generating request gets 429 without its body being read (so a
+    body that is not even JSON gets it too), with CORS headers; a request without the key still gets
+    401, a draining server 503, and routes that take no place answer as usual."""
+    app = create_app(model, tok, model_name=NAME, api_key="k", cors_origins=["https://app.example"])
+    ok = {"Authorization": "Bearer k", "Origin": "https://app.example"}
+    with TestClient(app) as http:
+        scheduler = app.state.scheduler
+        scheduler.has_room = lambda count: False
+        for route in (C, M):
+            r = http.post(route, content=b"{not json", headers=ok)
+            assert check_error(r, 429)["code"] == "rate_limit_exceeded"
+            assert r.headers["retry-after"] == "1" and r.headers["access-control-allow-origin"] == "https://app.example"
+            assert check_error(http.post(route, json=COMP), 401)["code"] == "invalid_api_key"
+        assert http.post(A, json=ATTN, headers=ok).status_code == 200
+        assert http.get("/v1/models", headers=ok).status_code == 200
+        scheduler.draining = True
+        assert check_error(http.post(C, json=COMP, headers=ok), 503)["code"] == "service_unavailable"
+        scheduler.draining = False
+
+
 def test_attention_route_returns_the_models_explicit_weights(model, tok):
     with TestClient(create_app(model, tok, model_name=NAME)) as http:
         r = http.post(A, json={**ATTN, "prompt": "hello there", "layer": 1, "head": 1})

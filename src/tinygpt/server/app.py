@@ -39,6 +39,7 @@ from .protocol import (
 )
 from .scheduler import Draining, Event, QueueFull, Scheduler, Sequence, TokenInfo
 
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 ATTENTION_MAX_TOKENS = 256  # the attention view shows at most the last 256 tokens
@@ -90,6 +91,8 @@ def create_app(
     app = FastAPI(title="tinygpt", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = server.scheduler
     app.state.model_name = model_name
+    # innermost of the middleware, so that CORS headers (added outside it) reach a browser's 429 too
+    app.add_middleware(_Admission, server=server)
     origins = list(cors_origins)
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
@@ -143,12 +146,12 @@ def create_app(
         server.check_model(name)
         return JSONResponse(server.model_card())
 
-    @app.post("/v1/completions")
+    @app.post(COMPLETIONS)
     async def completions(request: Request) -> Response:
         req = await server.parse(request, CompletionRequest)
         return await server.complete(request, req)
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_COMPLETIONS)
     async def chat_completions(request: Request) -> Response:
         req = await server.parse(request, ChatRequest)
         return await server.chat(request, req)
@@ -181,13 +184,17 @@ class _Server:
 
     # -- request checks ----------------------------------------------------------------------
 
-    def authorize(self, request: Request) -> None:
+    def authorized(self, header: str) -> bool:
+        """Whether an Authorization header value carries the API key (always, when there is none)."""
         if self._key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            return True
+        scheme, _, token = header.partition(" ")
         # header values arrive decoded as latin-1: encoding back gives the bytes that were sent
         given = token.strip().encode("latin-1", errors="replace")
-        if not (scheme.lower() == "bearer" and hmac.compare_digest(given, self._key)):
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._key)
+
+    def authorize(self, request: Request) -> None:
+        if not self.authorized(request.headers.get("authorization", "")):
             raise APIError(401, "Invalid or missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -202,7 +209,7 @@ class _Server:
         if self.scheduler.draining:
             raise _unavailable()
         if kind is not AttentionRequest and not self.scheduler.has_room(1):
-            raise _busy(1)  # a full server answers before reading and validating the body
+            raise _busy(1)  # filled up since _Admission let it through: still before reading the body
         length = request.headers.get("content-length")
         if length is not None and _is_uint(length) and int(length) > MAX_BODY_BYTES:
             raise _too_large()
@@ -531,6 +538,37 @@ class _Reply:
             top.append(best)
         return {"tokens": [text_of(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
                 "top_logprobs": top, "text_offset": offsets}
+
+
+class _Admission:
+    """Answers 429 to a generating request while every slot and queue place is taken, before FastAPI
+    routes it, reads its body or validates it: under a burst that is most of the requests, and the
+    event loop (which also carries every running stream) should spend almost nothing on each.
+    Requests that would get 401 or 503 go on to the app, which answers them in full."""
+
+    def __init__(self, app, server: _Server) -> None:
+        self.app, self.server = app, server
+        err = _busy(1)
+        self.body = json.dumps(err.body()).encode()
+        self.start = {"type": "http.response.start", "status": err.status,
+                      "headers": [(b"content-type", b"application/json"),
+                                  (b"content-length", str(len(self.body)).encode()),
+                                  *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]}
+
+    async def __call__(self, scope, receive, send) -> None:
+        server = self.server
+        if (scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in (COMPLETIONS, CHAT_COMPLETIONS)
+                and not server.scheduler.draining and not server.scheduler.has_room(1)
+                and server.authorized(_header(scope, b"authorization"))):
+            await send(self.start)
+            await send({"type": "http.response.body", "body": self.body})
+            return
+        await self.app(scope, receive, send)
+
+
+def _header(scope, name: bytes) -> str:
+    """A request header's value from an ASGI scope, decoded as latin-1 the way Starlette does ('' if absent)."""
+    return next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == name), "")
 
 
 class _ClientGone(Exception):
