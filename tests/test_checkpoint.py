@@ -114,6 +114,12 @@ def test_training_state_pair_and_roll_forward(tmp_path):
     torch.save({"step": 7}, tmp_path / "train_state.pt.tmp")
     assert load_training(tmp_path)["step"] == 6
     assert not (tmp_path / "train_state.pt.tmp").exists()
+    # what a kill inside a save leaves beside the checkpoint: atomic_write's and safetensors' temp files
+    for name in (".model.safetensors.tmp-4242", ".tmpGKlEPn"):
+        (tmp_path / name).write_bytes(b"half a file")
+    (tmp_path / "notes.tmp").write_text("the user's")
+    assert load_training(tmp_path)["step"] == 6
+    assert sorted(p.name for p in tmp_path.iterdir() if "tmp" in p.name) == ["notes.tmp"]
 
 
 def test_mismatched_pair_is_refused(tmp_path):

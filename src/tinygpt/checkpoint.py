@@ -407,7 +407,9 @@ def load_training(run: str | Path) -> dict[str, Any]:
     removes the temporary files such a save leaves (the caller is about to write this run)."""
     run = Path(run)
     step = weights_step(run)
-    for stale in run.glob(".*.tmp-*"):  # atomic_write's temp files of saves a kill cut short
+    # temp files of saves a kill cut short: atomic_write's (.NAME.tmp-PID), and safetensors' own (it
+    # writes through a .tmpXXXXXX beside its target, the default name of Rust's tempfile crate)
+    for stale in [*run.glob(".*.tmp-*"), *run.glob(".tmp??????")]:
         if stale.is_file():
             stale.unlink(missing_ok=True)
     pending = run / (STATE + ".tmp")

@@ -91,7 +91,7 @@ def metrics_inode(run: Path) -> int | None:
         return None
 
 
-@pytest.mark.parametrize("trials", [4, pytest.param(30, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("trials", [3, pytest.param(30, marks=pytest.mark.slow)])
 def test_sigkill_at_random_moments_then_resume(char_data, tmp_path, trials, figure):
     run = tmp_path / "run"
     rng = random.Random(trials)
