@@ -410,16 +410,21 @@ class Scheduler:
         """Free these rows: the last active row moves into each gap, so rows 0..n-1 stay in use."""
         if not rows:
             return
+        moves = []  # (to, from), in order: a later move may take a row an earlier one just filled
         with self._cond:
             for i in sorted(rows, reverse=True):
                 last = len(self._active) - 1
                 moved = self._active.pop()
                 if i != last:
                     self._active[i] = moved
-                    dst, src = self._cache.slot(i), self._cache.slot(last)
-                    dst.k.copy_(src.k)
-                    dst.v.copy_(src.v)
+                    moves.append((i, last))
             self._cond.notify_all()
+        # The cache is this thread's alone, so its rows move outside the lock: the event loop takes the
+        # lock for every admission check, and a large model's row takes milliseconds to copy.
+        for i, last in moves:
+            dst, src = self._cache.slot(i), self._cache.slot(last)
+            dst.k.copy_(src.k)
+            dst.v.copy_(src.v)
 
 
 def _token_info(logits: torch.Tensor, token: int, top: int) -> TokenInfo:
