@@ -15,7 +15,7 @@ from tinygpt.quantize import quantize
 pytest.importorskip("transformers")
 
 TINY = Plan(
-    matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
+    matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
     no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
 )
 

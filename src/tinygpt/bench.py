@@ -44,8 +44,9 @@ from .quantize import Int8Linear, PackedLinear, quantize
 
 FORMATS = ("fp32", "bf16", "int8")
 CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's reference figures do
-# The from-scratch peer's character model: 4 layers, 4 heads, 128 wide, context 64, batch 12.
-PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0)
+# The from-scratch peer's character model, as it builds it: 4 layers, 4 heads, 128 wide, context 64 (batch
+# 12), no biases, exact GELU.
+PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False, activation="gelu")
 PEER_CHAR_TOKENS_PER_S = 16_000  # its float32 speed on this machine kind (issue 4)
 TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequences (gpt2 at 4 x 256)
 
@@ -57,7 +58,8 @@ class Plan:
     matmul_n: int
     memory_mib: int
     repeats: int
-    repeats_gen: int
+    repeats_gen: int  # interleaved rounds of generation
+    repeats_train: int  # interleaved rounds of training
     train: tuple[tuple[str, int, int], ...]  # (model, batch, steps)
     prompt: int
     new_tokens: int
@@ -68,13 +70,13 @@ class Plan:
 
 
 FULL = Plan(
-    matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3,
+    matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3, repeats_train=2,
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4)),
     prompt=64, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
     peer_formats=("fp32", "bf16"),
 )
 QUICK = Plan(
-    matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2,
+    matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",),
@@ -364,15 +366,20 @@ def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]
             impls = [("tinygpt", d) for d in ("float32", "bfloat16")]
             if peers:
                 impls += [("transformers", d) for d in ("float32", "bfloat16")]
-            for impl, dtype in impls:
-                if impl == "tinygpt":
-                    r = train_tinygpt(cfg, batch, steps, dtype, data)
-                else:
-                    r = train_transformers(cfg, batch, steps, dtype, device)
+            best: dict[tuple[str, str], float] = {}
+            # interleaved rounds, the best of each kept: this host has slow spells (the same run
+            # measured 25,000 and 34,000 tokens/s minutes apart) that should not decide a ratio
+            for _ in range(plan.repeats_train):
+                for impl, dtype in impls:
+                    if impl == "tinygpt":
+                        r = train_tinygpt(cfg, batch, steps, dtype, data)
+                    else:
+                        r = train_transformers(cfg, batch, steps, dtype, device)
+                    best[impl, dtype] = max(best.get((impl, dtype), 0.0), r["tokens_per_s"])
+            for (impl, dtype), tokens_per_s in best.items():
                 peak = lim[f"matmul_{dtype}_gflops"] * 1e9
                 row = {"model": name, "impl": impl, "dtype": dtype, "batch": batch, "seq_len": cfg.block_size,
-                       "vocab": cfg.vocab_size, "tokens_per_s": r["tokens_per_s"],
-                       "mfu": r["tokens_per_s"] * flops / peak}
+                       "vocab": cfg.vocab_size, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak}
                 rows.append(row)
                 log(f"train {name:6s} {impl:12s} {dtype:8s} {batch}x{cfg.block_size}: "
                     f"{row['tokens_per_s']:10,.0f} tokens/s  MFU {row['mfu']:.0%}")
