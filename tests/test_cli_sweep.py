@@ -7,6 +7,8 @@ import sys
 import pytest
 
 from tinygpt.cli import main
+from tinygpt.config import GPTConfig
+from tinygpt.train import sized_lr
 
 TINY = ["--batch-size", "4", "--block-size", "16", "--eval-iters", "2", "--device", "cpu", "--quiet"]
 
@@ -71,6 +73,14 @@ def test_train_with_a_time_budget_and_no_model_flags_says_what_it_chose(char_dat
     assert notes["model_choice"]["rule"] == "chinchilla" and notes["model_choice"]["reason"] == first
     config = json.loads((run / "config.json").read_text())
     assert config == notes["model_choice"]["config"]
+    # the choice's learning rate is the run's, unless --lr is given
+    saved = json.loads((run / "train_config.json").read_text())["train"]
+    assert saved["lr"] == notes["model_choice"]["plan"]["lr"] == pytest.approx(sized_lr(GPTConfig(**config)))
+    given = tmp_path / "given"
+    r = tinygpt("train", "--data", char_data, "--out", given, "--max-time", "1s", "--device", "cpu",
+                "--batch-size", "4", "--eval-iters", "2", "--quiet", "--lr", "7e-4")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((given / "train_config.json").read_text())["train"]["lr"] == 7e-4
 
 
 @pytest.mark.parametrize(

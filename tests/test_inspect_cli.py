@@ -127,7 +127,7 @@ def test_plot_runs(run, tmp_path, capsys):
     code, out, _ = tinygpt(capsys, "plot", run, other, "--out", tmp_path / "loss.png", "--title", "two")
     assert code == 0
     assert "run: 40 steps, val loss" in out and "other: 29 steps" in out
-    assert size(tmp_path / "loss.png") == (1200, 460)
+    assert size(tmp_path / "loss.png") == (1600, 460)
     assert_one_line_error(tinygpt(capsys, "plot", tmp_path / "nope", "--out", tmp_path / "l.png"), "no such run")
     assert_one_line_error(tinygpt(capsys, "plot", tmp_path, "--out", tmp_path / "l.png"), "no metrics.jsonl")
     assert_one_line_error(tinygpt(capsys, "plot", run, "--out", tmp_path / "l.gif"), ".png")

@@ -3,9 +3,17 @@
 import pytest
 
 from tinygpt.calc import PowerLaw, ScalingLaw, compute_optimal, count_params, flops_per_token
-from tinygpt.config import TrainConfig
+from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.errors import ConfigError
-from tinygpt.train import MIN_SIZED_STEPS, choose_model, default_model_config, eval_overhead
+from tinygpt.train import (
+    MIN_SIZED_CONTEXT,
+    MIN_SIZED_STEPS,
+    SIZED_STEPS,
+    choose_model,
+    default_model_config,
+    eval_overhead,
+    sized_lr,
+)
 
 BIG_DATA = dict(vocab_size=443, train_tokens=20_000_000, val_tokens=2_000_000)
 
@@ -76,3 +84,22 @@ def test_measured_speed_when_none_is_given():
                           train_config=TrainConfig(max_time=2, device="cpu", batch_size=4))
     assert choice.plan["measured"] and choice.plan["flops_per_second"] > 0
     assert "measured here" in choice.reason
+
+
+def test_small_budgets_train_on_shorter_contexts_and_the_lr_follows_the_width():
+    # 600 s at 1e11 FLOP/s plans thousands of steps at the data's context: it is kept
+    roomy = choose_model(**BIG_DATA, train_config=TrainConfig(max_time=600), flops_per_second=1e11)
+    assert roomy.config.block_size == 256 and roomy.plan["steps"] >= SIZED_STEPS
+    # 40 s would get a few hundred steps of 12 x 256: the context halves until the plan has enough
+    small = choose_model(**BIG_DATA, train_config=TrainConfig(max_time=40), flops_per_second=1e11)
+    assert small.config.block_size < 256 and small.plan["tokens_per_step"] == 12 * small.config.block_size
+    assert small.plan["steps"] >= SIZED_STEPS or small.config.block_size == MIN_SIZED_CONTEXT
+    assert f"12 x {small.config.block_size} tokens" in small.reason
+    # a context that is given is kept
+    kept = choose_model(**BIG_DATA, train_config=TrainConfig(max_time=40), flops_per_second=1e11,
+                        fixed={"block_size": 256})
+    assert kept.config.block_size == 256 and kept.plan["steps"] < SIZED_STEPS
+    for choice in (roomy, small, kept):
+        assert choice.lr == choice.plan["lr"] == sized_lr(choice.config) and f"lr {choice.lr:.2g}" in choice.reason
+    assert sized_lr(GPTConfig(n_embd=64, n_head=4)) == 3e-3 and sized_lr(GPTConfig(n_embd=384, n_head=6)) == 1e-3
+    assert choose_model(**BIG_DATA).lr is None  # without a budget the training settings decide

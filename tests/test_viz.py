@@ -143,15 +143,28 @@ def test_loss_plot_overlays_runs(tmp_path):
     runs = [viz.read_metrics(write_metrics(tmp_path / "small")),
             viz.read_metrics(write_metrics(tmp_path / "big", steps=30, start_loss=2.5, tokens_per_step=128))]
     fig = viz.plot_loss(runs, tmp_path / "loss.png", title="two runs")
-    by_step, by_token = fig.axes
+    by_step, by_token, by_time = fig.axes
     assert by_step.get_xlabel() == "optimizer step" and by_token.get_xlabel() == "training tokens"
+    assert by_time.get_xlabel() == "wall-clock time (s)"
     assert by_step.get_xlim()[1] >= 40 and by_token.get_xlim()[1] >= 30 * 128
-    labels = [t.get_text() for t in by_token.get_legend().get_texts()]
+    labels = [t.get_text() for t in by_time.get_legend().get_texts()]
     assert "small: val" in labels and "big: val" in labels and "big: train (eval)" in labels
     val = [line for line in by_step.get_lines() if line.get_label() == "big: val"][0]
     assert list(val.get_xdata()) == [10, 20, 30]
+    val = [line for line in by_time.get_lines() if line.get_label() == "big: val"][0]
+    assert list(val.get_xdata()) == pytest.approx([1.0, 2.0, 3.0])  # each evaluation at its step's time
     width, height = png_size(tmp_path / "loss.png")
-    assert (width, height) == (1200, 460)
+    assert (width, height) == (1600, 460)
+
+
+def test_a_resumed_runs_clock_carries_on(tmp_path):
+    run = write_metrics(tmp_path / "r", steps=4, eval_every=2)
+    again = [{"step": s, "tokens": s * 64, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0,
+              "time": (s - 4) * 0.25} for s in (5, 6)]
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in again))
+    m = viz.read_metrics(run)
+    assert m.times == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.65, 0.9]) and m.eval_times == pytest.approx([0.2, 0.4])
 
 
 def test_fewshot_plot(tmp_path):

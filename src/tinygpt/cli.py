@@ -183,6 +183,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             choice = choose_model(vocab, int(meta["train_tokens"]), int(meta["val_tokens"]), sizing,
                                   fixed=model_over, sweep=sweep)
             model_cfg, notes = choice.config, {"model_choice": choice.to_dict()}
+            if choice.lr is not None and not {"lr", "min_lr"} & train_over.keys():
+                train_cfg = dataclasses.replace(train_cfg, lr=choice.lr)
             if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
                 print(choice.reason, file=sys.stderr, flush=True)
     from .device import resolve_device
@@ -368,7 +370,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Plot train and val loss against steps and tokens from runs' metrics.jsonl, overlaid.
+    """Plot train and val loss against steps, tokens and wall-clock time from runs' metrics.jsonl, overlaid.
 
     Args (flags):
         RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
@@ -1006,7 +1008,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=int, help="sequences per micro-step, per process (12)")
     t.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (1)")
-    t.add_argument("--lr", type=float, help="peak learning rate (1e-3)")
+    t.add_argument("--lr", type=float,
+                   help="peak learning rate (1e-3; a model sized for --max-time gets one for its width)")
     t.add_argument("--min-lr", type=float, help="end of the cosine decay (lr/10)")
     t.add_argument("--warmup", type=int, help="linear warmup steps (100)")
     t.add_argument("--max-iters", type=int, help="optimizer steps (2000 unless --max-time is given)")

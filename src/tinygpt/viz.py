@@ -199,8 +199,10 @@ class RunMetrics:
     steps: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # seconds since the run began, at each step
     eval_steps: list[int] = field(default_factory=list)
     eval_tokens: list[int] = field(default_factory=list)
+    eval_times: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
 
@@ -222,6 +224,7 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
         raise CheckpointError(f"{run}: no metrics.jsonl here (is it a tinygpt training run?)")
     m = RunMetrics(name or (path.name if path.is_dir() else path.parent.name))
     lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+    offset = last = 0.0  # a resumed run's clock starts again at 0: it carries on from the last time
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -231,13 +234,19 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
             if "val_loss" in record:
                 m.eval_steps.append(step)
                 m.eval_tokens.append(tokens)
+                m.eval_times.append(offset + last)  # an evaluation follows its step
                 m.train_loss.append(float(record["train_loss"]))
                 m.val_loss.append(float(record["val_loss"]))
             else:
                 loss = float(record["loss"])
+                t = float(record.get("time", last))
+                if t < last:
+                    offset += last
                 m.steps.append(step)
                 m.tokens.append(tokens)
+                m.times.append(offset + t)
                 m.loss.append(loss)
+                last = t
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             if number == len(lines) and isinstance(e, json.JSONDecodeError):
                 break  # cut short by a kill; the lines before it are whole
@@ -259,29 +268,32 @@ def _smooth(values: list[float], span: int) -> list[float]:
 
 
 def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str | None = None):
-    """Train and val loss of one or more runs, against optimizer steps (left) and tokens (right).
+    """Train and val loss of one or more runs, against optimizer steps, tokens and wall-clock time.
 
     Each run gets a color: its per-step training loss as a faint line with a smoothed line over
-    it, and the evaluations (the same batches each time) as markers: train dashed, val solid.
+    it, and the evaluations (the same batches each time) as markers: train dashed, val solid. The
+    time panel compares runs that go at different speeds (a resumed run's clock carries on).
 
     Args:
         runs: what `read_metrics` returned for each run.
         out: the picture to write (.png, .svg or .pdf).
-        title: a title over both panels.
+        title: a title over the panels.
 
     Returns:
-        the matplotlib Figure (two axes: by step, by token).
+        the matplotlib Figure (three axes: by step, by token, by time).
     """
     from matplotlib.ticker import EngFormatter
 
     if not runs:
         raise ConfigError("plot needs at least one run")
-    fig = _figure(12.0, 4.6)
-    by_step, by_token = fig.subplots(1, 2, sharey=True)
+    fig = _figure(16.0, 4.6)
+    by_step, by_token, by_time = fig.subplots(1, 3, sharey=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for m, color in zip(runs, colors):
         span = max(1, len(m.loss) // 100)
-        for ax, x, x_eval in ((by_step, m.steps, m.eval_steps), (by_token, m.tokens, m.eval_tokens)):
+        panels = ((by_step, m.steps, m.eval_steps), (by_token, m.tokens, m.eval_tokens),
+                  (by_time, m.times, m.eval_times))
+        for ax, x, x_eval in panels:
             if m.loss:
                 ax.plot(x, m.loss, color=color, alpha=0.25, linewidth=0.8)
                 ax.plot(x, _smooth(m.loss, span), color=color, linewidth=1.2, label=f"{m.name}: train (per step)")
@@ -294,9 +306,10 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     by_step.set_ylabel("loss (nats per token)")
     by_token.set_xlabel("training tokens")
     by_token.xaxis.set_major_formatter(EngFormatter(sep=""))
-    for ax in (by_step, by_token):
+    by_time.set_xlabel("wall-clock time (s)")
+    for ax in (by_step, by_token, by_time):
         ax.grid(True, alpha=0.3)
-    by_token.legend(fontsize=8, loc="upper right")
+    by_time.legend(fontsize=8, loc="upper right")
     if title:
         fig.suptitle(title)
     _save(fig, out)
