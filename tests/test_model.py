@@ -43,6 +43,27 @@ def test_attention_function_paths_agree_with_a_mask():
     assert torch.all(w[~mask.expand_as(w)] == 0)
 
 
+@pytest.mark.parametrize("mask_shape", [None, (7, 7), (2, 1, 7, 7)])
+def test_bf16_training_attention_matches_the_explicit_path(mask_shape):
+    # bf16 with gradients on a CPU takes the baddbmm path (model._matmul_attention): its outputs and
+    # gradients are as close to float32's as the lesson's explicit arithmetic in bf16 is
+    torch.manual_seed(0)
+    mask = None if mask_shape is None else torch.rand(mask_shape) > 0.4
+    if mask is not None:
+        mask[..., 0] = True
+    qkv = [torch.randn(2, 3, 7, 8) for _ in range(3)]
+
+    def run(dtype, explicit):
+        q, k, v = (t.to(dtype, copy=True).requires_grad_() for t in qkv)
+        out, _ = attention(q, k, v, mask, explicit=explicit)
+        out.float().square().sum().backward()
+        return [t.float() for t in (out, q.grad, k.grad, v.grad)]
+
+    reference, fast, explicit = run(torch.float32, True), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    for want, got, lesson in zip(reference, fast, explicit):
+        assert (got - want).abs().max() <= 2 * (lesson - want).abs().max() + 1e-2
+
+
 def test_attention_without_a_mask_is_causal_aligned_at_the_end():
     # mask None: T_q == T_k is plain causal self-attention; one query (a decode step) sees every key
     q, k, v = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)

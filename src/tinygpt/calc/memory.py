@@ -122,8 +122,8 @@ def activation_bytes(
         per_block += 2 * BTd * c  # the dropout masks after c_proj and the MLP
     if dtype == "bfloat16" and param_dtype == "float32" and B * a * T * T <= MATH_ATTENTION_MAX_SCORES:
         # bf16 training on a CPU takes tinygpt's matmul attention path (model._sdpa_is_slow):
-        # q, k, v, the T x T probabilities (with dropout also its mask and output), the causal mask
-        per_block += 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c + T * T
+        # q, k, v and the T x T probabilities (with dropout also its mask and output)
+        per_block += 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c
     elif config.dropout > 0:
         # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices
         per_block += (3 * BTd + 3 * B * a * T * T) * 4
