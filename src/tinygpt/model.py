@@ -60,11 +60,13 @@ def attention(
     return out, weights if explicit else None
 
 
-def _matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float) -> torch.Tensor:
+def _matmul_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float
+) -> torch.Tensor:
     # The explicit path's arithmetic in fewer passes over the T x T scores: the mask becomes an
     # additive bias (0 or -inf) that one baddbmm adds while it computes q k^T / sqrt(d). For bf16
-    # training on a CPU, forward + backward of a 4 x 12-head x 256 batch took 11 ms against the
-    # explicit path's 19 ms (no separate scale, mask fill or copy of the scores).
+    # training on a CPU, forward + backward of a 4 x 12-head x 256 batch took 16 ms against the
+    # explicit path's 24 ms (no separate scale, mask fill or copy of the scores).
     *lead, t_q, d = q.shape
     t_k = k.shape[-2]
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -81,8 +83,8 @@ MATH_ATTENTION_MAX_SCORES = 2**25
 
 def _sdpa_is_slow(q: torch.Tensor, k: torch.Tensor) -> bool:
     # PyTorch's CPU flash-attention backward is slow in bfloat16: for a 4 x 12-head x 256 batch
-    # the matmul path above ran forward + backward in 11 ms against SDPA's 23 ms, and for the
-    # 4-head, 64-long char model 1.1 ms against 5.6 ms. So bf16 training on a CPU takes the matmul
+    # the matmul path above ran forward + backward in 16 ms against SDPA's 23-26 ms, and for the
+    # 4-head, 64-long char model 1.2 ms against 4.4-5.6 ms. So bf16 training on a CPU takes the matmul
     # path, as long as its T x T scores (kept for backward, 2 bytes each) stay small; inference
     # and float32 keep SDPA, which is as fast or faster there.
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not q.requires_grad:
