@@ -7,9 +7,9 @@ import torch
 
 from tinygpt import GPTConfig
 from tinygpt.checkpoint import load
-from tinygpt.config import TrainConfig
-from tinygpt.errors import NonFiniteError, TrainingError
-from tinygpt.train import lr_at, train
+from tinygpt.config import DEFAULT_LR, TrainConfig
+from tinygpt.errors import ConfigError, NonFiniteError, TrainingError
+from tinygpt.train import ModelChoice, lr_at, train
 
 MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 
@@ -85,6 +85,29 @@ def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch
     assert info.value.step == 8
     after = load(run).state_dict()  # the last good checkpoint is untouched and finite
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_learning_rate_left_to_choose(char_data, tmp_path):
+    # TrainConfig.lr None: DEFAULT_LR for a given model, a ModelChoice's own rate (what a model sized
+    # for a time budget carries), and on resume the run's; a given lr always wins
+    def saved(run):
+        record = json.loads((run / "train_config.json").read_text())
+        return record["train"]["lr"], record.get("notes", {})
+
+    short = cfg(max_iters=2, eval_interval=2)
+    assert short.lr is None
+    train(char_data, tmp_path / "given", MODEL, short, progress=False)
+    assert saved(tmp_path / "given") == (DEFAULT_LR, {})
+    choice = ModelChoice(MODEL, "chinchilla", "model: sized for a test", plan={"lr": 4e-3}, lr=4e-3)
+    train(char_data, tmp_path / "chosen", choice, short, progress=False)
+    lr, notes = saved(tmp_path / "chosen")
+    assert lr == 4e-3 and notes["model_choice"]["reason"] == "model: sized for a test"
+    train(char_data, tmp_path / "chosen", None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False)
+    assert saved(tmp_path / "chosen")[0] == 4e-3
+    train(char_data, tmp_path / "mine", choice, cfg(max_iters=2, eval_interval=2, lr=7e-4), progress=False)
+    assert saved(tmp_path / "mine")[0] == 7e-4
+    with pytest.raises(ConfigError, match="min_lr"):
+        train(char_data, tmp_path / "low", choice, cfg(max_iters=2, min_lr=5e-3), progress=False)
 
 
 def test_max_time_stops_and_saves(char_data, tmp_path):

@@ -154,7 +154,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
     if args.resume and not resume and os.environ.get("RANK", "0") == "0":
         print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
-    notes = None
     if resume:
         saved, _ = read_train_config(args.out)
         train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
@@ -182,9 +181,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             sizing = dataclasses.replace(train_cfg, max_time=None) if distributed else train_cfg
             choice = choose_model(vocab, int(meta["train_tokens"]), int(meta["val_tokens"]), sizing,
                                   fixed=model_over, sweep=sweep)
-            model_cfg, notes = choice.config, {"model_choice": choice.to_dict()}
-            if choice.lr is not None and not {"lr", "min_lr"} & train_over.keys():
-                train_cfg = dataclasses.replace(train_cfg, lr=choice.lr)
+            model_cfg = choice  # train() records it and trains at its learning rate unless --lr is given
             if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
                 print(choice.reason, file=sys.stderr, flush=True)
     from .device import resolve_device
@@ -194,8 +191,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
     with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
         try:
-            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet,
-                           notes=notes)
+            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
         except NonFiniteError as e:
             if ctx.is_main:
                 print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)

@@ -202,6 +202,9 @@ class SampleConfig:
         return self.greedy or self.temperature < 1e-5
 
 
+DEFAULT_LR = 1e-3  # TrainConfig.lr when it is left to choose and nothing sized the model
+
+
 @dataclass
 class TrainConfig:
     """How a model is trained. Every field is a `tinygpt train` flag and a config-file key.
@@ -209,7 +212,9 @@ class TrainConfig:
     Args:
         batch_size: sequences per micro-step, per process.
         grad_accum: micro-steps per optimizer step.
-        lr: peak learning rate, reached after `warmup` steps.
+        lr: peak learning rate, reached after `warmup` steps. None (the default): DEFAULT_LR, or
+            for a model sized for a time budget the rate for its width (ModelChoice.lr), or on
+            resume the run's own; train() fills it in before the first step.
         min_lr: the floor of the cosine decay (default lr / 10).
         warmup: steps of linear warmup.
         max_iters: optimizer steps; the cosine decay spans them. Without it and without max_time, 2000.
@@ -230,7 +235,7 @@ class TrainConfig:
 
     batch_size: int = 12
     grad_accum: int = 1
-    lr: float = 1e-3
+    lr: float | None = None
     min_lr: float | None = None
     warmup: int = 100
     max_iters: int | None = None
@@ -263,9 +268,12 @@ class TrainConfig:
         if self.max_time is not None:
             _check(self.max_time > 0 and math.isfinite(self.max_time), "max_time",
                    f"must be a positive duration, got {self.max_time!r}")
-        _check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr!r}")
+        if self.lr is not None:
+            _check(self.lr > 0 and math.isfinite(self.lr), "lr", f"must be > 0, got {self.lr!r}")
         if self.min_lr is not None:
-            _check(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr!r}")
+            # against an lr left to choose, it is checked again once train() has chosen one
+            top, bound = (math.inf, ">= 0") if self.lr is None else (self.lr, f"in [0, lr={self.lr}]")
+            _check(0 <= self.min_lr <= top, "min_lr", f"must be {bound}, got {self.min_lr!r}")
         _check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         for name in ("beta1", "beta2"):
             _check(0 <= getattr(self, name) < 1, name, f"must be in [0, 1), got {getattr(self, name)!r}")

@@ -31,7 +31,7 @@ from .calc import (
     shape_for_params,
     smallest_shape,
 )
-from .config import GPTConfig, TrainConfig, from_mapping
+from .config import DEFAULT_LR, GPTConfig, TrainConfig, from_mapping
 from .data import get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
@@ -122,8 +122,8 @@ class ModelChoice:
             "chinchilla" or "sweep" (sized for a time budget by that rule).
         reason: one line for the user.
         plan: for a time budget: seconds, flops_per_second, flops, params, tokens, steps, epochs, lr.
-        lr: for a time budget, the peak learning rate that suits the model (sized_lr); `tinygpt
-            train` uses it unless --lr or --min-lr is given (in Python, pass it in TrainConfig).
+        lr: for a time budget, the peak learning rate that suits the model (sized_lr); train()
+            uses it when TrainConfig.lr is left None (`tinygpt train` without --lr).
     """
 
     config: GPTConfig
@@ -417,7 +417,7 @@ def _metrics_upto(run: Path, step: int) -> None:
 def train(
     data: str | Path,
     out: str | Path,
-    model_config: GPTConfig | None = None,
+    model_config: GPTConfig | ModelChoice | None = None,
     train_config: TrainConfig | None = None,
     *,
     resume: bool = False,
@@ -431,10 +431,12 @@ def train(
         data: a folder written by `tinygpt prepare`.
         out: the run folder (created; refused if it already holds a run unless resuming).
         model_config: the architecture; None lets choose_model pick one: sized for
-            train_config.max_time on this machine when it is set, else for the data (the choice
-            is recorded in train_config.json under notes.model_choice). A vocab_size smaller than
-            the data's vocabulary is refused.
-        train_config: the optimization settings (TrainConfig()).
+            train_config.max_time on this machine when it is set, else for the data; or a
+            ModelChoice made beforehand (the choice is recorded in train_config.json under
+            notes.model_choice). A vocab_size smaller than the data's vocabulary is refused.
+        train_config: the optimization settings (TrainConfig()). Its lr left None is filled in:
+            the choice's learning rate for a model sized for a time budget, the run's own on
+            resume, else DEFAULT_LR.
         resume: continue the run in `out` from its last checkpoint; with the same settings the
             result is bitwise equal to an uninterrupted run (CPU, float32).
         progress: show a progress bar and evaluation lines on stderr.
@@ -473,7 +475,7 @@ def _train(
     ctx: distributed.Dist,
     data: str | Path,
     out: str | Path,
-    model_config: GPTConfig | None,
+    model_config: GPTConfig | ModelChoice | None,
     cfg: TrainConfig,
     resume: bool,
     progress: bool,
@@ -484,6 +486,9 @@ def _train(
     dataset = load_data(data)
     vocab = int(dataset.meta["vocab_size"])
     state: dict[str, Any] | None = None
+    choice = None
+    if isinstance(model_config, ModelChoice):
+        choice, model_config = model_config, model_config.config
     if resume:
         saved = checkpoint.load_config(run)
         if model_config is not None and model_config != saved:
@@ -500,9 +505,16 @@ def _train(
             sizing = dataclasses.replace(cfg, max_time=None) if ctx.enabled else cfg
             choice = choose_model(vocab, len(dataset.train), len(dataset.val), sizing)
             model_config = choice.config
-            notes = {**(notes or {}), "model_choice": choice.to_dict()}
             if progress and choice.plan is not None:
                 print(choice.reason, file=sys.stderr)
+        if choice is not None:
+            notes = {**(notes or {}), "model_choice": choice.to_dict()}
+    if cfg.lr is None:
+        if resume:
+            lr = read_train_config(run)[0].lr if (run / TRAIN_CONFIG).exists() else None
+        else:  # a model sized for a time budget trains at the rate for its width
+            lr = choice.lr if choice is not None else None
+        cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
     if model_config.vocab_size < vocab:
         raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
     block = model_config.block_size
