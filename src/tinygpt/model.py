@@ -29,9 +29,10 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal scaled dot-product attention over (..., T, head_dim) tensors.
 
-    Two paths, one contract. The fast path calls PyTorch's fused `scaled_dot_product_attention`.
-    The explicit path is the lesson's: scores / sqrt(d_head), the tril mask as -inf, softmax; it
-    also returns the attention weights (..., T_q, T_k).
+    One contract, three ways to compute it. The fast path calls PyTorch's fused
+    `scaled_dot_product_attention`, except for bf16 training on a CPU, where a batched-matmul path
+    is faster (_sdpa_is_slow). The explicit path is the lesson's: scores / sqrt(d_head), the tril
+    mask as -inf, softmax; it also returns the attention weights (..., T_q, T_k).
 
     Args:
         q, k, v: queries (..., T_q, D), keys and values (..., T_k, D).
@@ -57,7 +58,7 @@ def attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     weights = F.softmax(scores, dim=-1)
     out = F.dropout(weights, p=dropout) @ v
-    return out, weights if explicit else None
+    return out, weights
 
 
 def _matmul_attention(
