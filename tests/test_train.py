@@ -108,6 +108,7 @@ def test_a_learning_rate_left_to_choose(char_data, tmp_path):
     assert saved(tmp_path / "mine")[0] == 7e-4
     with pytest.raises(ConfigError, match="min_lr"):
         train(char_data, tmp_path / "low", choice, cfg(max_iters=2, min_lr=5e-3), progress=False)
+    assert not (tmp_path / "low").exists()
 
 
 def test_max_time_stops_and_saves(char_data, tmp_path):
