@@ -96,14 +96,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}"
 
 
-def can_pack(device: torch.device | str) -> bool:
-    """Whether PackedLinear runs here: a CPU with oneDNN (mkldnn) in this PyTorch build."""
+def can_pack(device: torch.device | str, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether PackedLinear runs here in `dtype`: a CPU with oneDNN (mkldnn) in this PyTorch build
+    that supports the dtype (oneDNN's bfloat16 path needs AVX-512 or AVX-NE-CONVERT; an AVX2-only CPU
+    has none, and there a bf16 model keeps PyTorch's own kernels)."""
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     try:
-        linear = nn.Linear(16, 8)
-        x = torch.randn(3, 16)
-        return bool(torch.allclose(PackedLinear(linear)(x), linear(x), atol=1e-5))
+        linear = nn.Linear(16, 8).to(dtype)
+        x = torch.randn(3, 16, dtype=dtype)
+        atol = 1e-5 if dtype is torch.float32 else 0.05
+        return bool(torch.allclose(PackedLinear(linear, dtype)(x).float(), linear(x).float(), atol=atol))
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -144,7 +147,7 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
     device = next(model.parameters()).device
     allow_fast_float32(device)  # TF32 matmuls on CUDA
-    pack = can_pack(device) if pack is None else pack
+    pack = can_pack(device, dtype) if pack is None else pack
     if fmt == "int8":
         # quantize from the float32 weights before anything is rounded to bfloat16
         _replace_linears(model, Int8Linear)
