@@ -1,5 +1,7 @@
 import ast
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -257,6 +259,15 @@ def test_calc_never_imports_torch():
                 assert not module.split(".")[0] in ("torch", "numpy"), (path.name, module)
                 if module.startswith(".."):
                     assert module in ("..config", "..errors"), (path.name, module)
+
+
+def test_importing_calc_and_the_configs_loads_no_torch():
+    # The README promises "pure Python, no torch": that must hold through the package's __init__ too.
+    code = ("import sys\nimport tinygpt.calc, tinygpt.calc.report\nfrom tinygpt import GPTConfig, TrainConfig, ConfigError\n"
+            "GPTConfig.from_preset('baby')\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
 
 
 def test_measured_throughput_is_consistent():
