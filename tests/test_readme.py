@@ -1,0 +1,270 @@
+"""The README, run as a new user runs it: its Python snippets and the values their comments claim, the
+output of its params/chinchilla examples, the flags of every command it shows, its few-shot task file,
+the lesson figures it quotes, the commands its error messages recommend, and what its commands leave
+in the repository."""
+
+import ast
+import io
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import tinygpt
+from tinygpt import cli, fewshot, lesson
+from tinygpt.config import GPTConfig, TrainConfig
+from tinygpt.errors import DataError, SweepError
+from tinygpt.sweep import load_fit
+from tinygpt.tokenizer import CharTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+@dataclass
+class Block:
+    lang: str
+    line: int  # of the opening fence, from 1
+    text: str
+
+
+def readme_blocks(lang: str | None = None) -> list[Block]:
+    """The README's fenced blocks (an indented fence, inside a list item, is dedented)."""
+    blocks, current, indent = [], None, 0
+    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), start=1):
+        fence = re.match(r"^(\s*)```(\w*)\s*$", line)
+        if current is None and fence:
+            current, indent = Block(fence.group(2), n, ""), len(fence.group(1))
+        elif current is not None and fence and not fence.group(2):
+            blocks.append(current)
+            current = None
+        elif current is not None:
+            current.text += line[indent:] + "\n"
+    assert current is None, f"README.md:{current.line}: a block that is never closed"
+    return [b for b in blocks if lang is None or b.lang == lang]
+
+
+def readme_section(heading: str) -> str:
+    """A section's prose with its lines joined (a line break inside a sentence becomes one space)."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(heading + "\n")
+    end = text.find("\n#", start + len(heading))
+    return re.sub(r"\n[ \t]*", " ", text[start : end if end != -1 else None])
+
+
+def command_args(command: str) -> list[str]:
+    """The arguments after `tinygpt` (or `-m tinygpt`) in a README command line; comments dropped."""
+    words = shlex.split(command, comments=True)
+    at = next(i for i, w in enumerate(words) if w.endswith("/tinygpt") or w == "tinygpt" and (i == 0 or words[i - 1] == "-m"))
+    return words[at + 1 :]
+
+
+def assert_parses(command: str) -> None:
+    """The command's flags are ones `tinygpt` accepts, with every required one given."""
+    try:
+        cli.build_parser().parse_args(command_args(command))
+    except SystemExit as e:
+        raise AssertionError(f"`{command}` does not parse (exit {e.code})") from None
+
+
+# ---- Python snippets ---------------------------------------------------------------------------
+
+# Every ```python block of the README, named by a piece of code only it holds: it runs here (with
+# the fixture that gives it what it needs, or None), or it is skipped for the reason given. A new
+# block fails test_every_python_block_is_run_or_skipped until it is added to one of the two.
+RUN = {
+    'GPTConfig.from_preset("lesson")': None,
+    "from tinygpt.calc import": None,
+    "viz.attention_weights(model, ids)": "fewshot_demo_run",
+    "GPT2LMHeadModel.from_pretrained": "hf_mine",
+}
+SKIP = {
+    "from openai import OpenAI": "needs a running `tinygpt serve`; tests/test_server.py drives the openai client",
+}
+
+
+def python_block(marker: str) -> Block:
+    found = [b for b in readme_blocks("python") if marker in b.text]
+    assert len(found) == 1, f"{len(found)} README python blocks hold {marker!r}"
+    return found[0]
+
+
+def test_every_python_block_is_run_or_skipped():
+    for block in readme_blocks("python"):
+        markers = [m for m in (*RUN, *SKIP) if m in block.text]
+        assert len(markers) == 1, f"README.md:{block.line}: a python block to run here or skip with a reason"
+    for marker in (*RUN, *SKIP):
+        python_block(marker)
+
+
+def claimed_value(comment: str | None):
+    """The Python literal a `# value` comment starts with ("# 2680677120 bytes" -> 2680677120), else None."""
+    if comment is None:
+        return None
+    words = comment.lstrip("#").split()
+    for n in range(len(words), 0, -1):
+        text = " ".join(words[:n])
+        try:
+            return ast.literal_eval(text), text
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+    return None
+
+
+def agrees(actual, claimed, written: str) -> bool:
+    """Equal, with a float compared to as many significant digits as the README writes."""
+    if isinstance(claimed, float):
+        digits = len(re.sub(r"^[-+]?0*\.?0*", "", re.split(r"[eE]", written)[0]).replace(".", ""))
+        return f"{float(actual):.{max(1, digits)}g}" == f"{claimed:.{max(1, digits)}g}"
+    return actual == claimed
+
+
+def run_snippet(source: str, where: str) -> int:
+    """Run a snippet statement by statement; a statement whose last line ends in a `# value` comment
+    (a bare expression, or print(expression)) must evaluate to that value. Returns how many were checked."""
+    comments = {t.start[0]: t.string for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    namespace: dict = {"__name__": "__readme__"}
+    checked = 0
+    for stmt in ast.parse(source).body:
+        claim = claimed_value(comments.get(stmt.end_lineno))
+        if claim is None:
+            exec(compile(ast.Module([stmt], type_ignores=[]), where, "exec"), namespace)
+            continue
+        expr = stmt.value if isinstance(stmt, ast.Expr) else None
+        if (isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name) and expr.func.id == "print"
+                and len(expr.args) == 1):
+            expr = expr.args[0]
+        assert expr is not None, f"{where}, line {stmt.end_lineno}: a value comment on a statement with no value"
+        actual = eval(compile(ast.Expression(expr), where, "eval"), namespace)
+        value, written = claim
+        assert agrees(actual, value, written), (
+            f"{where}, line {stmt.end_lineno}: `{ast.unparse(expr)}` is {actual!r}; the README says {written}")
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("marker", list(RUN))
+def test_readme_python_block_runs_and_prints_what_it_says(marker, request, tmp_path, monkeypatch):
+    block = python_block(marker)
+    fixture = RUN[marker]
+    if fixture == "hf_mine":
+        pytest.importorskip("transformers")
+    monkeypatch.chdir(request.getfixturevalue(fixture) if fixture else tmp_path)
+    checked = run_snippet(block.text, f"README.md:{block.line}")
+    if marker in ('GPTConfig.from_preset("lesson")', "from tinygpt.calc import"):
+        assert checked >= 2  # the blocks whose printed numbers are the point
+
+
+def test_value_comments_are_read_as_values():
+    assert claimed_value("# 2680677120 bytes") == (2680677120, "2680677120")
+    assert claimed_value("# [5, 12, 3]") == ([5, 12, 3], "[5, 12, 3]")
+    assert claimed_value("# the lesson's TinyGPT") is None
+    assert claimed_value("# (n_layer, n_head, T, T); rows sum to 1") is None
+    assert agrees(1.4e12, 1.4e12, "1.4e12") and agrees(1.3863e12, 1.4e12, "1.4e12")
+    assert not agrees(1.3e12, 1.4e12, "1.4e12") and not agrees(3813139200, 2680677120, "2680677120")
+    with pytest.raises(AssertionError, match="the README says 4"):
+        run_snippet("x = 2\nx + 1  # 4\n", "snippet")
+
+
+def _trained_run(data: Path, out: Path, **model) -> Path:
+    vocab = int(json.loads((data / "meta.json").read_text())["vocab_size"])
+    config = GPTConfig(**{**dict(vocab_size=vocab, block_size=32, n_layer=2, n_head=2, n_embd=32), **model})
+    tinygpt.train(data, out, config, TrainConfig(max_iters=30, eval_interval=15, eval_iters=2, batch_size=8,
+                                                 device="cpu"), progress=False)
+    return out
+
+
+@pytest.fixture
+def fewshot_demo_run(tmp_path):
+    """What `make fewshot-demo` leaves in runs/fewshot-demo/run, in small: a run trained on the synthetic text."""
+    pytest.importorskip("matplotlib")
+    (tmp_path / "train.txt").write_text(fewshot.synthetic_corpus(300), encoding="utf-8")
+    tinygpt.prepare([str(tmp_path / "train.txt")], tmp_path / "data")
+    _trained_run(tmp_path / "data", tmp_path / "runs" / "fewshot-demo" / "run")
+    return tmp_path
+
+
+@pytest.fixture
+def hf_mine(tmp_path, char_data):
+    """hf/mine as `tinygpt export runs/mine --format hf --out hf/mine` writes it."""
+    run = _trained_run(char_data, tmp_path / "runs" / "mine", block_size=64)
+    assert cli.main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf" / "mine")]) == 0
+    return tmp_path
+
+
+# ---- console examples: the output of the deterministic commands, the flags of all ----------------
+
+# Console commands whose output is this machine's (measured, or from a trained run): shown, not compared.
+MEASURED = {
+    "tinygpt train": "trains a model for minutes; the losses, speeds and sizing are the machine's",
+    "tinygpt sample": "needs a trained run",
+    "tinygpt eval": "needs a trained run",
+    "tinygpt chinchilla --time": "measures this machine's FLOP/s",
+}
+
+
+def console_commands() -> list[tuple[Block, str, str]]:
+    """(block, command, the output shown under it) for every `$ ` line of the README's console blocks."""
+    out = []
+    for block in readme_blocks("console"):
+        for chunk in re.split(r"^\$ ", block.text, flags=re.M)[1:]:
+            command, _, shown = chunk.partition("\n")
+            out.append((block, command, shown))
+    return out
+
+
+def test_every_console_command_is_compared_or_measured():
+    for block, command, _ in console_commands():
+        deterministic = re.match(r"tinygpt (params|chinchilla)\b", command) and "--time" not in command
+        assert deterministic or any(command.startswith(m) for m in MEASURED), (
+            f"README.md:{block.line}: `{command}`: compare its output here or list it in MEASURED")
+
+
+@pytest.mark.parametrize("command", [c for _, c, _ in console_commands()
+                                     if re.match(r"tinygpt (params|chinchilla)\b", c) and "--time" not in c])
+def test_readme_params_and_chinchilla_output_is_the_commands(command, capsys):
+    shown = next(s for _, c, s in console_commands() if c == command)
+    assert cli.main(command_args(command)) == 0
+    lines = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    assert "\n".join(lines).strip("\n") == "\n".join(line.rstrip() for line in shown.splitlines()).strip("\n")
+
+
+def readme_commands() -> list[str]:
+    """Every tinygpt command line of the README's bash and console blocks (continuations joined)."""
+    commands = [c for _, c, _ in console_commands()]
+    for block in readme_blocks("bash"):
+        for line in block.text.replace("\\\n", " ").splitlines():
+            if re.search(r"(^|/|-m )tinygpt ", line.split("#")[0]):
+                commands.append(line.strip())
+    return commands
+
+
+def test_every_readme_command_parses():
+    commands = readme_commands()
+    assert len(commands) > 30 and any("torchrun" in c for c in commands)
+    for command in commands:
+        assert_parses(command)
+
+
+def test_every_command_the_readme_shows_has_help(capsys):
+    for name in sorted({command_args(c)[0] for c in readme_commands()}):
+        with pytest.raises(SystemExit) as e:
+            cli.main([name, "--help"])
+        assert e.value.code == 0 and f"usage: tinygpt {name}" in capsys.readouterr().out
+
+
+# ---- prepare: the shakespeare advice, and a default --out -------------------------------------------
+
+# ---- fewshot-data's help, the task-file example -------------------------------------------------
+
+# ---- the lesson's figures ---------------------------------------------------------------------------
+
+# ---- error messages that recommend a command ------------------------------------------------------
