@@ -263,6 +263,38 @@ def test_every_command_the_readme_shows_has_help(capsys):
 
 # ---- prepare: the shakespeare advice, and a default --out -------------------------------------------
 
+def test_offline_shakespeare_advice_is_a_command_that_runs(tmp_path, monkeypatch):
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(DataError) as e:
+        tinygpt.prepare(["shakespeare"], tmp_path / "data")
+    advice = re.findall(r"`(tinygpt prepare [^`]+)`", str(e.value))
+    readme = re.findall(r"offline, download it elsewhere and run `(tinygpt prepare [^`]+)`",
+                        readme_section("## Prepare your data"))
+    assert advice and advice == readme, (advice, readme)
+    assert_parses(advice[0])
+
+
+def test_prepare_without_out_writes_data_named_after_the_first_source(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "path" / "to").mkdir(parents=True)
+    (tmp_path / "path" / "to" / "shakespeare.txt").write_text("First Citizen:\nBefore we proceed any further.\n" * 20)
+    (tmp_path / "my-folder").mkdir()
+    (tmp_path / "my-folder" / "a.txt").write_text("some notes to learn from\n" * 20)
+    assert cli.main(["prepare", "path/to/shakespeare.txt"]) == 0
+    assert capsys.readouterr().out.startswith("prepared data/shakespeare in ")
+    assert cli.main(["prepare", "my-folder/", "path/to/shakespeare.txt"]) == 0
+    assert capsys.readouterr().out.startswith("prepared data/my-folder in ")
+    for name in ("shakespeare", "my-folder"):
+        assert (tmp_path / "data" / name / "meta.json").is_file()
+    assert cli.default_data_folder("python-stdlib") == str(Path("data/python-stdlib"))
+
+
 # ---- fewshot-data's help, the task-file example -------------------------------------------------
 
 # ---- the lesson's figures ---------------------------------------------------------------------------

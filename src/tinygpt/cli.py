@@ -903,18 +903,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     SOURCE is a text file, a folder (every text file below it, binary files skipped), or a
     built-in corpus: python-stdlib (this Python's standard library sources) or shakespeare
-    (downloaded once). Files are read as UTF-8; line endings are kept as they are.
+    (downloaded once). Files are read as UTF-8; line endings are kept as they are. Without --out
+    the folder is data/NAME after the first source: data/python-stdlib, data/shakespeare, data/notes.
     """
     import time
 
     from .data import prepare
 
+    out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
     progress, close = _progress_bars() if args.progress else (None, lambda: None)
     try:
         meta = prepare(
             args.sources,
-            args.out,
+            out,
             tokenizer=args.tokenizer,
             vocab_size=args.vocab_size,
             val_fraction=args.val_fraction,
@@ -929,7 +931,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     names = ", ".join(s["name"] for s in meta["sources"])
     seconds = time.perf_counter() - start
     plural = "s" if files != 1 else ""
-    print(f"prepared {args.out} in {seconds:.1f}s from {names} ({files:,} file{plural}, {size / 1e6:.1f} MB)")
+    print(f"prepared {out} in {seconds:.1f}s from {names} ({files:,} file{plural}, {size / 1e6:.1f} MB)")
     vocab = f"{meta['vocab_size']:,}"
     if meta.get("requested_vocab_size", meta["vocab_size"]) != meta["vocab_size"]:
         vocab += f" (of {meta['requested_vocab_size']:,} asked: the corpus had no more merges)"
@@ -945,6 +947,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if meta["errors"] == "replace":
         print(f"  replaced {meta['replacements']:,} invalid byte sequences with U+FFFD")
     return 0
+
+
+def default_data_folder(source: str) -> str:
+    """Where `prepare` writes without --out: data/NAME, NAME from the first source (a file's name without
+    its suffix, a folder's name, or the built-in corpus), so `prepare python-stdlib` makes data/python-stdlib.
+
+    Args:
+        source: the first SOURCE given to `prepare`.
+    """
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    name = path.stem if path.is_file() else path.resolve().name if path.is_dir() else path.name
+    return str(Path("data") / (name or "text"))
 
 
 def _progress_bars():
@@ -1173,7 +1189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sweep)
     p = sub.add_parser("prepare", help="turn text into token files for training", description=cmd_prepare.__doc__)
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, python-stdlib or shakespeare")
-    p.add_argument("--out", required=True, metavar="DIR", help="the data folder to write")
+    p.add_argument("--out", metavar="DIR",
+                   help="the data folder to write (default: data/NAME after the first source, e.g. data/shakespeare)")
     p.add_argument(
         "--tokenizer",
         choices=("char", "bpe", "gpt2"),

@@ -230,7 +230,7 @@ def shakespeare_path(timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
     except (OSError, ValueError) as e:
         raise DataError(
             f"cannot download tiny-shakespeare ({getattr(e, 'reason', None) or e}); offline, fetch it elsewhere "
-            f"from {SHAKESPEARE_URL} and run `tinygpt prepare path/to/shakespeare.txt`"
+            f"from {SHAKESPEARE_URL} and run `tinygpt prepare path/to/shakespeare.txt --out data/shakespeare`"
         ) from None
     if not text.startswith(b"First Citizen"):
         raise DataError(f"the download from {SHAKESPEARE_URL} is not tiny-shakespeare; prepare a local copy instead")
