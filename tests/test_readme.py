@@ -297,6 +297,19 @@ def test_prepare_without_out_writes_data_named_after_the_first_source(tmp_path, 
 
 # ---- fewshot-data's help, the task-file example -------------------------------------------------
 
+def test_fewshot_data_help_describes_the_file_it_writes(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fewshot-data", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "one episode per line" in help_text and "letter-digit pairs" in help_text
+    assert "key: color" not in help_text and "blank lines" not in help_text
+    assert cli.main(["fewshot-data", "--out", str(tmp_path), "--episodes", "50"]) == 0
+    lines = (tmp_path / "train.txt").read_text().splitlines()
+    assert len(lines) == 50 and all(re.fullmatch(r"[a-z]\d( [a-z]\d)*", line) for line in lines)
+    example = re.search(r'letter-digit pairs such as "([^"]+)"', help_text).group(1)
+    assert re.fullmatch(r"[a-z]\d( [a-z]\d)*", example)
+
+
 # ---- the lesson's figures ---------------------------------------------------------------------------
 
 # ---- error messages that recommend a command ------------------------------------------------------

@@ -449,9 +449,10 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 def cmd_fewshot_data(args: argparse.Namespace) -> int:
     """Write the synthetic in-context-learning task: training text and an evaluation task file.
 
-    OUT/train.txt holds episodes of "key: color" lines, each episode under a fresh random mapping
-    (so only the context can reveal it), separated by blank lines; OUT/task.jsonl is a held-out
-    task in the task-file format (the same draw as `--task synthetic --seed SEED`).
+    OUT/train.txt holds one episode per line: letter-digit pairs such as "q7 x3 q7 b1 x3", 4 to 16
+    of them over 2 to 6 letters, each episode under a fresh random mapping of letters to digits (so
+    only the context can reveal what a letter means). OUT/task.jsonl is a held-out task in the
+    task-file format (the same draw as `--task synthetic --seed SEED`).
     """
     from pathlib import Path
 
