@@ -310,6 +310,27 @@ def test_fewshot_data_help_describes_the_file_it_writes(tmp_path, capsys):
     assert re.fullmatch(r"[a-z]\d( [a-z]\d)*", example)
 
 
+def test_readme_task_file_runs_as_shown(tmp_path, capsys):
+    block = next(b for b in readme_blocks("json") if '"template"' in b.text)
+    task_file = tmp_path / "capitals.jsonl"
+    task_file.write_text(block.text, encoding="utf-8")
+    task = fewshot.read_task(task_file)
+    shots = re.search(r"`tinygpt fewshot RUN --task FILE\.jsonl --shots ([\d,]+)", readme_section(
+        "### Few-shot prompting, measured")).group(1)
+    tokenizer = CharTokenizer.from_text(block.text + "\n" + task.template + task.separator)
+    torch.manual_seed(0)
+    model = tinygpt.GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    tinygpt.save(model, tmp_path / "run", tokenizer)
+    for scoring in ("generate", "likelihood"):
+        code = cli.main(["fewshot", str(tmp_path / "run"), "--task", str(task_file), "--shots", shots,
+                         "--scoring", scoring, "--quiet", "--json"])
+        captured = capsys.readouterr()
+        assert code == 0, captured.err
+        report = json.loads(captured.out.splitlines()[-1])
+        assert [r["shots"] for r in report["results"]] == [int(k) for k in shots.split(",")]
+        assert all(r["total"] == len(task.examples) for r in report["results"])
+
+
 # ---- the lesson's figures ---------------------------------------------------------------------------
 
 # ---- error messages that recommend a command ------------------------------------------------------
