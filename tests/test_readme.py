@@ -333,4 +333,51 @@ def test_readme_task_file_runs_as_shown(tmp_path, capsys):
 
 # ---- the lesson's figures ---------------------------------------------------------------------------
 
+LESSON_CPU = "AVX2"  # the README quotes `tinygpt lesson` as this kind of CPU prints it
+
+
+def _as_printed(digits: int, x: float) -> str:
+    return f"{x:.{digits}f}"  # as `tinygpt lesson` prints them: 3 decimals for the mask, 2 for decoding
+
+
+@pytest.fixture(scope="module")
+def pitfalls():
+    pit = lesson.causal_mask_pitfall()
+    return pit, {s.label: s for s in lesson.decoding_pitfall(pit.runs["masked"], prompt=pit.prompt)}
+
+
+def test_readme_quotes_the_lessons_figures(pitfalls):
+    cpu = torch.backends.cpu.get_cpu_capability()
+    if cpu != LESSON_CPU:
+        pytest.skip(f"the README quotes an {LESSON_CPU} CPU's figures; this one runs PyTorch's {cpu} kernels, "
+                    "whose float32 results differ in the last bits, and 300 Adam steps make that visible")
+    pit, samples = pitfalls
+    prose = readme_section("### The lesson's pitfalls")
+    assert f"on an {LESSON_CPU} CPU" in prose
+
+    def quoted(pattern: str) -> tuple[str, ...]:
+        found = re.search(pattern, prose)
+        assert found, f"the README's lesson section no longer says {pattern!r}"
+        return found.groups()
+
+    assert quoted(r"collapses \((\S+) against (\S+)\)") == (_as_printed(3, pit.train_loss["unmasked"]),
+                                                           _as_printed(3, pit.train_loss["masked"]))
+    assert quoted(r"its loss is (\S+) against (\S+),") == (_as_printed(3, pit.last_loss["unmasked"]),
+                                                          _as_printed(3, pit.last_loss["masked"]))
+    unmasked, masked = quoted(r"greedy generation gives `'(.+?) ?\.\.\.'` where the masked model writes `'(.+?) ?\.\.\.'`")
+    assert repr(pit.samples["unmasked"])[1:].startswith(unmasked) and repr(pit.samples["masked"])[1:].startswith(masked)
+    greedy, t08, top_p, t2 = (samples[k] for k in ("greedy", "temperature 0.8", "top-p 0.9", "temperature 2.0"))
+    assert quoted(r"greedy loops \((\S+) distinct, loss (\S+);") == (_as_printed(2, greedy.distinct4), _as_printed(2, greedy.loss))
+    assert quoted(r"vary \((\S+), (\S+)\) while staying plausible to the model \(loss (\S+), (\S+)\)") == (
+        _as_printed(2, t08.distinct4), _as_printed(2, top_p.distinct4), _as_printed(2, t08.loss), _as_printed(2, top_p.loss))
+    assert quoted(r"noise \((\S+) distinct, loss (\S+)\)") == (_as_printed(2, t2.distinct4), _as_printed(2, t2.loss))
+    lines = [line for line in greedy.text.split("\n") if len(line) > 10]
+    assert len(lines) > len(set(lines))  # "its lines come back word for word"
+
+
+def test_readme_lesson_intro_counts_the_lessons_model():
+    intro = readme_section("## The lesson, step by step")
+    assert f"TinyGPT's {lesson.lesson_model().num_params():,} parameters" in intro
+
+
 # ---- error messages that recommend a command ------------------------------------------------------
