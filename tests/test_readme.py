@@ -381,3 +381,11 @@ def test_readme_lesson_intro_counts_the_lessons_model():
 
 
 # ---- error messages that recommend a command ------------------------------------------------------
+
+def test_missing_sweep_advice_is_a_command_that_runs(tmp_path):
+    with pytest.raises(SweepError) as e:
+        load_fit(tmp_path)
+    advice = re.findall(r"`(tinygpt sweep [^`]+)`", str(e.value))
+    assert advice
+    assert_parses(advice[0])
+

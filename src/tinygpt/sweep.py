@@ -627,7 +627,7 @@ def load_fit(folder: str | Path) -> ScalingLaw:
     """
     path = Path(folder) / FIT
     if not path.exists():
-        raise SweepError(f"{folder}: no {FIT} here (run `tinygpt sweep --out {folder}` first)")
+        raise SweepError(f"{folder}: no {FIT} here (run `tinygpt sweep --data DIR --out {folder}` first)")
     try:
         return ScalingLaw.from_dict(read_json(path, SweepError), str(path), source=str(folder))
     except ConfigError as e:
