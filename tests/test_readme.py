@@ -389,3 +389,15 @@ def test_missing_sweep_advice_is_a_command_that_runs(tmp_path):
     assert advice
     assert_parses(advice[0])
 
+
+def test_eval_of_a_folder_without_data_says_so(tmp_path, capsys):
+    text = "a few words of text to score\n" * 4
+    tokenizer = CharTokenizer.from_text(text)
+    tinygpt.save(tinygpt.GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layer=1, n_head=2,
+                                       n_embd=16)), tmp_path / "mine", tokenizer)
+    assert cli.main(["eval", str(tmp_path / "mine")]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tinygpt: error: ")
+    assert "no data of its own" in err and "--data DIR" in err and "--text FILE" in err
+    (tmp_path / "new.txt").write_text(text)
+    assert cli.main(["eval", str(tmp_path / "mine"), "--text", str(tmp_path / "new.txt")]) == 0

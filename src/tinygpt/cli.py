@@ -493,7 +493,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if data is None and (Path(args.run) / "train_config.json").exists():  # a Hugging Face folder has none
             data = read_train_config(args.run)[1]
         if data is None:
-            raise ConfigError("give --data DIR or --text FILE")
+            raise ConfigError(f"{args.run} holds a model but no data of its own (an imported or Hugging Face folder): "
+                              "give --data DIR (a folder from `tinygpt prepare` with this model's tokenizer) "
+                              "or --text FILE")
         dataset = load_data(data)
         if dataset.meta["tokenizer"] != tokenizer.kind or int(dataset.meta["vocab_size"]) > model.config.vocab_size:
             raise ConfigError(f"{data} was prepared with a different tokenizer than {args.run}'s")
