@@ -261,6 +261,21 @@ def test_every_command_the_readme_shows_has_help(capsys):
         assert e.value.code == 0 and f"usage: tinygpt {name}" in capsys.readouterr().out
 
 
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    outs = set()
+    for command in readme_commands():
+        args = command_args(command)
+        outs |= {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--out" and not args[i + 1].startswith("/")}
+    outs |= set(re.findall(r'"(\w+\.png)"', python_block("viz.attention_weights(model, ids)").text))
+    assert {"attention.png", "head.png", "loss.png", "hf/mine", "mine.gguf", "runs/demo", "data/stdlib"} <= outs
+    for out in sorted(outs):
+        r = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", "--no-index", out], capture_output=True)
+        assert r.returncode == 0, f"{out}, which a README command writes, is not in .gitignore"
+
+
 # ---- prepare: the shakespeare advice, and a default --out -------------------------------------------
 
 def test_offline_shakespeare_advice_is_a_command_that_runs(tmp_path, monkeypatch):
