@@ -263,8 +263,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         out.write(args.prompt)
         decoder, stopper = IncrementalDecoder(tokenizer), StopText(args.stop or ())
         ended = None
-        for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens,
-                                     generator=generator, observer=observer, **sampling):
+        for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
+                                     observer=observer, vocab_size=tokenizer.vocab_size, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
                 ended = "the end-of-text token"
                 break
