@@ -45,6 +45,12 @@ def test_prefill_and_decode_step_match_full_forward(model):
     )
 
 
+def test_the_cache_knows_its_size_before_it_is_allocated(model):
+    cache = KVCache.for_model(model, 3)
+    assert KVCache.bytes_for_model(model, 3) == cache.k.nbytes + cache.v.nbytes
+    assert KVCache.bytes_for_model(model, 20_000_000) == 20_000_000 * (cache.k.nbytes + cache.v.nbytes) // 3
+
+
 def test_cache_slots_hold_sequences_at_different_positions(model):
     a, b = torch.randint(0, 29, (1, 5)), torch.randint(0, 29, (1, 3))
     cache = KVCache.for_model(model, 2)
