@@ -31,6 +31,26 @@ def tiny_tokenizer() -> CharTokenizer:
     return CharTokenizer(CHARS)
 
 
+# The sampling setting that poison_sampler's fault recognises: a request with top_k 13 is poisoned.
+POISON_TOP_K = 13
+
+
+def poison_sampler(patch) -> None:
+    """Make choosing a token raise for sequences sampled with top_k=POISON_TOP_K, and only those: a
+    fault no request can cause once the known ones are fixed, to test that one failing sequence ends
+    alone. `patch(obj, name, value)`: pytest's monkeypatch.setattr, or setattr in a server process."""
+    from tinygpt.server import scheduler
+
+    real = scheduler.sample
+
+    def sample(logits, tokens, cfg, generator=None, vocab_size=None):
+        if cfg.top_k == POISON_TOP_K:
+            raise RuntimeError("injected sampling fault")
+        return real(logits, tokens, cfg, generator, vocab_size)
+
+    patch(scheduler, "sample", sample)
+
+
 def save_tiny_run(path, block_size: int = 32):
     """A run folder (config.json, model.safetensors, tokenizer.json) `tinygpt serve` can load."""
     return tinygpt.save(tiny_model(block_size), path, tiny_tokenizer())

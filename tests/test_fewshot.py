@@ -272,3 +272,13 @@ def test_gpt_generate_until_cuts_at_the_stop_text():
     assert len(free) == 12
     cut = lm.generate_until("ab=", [free[3]], 12)
     assert cut == free[: free.index(free[3])]
+
+
+def test_gpt_generate_until_never_generates_ids_past_the_tokenizer():
+    from test_generate import PaddingLover
+
+    tok = CharTokenizer.from_text("abcdefghijklmnopqrstuvwxyz .")  # 28 characters; the model has 64 ids
+    torch.manual_seed(0)
+    model = PaddingLover(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    text = fewshot.GPTLanguageModel(model, tok).generate_until("ab c", [], 12)  # padding has the top logits
+    assert len(text) == 12 and set(text) <= set(tok.decode(range(tok.vocab_size)))

@@ -45,6 +45,12 @@ def test_prefill_and_decode_step_match_full_forward(model):
     )
 
 
+def test_the_cache_knows_its_size_before_it_is_allocated(model):
+    cache = KVCache.for_model(model, 3)
+    assert KVCache.bytes_for_model(model, 3) == cache.k.nbytes + cache.v.nbytes
+    assert KVCache.bytes_for_model(model, 20_000_000) == 20_000_000 * (cache.k.nbytes + cache.v.nbytes) // 3
+
+
 def test_cache_slots_hold_sequences_at_different_positions(model):
     a, b = torch.randint(0, 29, (1, 5)), torch.randint(0, 29, (1, 3))
     cache = KVCache.for_model(model, 2)
@@ -147,3 +153,28 @@ def test_static_cache_path_matches_the_trimmed_one(model, monkeypatch):
     static += [decode_step(model, idx[:, p], static_cache, p) for p in range(3, 6)]
     for a, b in zip(trimmed, static):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+class PaddingLover(GPT):
+    """A GPT whose padded ids (28 and up, past a 28-character tokenizer) get the largest logits."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out[..., 28:] += 100.0
+        return out
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
+    torch.manual_seed(0)
+    model = PaddingLover(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16, init="torch")).eval()
+    idx = torch.randint(0, 28, (2, 3))
+    assert int(generate(model, idx, 5, greedy=True)[:, 3:].min()) >= 28  # unmasked, padding wins
+    for use_cache in (True, False):
+        greedy = generate(model, idx, 20, greedy=True, vocab_size=28, use_cache=use_cache)
+        hot = generate(model, idx, 20, temperature=1.5, generator=torch.Generator().manual_seed(0), vocab_size=28,
+                       use_cache=use_cache)
+        assert int(greedy.max()) < 28 and int(hot.max()) < 28
+    streamed = list(generate_stream(model, idx, 20, temperature=1.5, top_k=40, vocab_size=28))
+    assert int(torch.stack(streamed).max()) < 28
+    with pytest.raises(ValueError, match="vocab_size"):
+        generate(model, idx, 2, vocab_size=0)

@@ -111,3 +111,18 @@ def test_playground_shows_api_errors(browser, url):
     browser.find_element(By.ID, "generate").click()
     wait.until(lambda d: text_of(d, "status").startswith("error"))
     assert "vocabulary" in text_of(browser, "status")
+
+
+def test_playground_says_when_the_models_vocabulary_cannot_chat(browser):
+    from tinygpt.tokenizer import CharTokenizer
+
+    chars = CharTokenizer("abcdefghijklmnopqrstuvwxyz \n")  # no 'U', 'A' or ':' for "User:"/"Assistant:"
+    with running(create_app(tiny_model(vocab_size=chars.vocab_size), chars, model_name=NAME)) as base:
+        wait = WebDriverWait(browser, 60)
+        browser.get(base + "/")
+        wait.until(lambda d: f"model {NAME}" in text_of(d, "model-info"))
+        note = text_of(browser, "server-note")
+        assert note.startswith("no chat") and "cannot express the chat template" in note and "'U'" in note
+        browser.find_element(By.ID, "prompt").send_keys("the cat")  # completions still work
+        browser.find_element(By.ID, "generate").click()
+        wait.until(lambda d: text_of(d, "status").startswith("done"))

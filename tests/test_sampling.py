@@ -66,3 +66,26 @@ def test_extreme_repetition_penalties_still_sample():
     for alpha in (1e-40, 1e-7, 1e7, 1e39, 1e300):
         token = sample(logits, seen, SampleConfig(repetition_penalty=alpha), torch.Generator().manual_seed(0))
         assert 0 <= int(token) < 4
+
+
+def test_top_p_keeps_the_most_likely_token_however_small_p():
+    # 1e-300 and 5e-324 pass validation but round to 0 in float32: the filter once dropped every token
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0], [1.0, 1.0, 0.0, -2.0]])
+    for p in (1e-300, 5e-324, 1e-45, 1e-12):
+        kept = torch.isfinite(top_p_filter(logits, p))
+        assert kept.sum(-1).tolist() == [1, 1], p
+        assert kept[0].tolist() == [False, True, False, False]
+        token = sample(logits, None, SampleConfig(top_p=p), torch.Generator().manual_seed(0))
+        assert token[0] == 1 and token[1] in (0, 1)
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_chosen():
+    from tinygpt.sampling import mask_vocab
+
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0]])  # ids 2 and 3 are padding the tokenizer lacks
+    assert torch.isinf(mask_vocab(logits, 2)).tolist() == [[False, False, True, True]]
+    assert torch.equal(mask_vocab(logits, 4), logits) and torch.equal(mask_vocab(logits, None), logits)
+    assert sample(logits, None, SampleConfig(greedy=True), vocab_size=2).tolist() == [1]
+    draws = sample(logits.expand(2000, 4), None, SampleConfig(temperature=2.0), torch.Generator().manual_seed(0),
+                   vocab_size=2)
+    assert set(draws.tolist()) == {0, 1}

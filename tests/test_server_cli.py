@@ -38,7 +38,8 @@ def test_sigterm_drains_running_streams_then_exits(run, tmp_path):
     log = open(tmp_path / "serve.log", "w")
     # one intra-op thread: a tiny model gains nothing from more, and on a busy machine they thrash
     proc = subprocess.Popen([sys.executable, "-m", "tinygpt", "serve", str(run), "--port", str(port),
-                             "--max-tokens", "100000", "--device", "cpu", "--threads", "1"], stdout=log,
+                             "--max-tokens", "100000", "--device", "cpu", "--threads", "1",
+                             "--allow-host", "tinygpt.test"], stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         def up():
@@ -49,6 +50,10 @@ def test_sigterm_drains_running_streams_then_exits(run, tmp_path):
 
         wait_for(up, timeout=60, interval=0.1)
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+        # bound to 127.0.0.1: only loopback names, and the one --allow-host adds (DNS rebinding)
+        for host, status in (("attacker.example", 421), (f"attacker.example:{port}", 421), ("tinygpt.test", 200),
+                             (f"localhost:{port}", 200), (f"[::1]:{port}", 200)):
+            assert httpx.get(url + "/health", headers={"Host": host}, timeout=5).status_code == status, host
         lines: list[str] = []
         started = threading.Event()
 
@@ -104,6 +109,8 @@ def test_bad_setups_are_one_line_errors(run, tmp_path, capsys):
     one_line_error(capsys, "--max-concurrency")
     assert main(["serve", str(run), "--threads", "0"]) == 2
     one_line_error(capsys, "--threads")
+    assert main(["serve", str(run), "--allow-host", "http://my.host/"]) == 2
+    one_line_error(capsys, "--allow-host")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -111,3 +118,14 @@ def test_bad_setups_are_one_line_errors(run, tmp_path, capsys):
         assert main(["serve", str(run), "--port", str(port)]) == 2
         one_line_error(capsys, f"cannot listen on 127.0.0.1:{port}")
 
+
+
+def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_listening(run):
+    """Once: the model thread died allocating it after "serving" was printed; requests hung, /health said ok."""
+    r = subprocess.run([sys.executable, "-m", "tinygpt", "serve", str(run), "--port", "0", "--device", "cpu",
+                        "--max-concurrency", "20000000"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "KV cache for 20,000,000 concurrent sequences" in lines[0] and "lower --max-concurrency" in lines[0]
+    assert "needs 305.2 GiB" in lines[0]  # 2 (keys, values) x 2 layers x 32 positions x 32 wide x 4 bytes each

@@ -4,11 +4,11 @@ import threading
 
 import pytest
 import torch
-from server_util import tiny_model, tiny_tokenizer
+from server_util import POISON_TOP_K, poison_sampler, tiny_model, tiny_tokenizer
 
 import tinygpt
 from tinygpt.config import SampleConfig
-from tinygpt.server.scheduler import Draining, QueueFull, Scheduler, Sequence
+from tinygpt.server.scheduler import Draining, ModelDown, QueueFull, Scheduler, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +159,70 @@ def test_the_model_thread_survives_a_failing_step(model, tok):
         assert sched.counters["failed"] == 1
     finally:
         sched.stop()
+
+
+def test_a_sequence_whose_choice_raises_ends_alone(model, tok, monkeypatch):
+    poison_sampler(monkeypatch.setattr)
+    out = Collector(2)
+    failed = []
+    done = threading.Event()
+
+    def poisoned_emit(event):
+        failed.append(event)
+        done.set()
+
+    sched = Scheduler(model, tok, max_concurrency=3)
+    try:
+        sched.submit([seq(tok, "abc", 60, out, 0)])
+        assert out.first.wait(30)
+        sched.submit([seq(tok, "xyz", 60, poisoned_emit, sampling=SampleConfig(temperature=1.0, top_k=POISON_TOP_K))])
+        sched.submit([seq(tok, "hello", 40, out, 1)])  # joins after the failure
+        assert done.wait(30) and out.done.wait(60)
+    finally:
+        sched.stop()
+    assert [e.error is not None for e in failed] == [True] and failed[0].status == 500
+    assert out.text == [reference(model, tok, "abc", 60, greedy=True), reference(model, tok, "hello", 40, greedy=True)]
+    assert out.finish == ["length", "length"]
+    assert sched.counters["failed"] == 1 and sched.counters["completed"] == 2
+
+
+class Fault(BaseException):
+    """Not an Exception: nothing on the model thread catches it, so the thread dies."""
+
+
+def test_a_dead_model_thread_fails_what_waits_and_refuses_new_work(model, tok):
+    events = []
+    done = threading.Event()
+
+    def emit(event):
+        events.append(event)
+        if event.error or event.finish_reason:
+            done.set()
+
+    sched = Scheduler(model, tok, max_concurrency=1)
+
+    def die(admit):
+        raise Fault("injected")
+
+    try:
+        sched._step = die
+        sched.submit([seq(tok, "abc", 5, emit)])
+        assert done.wait(10)
+        assert events[-1].error and events[-1].status == 503 and "model thread stopped" in events[-1].error
+        assert sched.failure is not None and "Fault" in sched.failure
+        with pytest.raises(ModelDown):
+            sched.submit([seq(tok, "abc", 5, emit)])
+        with pytest.raises(ModelDown):
+            sched.call(lambda: 1)
+    finally:
+        sched.stop()
+
+
+def test_a_kv_cache_too_large_for_the_machine_is_refused_before_allocating(model, tok):
+    sched = Scheduler(model, tok, max_concurrency=20_000_000)
+    with pytest.raises(tinygpt.ConfigError, match=r"needs [\d.]+ [GT]iB .*lower --max-concurrency"):
+        sched.allocate()
+    assert sched._cache is None
+    small = Scheduler(model, tok, max_concurrency=2)
+    small.allocate()
+    assert small._cache.batch_size == 2

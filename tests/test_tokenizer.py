@@ -172,6 +172,14 @@ def test_incremental_decoder_char():
     assert [dec.push(i) for i in tok.encode("éh")] == ["é", "h"]
 
 
+def test_push_at_says_where_the_ids_own_text_begins(bpe):
+    byte = {b: next(i for i in range(bpe.vocab_size) if bpe.decode_bytes([i]) == bytes([b])) for b in b"\xe2\x98\x83a"}
+    dec = IncrementalDecoder(bpe)
+    # e2 98 83 is one character; an unfinished e2 98 cut by "a" becomes U+FFFD, before the "a"
+    steps = [dec.push_at(byte[b]) for b in b"\xe2\x98\x83\xe2\x98a"]
+    assert steps == [("", 0), ("", 0), ("\u2603", 0), ("", 0), ("", 0), ("\ufffda", 1)]
+
+
 # --- GPT-2 (tiktoken) ------------------------------------------------------------------------
 
 MERGES = [

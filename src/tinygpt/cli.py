@@ -263,8 +263,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         out.write(args.prompt)
         decoder, stopper = IncrementalDecoder(tokenizer), StopText(args.stop or ())
         ended = None
-        for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens,
-                                     generator=generator, observer=observer, **sampling):
+        for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
+                                     observer=observer, vocab_size=tokenizer.vocab_size, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
                 ended = "the end-of-text token"
                 break
@@ -601,12 +601,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         --max-queue N: sequences that may wait for a slot; past that, 429 (32).
         --max-tokens N: the largest max_tokens a request may ask for (2048).
         --cors-origin ORIGIN: let browser pages from ORIGIN call the API (repeatable; "*" for any).
+        --allow-host NAME: also answer requests whose Host header is NAME (repeatable). Bound to a
+            loopback address, the server answers only Host headers naming localhost or a loopback
+            address (421 otherwise), so that no web page can reach it through a rebound DNS name.
         --model-name NAME: the model id clients send (default: the run folder's name).
         --threads N: torch's intra-op threads on CPU (default: torch's choice; 1 often batches
             better on a CPU shared with other work).
     Prompts longer than the model's context are cut to their last block_size tokens (the
     response's usage.prompt_tokens_truncated says how many were dropped). SIGTERM stops accepting
-    requests (503), finishes those running, then exits.
+    requests (503), finishes those running, then exits. The KV cache for --max-concurrency
+    sequences is allocated before the server listens: one it cannot hold is a one-line error.
     """
     import os
     from pathlib import Path
@@ -630,10 +634,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if any(not name.strip() or "/" in name for name in args.allow_host or ()):
+        raise ConfigError("--allow-host takes a host name (or address) such as my.host, without a scheme or path")
+    allowed = tuple(args.allow_host or ())
     model, tokenizer = _load_run(args.run, args.device, args.quantize)
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
-                     max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()))
+                     max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()),
+                     trusted_hosts=allowed if allowed or _is_loopback(args.host) else None)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -643,6 +651,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
           flush=True)
     serve(app, sock)
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (127.0.0.1, ::1, localhost)."""
+    import ipaddress
+    import socket
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    except (OSError, ValueError):
+        return False  # listen() says what is wrong with the address
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -1249,6 +1269,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=32, metavar="N", help="sequences waiting for a slot (32)")
     p.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="largest max_tokens per request (2048)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from ORIGIN")
+    p.add_argument("--allow-host", action="append", metavar="NAME",
+                   help="also answer Host: NAME (repeatable; bound to loopback, only localhost and loopback addresses "
+                        "are answered otherwise)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
     p.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's choice)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")

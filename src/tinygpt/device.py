@@ -68,3 +68,30 @@ def allow_fast_float32(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`, or None where that cannot be told (MPS).
+
+    On a CPU: the kernel's MemAvailable, or less where a cgroup (a container) caps this process.
+    """
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            free = min(free if free is not None else int(limit), int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free

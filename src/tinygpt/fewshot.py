@@ -315,7 +315,7 @@ class GPTLanguageModel:
         decoder, stopper = IncrementalDecoder(self.tokenizer), StopText(stops)
         text = ""
         for token in generate_stream(self.model, idx, max_new_tokens, greedy=True,
-                                     stop_tokens=None if eot is None else [eot]):
+                                     stop_tokens=None if eot is None else [eot], vocab_size=self.tokenizer.vocab_size):
             if eot is not None and int(token[0]) == eot:
                 break
             text += stopper.push(decoder.push([int(token[0])]))

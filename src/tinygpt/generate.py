@@ -50,7 +50,7 @@ class StepTrace:
     step: int  # 0-based
     context: torch.Tensor  # (B, T_ctx) ids the prediction is conditioned on: the last block_size tokens
     logits: torch.Tensor  # (B, V) the model's raw next-token logits
-    processed: torch.Tensor  # (B, V) after repetition penalty, temperature, top-k and top-p (greedy: penalty only)
+    processed: torch.Tensor  # (B, V) after the vocabulary mask, penalty, temperature, top-k, top-p
     token: torch.Tensor  # (B,) the token appended (a row that already stopped repeats its stop token)
     config: SampleConfig
 
@@ -70,12 +70,15 @@ def generate_stream(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     observer: Callable[[StepTrace], None] | None = None,
+    vocab_size: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
     cfg = SampleConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, greedy=greedy
     )
     _check_inputs(model, idx, max_new_tokens)
+    if vocab_size is not None and not (isinstance(vocab_size, int) and 1 <= vocab_size):
+        raise ValueError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
     block_size = model.config.block_size
     idx = idx.long()
     stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=idx.device)
@@ -94,7 +97,7 @@ def generate_stream(
             context = tokens[:, -block_size:]
             logits = prefill(model, context, kv_cache)
             filled = context.shape[1]
-        processed = process_logits(logits, tokens, cfg)
+        processed = process_logits(logits, tokens, cfg, vocab_size)
         token = choose(processed, cfg, generator)
         if stops.numel():
             # rows that already stopped keep repeating their stop token
@@ -124,6 +127,7 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     observer: Callable[[StepTrace], None] | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
@@ -140,6 +144,8 @@ def generate(
         use_cache: decode with a KV cache (True) or rerun the whole context each step (the reference).
         observer: called at every step with a StepTrace (context, raw and processed logits, the
             token chosen) before the token is yielded; None costs nothing.
+        vocab_size: the tokenizer's vocabulary size (`tokenizer.vocab_size`): ids at or past it are
+            never chosen, for a model whose vocabulary is padded past its tokenizer's. None: any id.
 
     Raises:
         ValueError: an argument out of range (a ConfigError for the sampling settings).
@@ -148,7 +154,7 @@ def generate(
         generate_stream(
             model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
-            observer=observer,
+            observer=observer, vocab_size=vocab_size,
         )
     )
     if not new:

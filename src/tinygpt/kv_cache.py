@@ -44,11 +44,17 @@ class KVCache:
         """
         cfg = model.config
         weight = model.wte.weight
-        dtype = torch.float32 if weight.device.type == "cpu" else weight.dtype
         return cls(
             cfg.n_layer, batch_size, cfg.n_head, max_len or cfg.block_size, cfg.head_dim,
-            dtype=dtype, device=weight.device,
+            dtype=_cache_dtype(weight), device=weight.device,
         )
+
+    @staticmethod
+    def bytes_for_model(model: torch.nn.Module, batch_size: int, max_len: int | None = None) -> int:
+        """The bytes `for_model(model, batch_size, max_len)` allocates (keys and values), without allocating."""
+        cfg = model.config
+        elements = cfg.n_layer * batch_size * cfg.n_head * (max_len or cfg.block_size) * cfg.head_dim
+        return 2 * elements * _cache_dtype(model.wte.weight).itemsize
 
     @property
     def batch_size(self) -> int:
@@ -130,3 +136,7 @@ class KVCache:
             k_buf[rows, :, input_pos] = k.transpose(1, 2).to(k_buf.dtype)
             v_buf[rows, :, input_pos] = v.transpose(1, 2).to(v_buf.dtype)
         return k_buf[:, :, :length], v_buf[:, :, :length]
+
+
+def _cache_dtype(weight: torch.Tensor) -> torch.dtype:
+    return torch.float32 if weight.device.type == "cpu" else weight.dtype

@@ -183,7 +183,8 @@ def continue_text(run: TinyRun, prompt: str, n: int, seed: int = 0, **sampling) 
     from .generate import generate
 
     idx = torch.tensor([run.tokenizer.encode(prompt)])
-    out = generate(run.model, idx, n, use_cache=False, generator=torch.Generator().manual_seed(seed), **sampling)
+    out = generate(run.model, idx, n, use_cache=False, generator=torch.Generator().manual_seed(seed),
+                   vocab_size=run.tokenizer.vocab_size, **sampling)
     return run.tokenizer.decode(out[0, idx.shape[1] :].tolist())
 
 

@@ -1,4 +1,5 @@
-"""Logits -> next token. Pure tensor code: repetition penalty, temperature, top-k, top-p, sampling."""
+"""Logits -> next token. Pure tensor code: the tokenizer's vocabulary, repetition penalty, temperature,
+top-k, top-p, sampling."""
 
 from __future__ import annotations
 
@@ -34,14 +35,42 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= p  # the first token has nothing before it, so it always stays
+    drop_sorted = mass_before >= p
+    # The first token has no mass before it, but a p below float32's smallest value (1e-300) rounds to
+    # 0 in the comparison and would drop it too: keep it explicitly.
+    drop_sorted[..., 0] = False
     drop = drop_sorted.scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
-def process_logits(logits: torch.Tensor, tokens: torch.Tensor | None, cfg: SampleConfig) -> torch.Tensor:
-    """The logits the choice is made from: penalty, then (unless greedy) temperature, top-k, top-p."""
-    logits = logits.float()
+def mask_vocab(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Ids at or past `vocab_size` become -inf: a model's vocabulary may be padded past its tokenizer's
+    (`train --vocab-size 64` on 28 characters), and an id the tokenizer cannot decode must never be chosen.
+
+    Args:
+        logits: (B, V) logits.
+        vocab_size: the tokenizer's vocabulary size; None (or >= V) changes nothing.
+    """
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
+    return torch.cat([logits[..., :vocab_size], torch.full_like(logits[..., vocab_size:], float("-inf"))], dim=-1)
+
+
+def process_logits(
+    logits: torch.Tensor, tokens: torch.Tensor | None, cfg: SampleConfig, vocab_size: int | None = None
+) -> torch.Tensor:
+    """The logits the choice is made from: the vocabulary mask, penalty, then (unless greedy) temperature,
+    top-k, top-p.
+
+    Args:
+        logits: (B, V) raw logits.
+        tokens: (B, T) ids so far (for the repetition penalty), or None.
+        cfg: the sampling settings.
+        vocab_size: the tokenizer's vocabulary size: ids at or past it are never chosen (see mask_vocab).
+    """
+    logits = mask_vocab(logits.float(), vocab_size)
     if tokens is not None:
         logits = apply_repetition_penalty(logits, tokens, cfg.repetition_penalty)
     if cfg.is_greedy:
@@ -59,9 +88,10 @@ def sample(
     tokens: torch.Tensor | None,
     cfg: SampleConfig,
     generator: torch.Generator | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
-    """Choose the next token of each row. logits (B, V), tokens so far (B, T) -> (B,) ids."""
-    return choose(process_logits(logits, tokens, cfg), cfg, generator)
+    """Choose the next token of each row. logits (B, V), tokens so far (B, T) -> (B,) ids below vocab_size."""
+    return choose(process_logits(logits, tokens, cfg, vocab_size), cfg, generator)
 
 
 def choose(processed: torch.Tensor, cfg: SampleConfig, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -645,6 +645,20 @@ class IncrementalDecoder:
         """Add token ids (a list, an int, an array or a tensor); return the newly completed text."""
         return self._utf8.decode(self.tokenizer.decode_bytes(ids))
 
+    def push_at(self, ids: Iterable[int] | int) -> tuple[str, int]:
+        """push(), and where the ids' own text begins in what it returns: after the U+FFFD of an
+        unfinished character that their first byte cannot continue (0 otherwise). The characters
+        completed before the ids, plus this, is their text offset (where their text begins)."""
+        data = self.tokenizer.decode_bytes(ids)
+        pending = self._utf8.getstate()[0]
+        lead = 0
+        if pending and data:
+            try:
+                codecs.getincrementaldecoder("utf-8")().decode(pending + data[:1])
+            except UnicodeDecodeError:
+                lead = len(pending.decode("utf-8", errors="replace"))
+        return self._utf8.decode(data), lead
+
     def flush(self) -> str:
         """The text still held back, at the end of the stream; resets the decoder."""
         text = self._utf8.decode(b"", final=True)

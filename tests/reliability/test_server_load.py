@@ -1,6 +1,7 @@
 """`tinygpt serve` as a separate process under load: many clients with zero failures (time to first
 token and per-token latency reported), an overload answered at once with 429, dropped streams that
-leave nothing running, and memory that comes back after the load.
+leave nothing running, memory that comes back after the load, and a poisoned request that fails
+alone beside running streams.
 
 The short variants run by default; `make reliability` runs the 16 clients x 200 requests.
 """
@@ -20,18 +21,28 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_util import save_tiny_run
+from server_util import POISON_TOP_K, save_tiny_run
 
 pytestmark = pytest.mark.reliability
 
 
+# `tinygpt serve` with server_util.poison_sampler installed: a request with top_k POISON_TOP_K fails
+# when its token is chosen, a fault no real request can cause (they are all fixed), so that what is
+# tested is that the failure stays with its own sequence.
+POISONED_SERVE = ("import sys; sys.path.insert(0, {tests!r}); from server_util import poison_sampler; "
+                  "poison_sampler(setattr); from tinygpt.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
 @contextlib.contextmanager
-def serving(run: Path, *flags: str):
+def serving(run: Path, *flags: str, poisoned: bool = False):
     """`tinygpt serve RUN` on a free port; yields (base URL, process id). Its output goes to a file:
     a pipe nobody reads fills up with access-log lines, and the server then blocks writing one."""
     log = run.with_name(run.name + "-serve.log")
+    tinygpt = ["-m", "tinygpt"]
+    if poisoned:
+        tinygpt = ["-c", POISONED_SERVE.format(tests=str(Path(__file__).parents[1]))]
     with open(log, "w") as out:
-        p = subprocess.Popen([sys.executable, "-m", "tinygpt", "serve", str(run), "--port", "0", "--device", "cpu",
+        p = subprocess.Popen([sys.executable, *tinygpt, "serve", str(run), "--port", "0", "--device", "cpu",
                               "--model-name", "tiny", "--threads", "1", *flags],
                              stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
@@ -168,7 +179,7 @@ def test_load_with_zero_failures_then_dropped_streams_and_memory(tmp_path, clien
 def burst(host: str, port: int, count: int, body: bytes) -> list[tuple[float, bytes]]:
     """Send `count` requests at once on connections opened beforehand; per request, the seconds from
     its last byte sent to the first byte of the answer, and the answer's head."""
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: tiny\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     socks = [socket.create_connection((host, port)) for _ in range(count)]
     time.sleep(0.2)  # every connection accepted before the burst
@@ -240,3 +251,51 @@ def test_overload_4x_is_answered_with_429_at_once(tmp_path, figure, slots, queue
            f"{len(answers)} of {len(answers)}",
            f"latency p50 {statistics.median(latencies):.1f} ms, max {latencies[-1]:.1f} ms (bound 100 ms); "
            f"the {slots + queue} accepted streams kept generating")
+
+
+def test_a_poisoned_request_beside_16_streams_fails_alone(tmp_path, figure):
+    """16 streams and one poisoned request decoded in one batch (17 rows): the poisoned one is refused
+    with a 500 of its own, the 16 run to their end, and the server stays healthy."""
+    save_tiny_run(tmp_path / "run", block_size=64)
+
+    async def scenario(url: str) -> tuple[list, httpx.Response, dict, dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            before = await health(http)
+            started = asyncio.Event()
+            seen = [0]
+
+            async def stream(c: int):
+                body = {"model": "tiny", "prompt": f"stream {c}: ", "max_tokens": 400, "temperature": 0.8,
+                        "stream": True}
+                finish, done, first = None, False, True
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            done = True
+                        elif line.startswith("data: "):
+                            chunk = json.loads(line[6:])
+                            assert "error" not in chunk, chunk
+                            finish = chunk["choices"][0]["finish_reason"] or finish
+                            if first:
+                                first = False
+                                seen[0] += 1
+                                if seen[0] == 16:
+                                    started.set()
+                return done and finish == "length"
+
+            streams = [asyncio.create_task(stream(c)) for c in range(16)]
+            await asyncio.wait_for(started.wait(), 60)
+            poisoned = await http.post("/v1/completions", json={"model": "tiny", "prompt": "poison", "max_tokens": 50,
+                                                                "top_k": POISON_TOP_K})
+            results = await asyncio.gather(*streams)
+            return results, poisoned, before, await wait_idle(http)
+
+    with serving(tmp_path / "run", "--max-concurrency", "17", poisoned=True) as (url, _):
+        results, poisoned, before, after = asyncio.run(scenario(url))
+    assert results == [True] * 16  # each streamed to finish_reason "length" and [DONE], no error chunk
+    assert poisoned.status_code == 500 and poisoned.json()["error"]["type"] == "server_error", poisoned.text
+    assert after["status"] == "ok" and after["failed"] - before["failed"] == 1
+    assert after["completed"] - before["completed"] == 16 and after["peak_batch"] == 17  # one batch with the 16
+    figure("a poisoned request beside 16 streams (one batch of 17 rows)", "16 of 16 completed, 1 of 1 refused",
+           "the poisoned request got its own 500; the 16 streams ran to their end; /health stayed ok")

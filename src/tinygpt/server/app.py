@@ -9,7 +9,9 @@ the same events, so at temperature 0 they carry the same text.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
+import ipaddress
 import json
 import time
 import uuid
@@ -27,22 +29,26 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SampleConfig
 from ..errors import ConfigError, TokenizerError
+from ..tokenizer import IncrementalDecoder
 from .protocol import (
     CHAT_STOPS,
     APIError,
     AttentionRequest,
     ChatRequest,
     CompletionRequest,
+    Message,
     ValidationError,
     chat_prompt,
     validation_error,
 )
-from .scheduler import Draining, Event, QueueFull, Scheduler, Sequence, TokenInfo
+from .scheduler import Draining, Event, ModelDown, QueueFull, Scheduler, Sequence, TokenInfo, score_windows
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 ATTENTION_MAX_TOKENS = 256  # the attention view shows at most the last 256 tokens
+SCORE_MAX_TOKENS = 65536  # prompt tokens one request may have scored (echo with logprobs)
+SCORE_WINDOWS_PER_CALL = 8  # context windows scored per turn of the model thread: decoding goes on between
 _GONE = object()  # queued when the client disconnects
 
 
@@ -56,6 +62,7 @@ def create_app(
     max_queue: int = 32,
     max_tokens: int = 2048,
     cors_origins: Iterable[str] = (),
+    trusted_hosts: Iterable[str] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving one model.
 
@@ -69,9 +76,16 @@ def create_app(
         max_queue: sequences that may wait for a free slot; past that, 429 with Retry-After.
         max_tokens: the largest max_tokens a request may ask for (and chat's default).
         cors_origins: origins allowed to call the API from a browser ("*" for any); none: CORS off.
+            A POST to /v1 whose body is not JSON (a form or text/plain, which a browser sends from
+            any page without asking) is refused with 403 when it comes from another origin.
+        trusted_hosts: None: any Host header. Otherwise (what `tinygpt serve` passes when bound to a
+            loopback address) requests must name a loopback address, `localhost` or one of these
+            names in their Host header, or get 421: a web page cannot reach the server through a
+            DNS name rebound to 127.0.0.1.
 
     Raises:
-        ConfigError: a setting out of range.
+        ConfigError: a setting out of range, or a KV cache too large for the device (it is
+            allocated here, before any request can be answered).
     """
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError("model_name must be a non-empty string")
@@ -79,8 +93,9 @@ def create_app(
         raise ConfigError("max_concurrency and max_tokens must be >= 1 and max_queue >= 0")
     if api_key is not None and not api_key:
         raise ConfigError("api_key must not be empty")
-    server = _Server(model, tokenizer, model_name, api_key, max_tokens,
-                     Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue))
+    scheduler = Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue)
+    scheduler.allocate()
+    server = _Server(model, tokenizer, model_name, api_key, max_tokens, scheduler)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -97,6 +112,9 @@ def create_app(
     if origins:
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"], max_age=600)
+    # outermost: a request for another host, or a cross-site form post, meets nothing else of the app
+    app.add_middleware(_Guard, origins=frozenset(origins),
+                       hosts=None if trusted_hosts is None else frozenset(_host_name(h) for h in trusted_hosts))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -128,12 +146,18 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        draining = server.scheduler.draining
+        failure, draining = server.scheduler.failure, server.scheduler.draining
         cfg = model.config
-        body = {"status": "draining" if draining else "ok", "model": model_name, "block_size": cfg.block_size,
-                "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
-                "max_tokens": max_tokens, "auth": api_key is not None, **server.scheduler.stats()}
-        return JSONResponse(body, status_code=503 if draining else 200)
+        chat_error = server.chat_error()
+        body = {"status": "error" if failure else "draining" if draining else "ok", "model": model_name,
+                "block_size": cfg.block_size, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
+                "n_head": cfg.n_head, "max_tokens": max_tokens, "auth": api_key is not None,
+                "chat": chat_error is None, **server.scheduler.stats()}
+        if chat_error:
+            body["chat_error"] = chat_error
+        if failure:
+            body["error"] = failure
+        return JSONResponse(body, status_code=503 if failure or draining else 200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -181,6 +205,7 @@ class _Server:
         self.stop_tokens = frozenset() if tokenizer.eot_id is None else frozenset({tokenizer.eot_id})
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.encodable = lru_cache(maxsize=4096)(self._encodable)
 
     # -- request checks ----------------------------------------------------------------------
 
@@ -206,12 +231,14 @@ class _Server:
     async def parse(self, request: Request, kind):
         """Authorize, refuse while draining, read at most MAX_BODY_BYTES, validate the JSON."""
         self.authorize(request)
+        if self.scheduler.failure is not None:
+            raise _model_down(self.scheduler.failure)
         if self.scheduler.draining:
             raise _unavailable()
         if kind is not AttentionRequest and not self.scheduler.has_room(1):
             raise _busy(1)  # filled up since _Admission let it through: still before reading the body
         length = request.headers.get("content-length")
-        if length is not None and _is_uint(length) and int(length) > MAX_BODY_BYTES:
+        if length is not None and _is_uint(length) and _uint_at_most(length, MAX_BODY_BYTES) is None:
             raise _too_large()
         body = bytearray()
         async for chunk in request.stream():
@@ -233,6 +260,23 @@ class _Server:
         except TokenizerError as e:
             raise APIError(400, f"Invalid value for '{param}': {e}", param=param, code="invalid_value") from None
         return ids or self.start_ids(param)
+
+    def _encodable(self, char: str) -> bool:
+        try:
+            return bool(self.tokenizer.encode(char))
+        except TokenizerError:
+            return False
+
+    def chat_error(self, roles: Iterable[str] = ("user",)) -> str | None:
+        """Why the chat template cannot be written, for messages of these roles, in this model's
+        vocabulary (a character model whose corpus lacks 'U' or ':'), or None when it can."""
+        template = chat_prompt([Message(role=role, content="") for role in roles])
+        missing = [c for c in sorted(set(template)) if not self.encodable(c)]
+        if not missing:
+            return None
+        return (f"The model '{self.model_name}' cannot chat: its vocabulary cannot express the chat template "
+                f"{template!r}, which needs the characters {', '.join(repr(c) for c in missing)}; use "
+                "/v1/completions with a prompt in the model's own characters")
 
     def start_ids(self, param: str) -> list[int]:
         """What an empty prompt starts from: <|endoftext|> where the tokenizer has it, else a newline."""
@@ -261,19 +305,21 @@ class _Server:
         if req.logit_bias:
             bias = {}
             for key, value in req.logit_bias.items():
-                if not _is_uint(key) or int(key) >= self.vocab_size:
-                    raise APIError(400, f"Invalid value for 'logit_bias': {key!r} is not a token id in "
+                token = _uint_at_most(key, self.vocab_size - 1)
+                if token is None:
+                    shown = repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key):,} characters)"
+                    raise APIError(400, f"Invalid value for 'logit_bias': {shown} is not a token id in "
                                         f"0..{self.vocab_size - 1}", param="logit_bias", code="invalid_value")
-                bias[int(key)] = value
+                bias[token] = value
         sampling = SampleConfig(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_k=req.top_k,
             top_p=req.top_p,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         )
-        return dict(max_tokens=max_tokens or default_max_tokens, sampling=sampling, stop_tokens=self.stop_tokens,
-                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                    logit_bias=bias)
+        return dict(max_tokens=default_max_tokens if max_tokens is None else max_tokens, sampling=sampling,
+                    stop_tokens=self.stop_tokens, presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0, logit_bias=bias)
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -299,10 +345,17 @@ class _Server:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         settings = self.settings(req, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
         settings.update(stop=req.stops, logprobs=req.logprobs)
-        return await self.generate(request, req, ids, settings, chat=False, echo=echo)
+        scored = None
+        if req.echo and req.logprobs is not None:
+            # an empty prompt starts from a token of the server's choosing, which is not in the echoed text
+            scored = await self.score([i if p else [] for p, i in zip(prompts, ids)], req.logprobs)
+        return await self.generate(request, req, ids, settings, chat=False, echo=echo, scored=scored)
 
     async def chat(self, request: Request, req: ChatRequest) -> Response:
         self.check_choices(req.n or 1)
+        why = self.chat_error(m.role for m in req.messages)
+        if why is not None:
+            raise APIError(400, why, param="model", code="chat_template_unsupported")
         text = chat_prompt(req.messages)
         ids = await run_in_threadpool(self.encode, text, "messages")
         settings = self.settings(req, req.max_completion_tokens or req.max_tokens, self.max_tokens)
@@ -319,8 +372,38 @@ class _Server:
         if not self.scheduler.has_room(count):
             raise _busy(1)
 
+    async def score(self, prompts: list[list[int]], top: int) -> list[list[TokenInfo]]:
+        """Each prompt token's logprob and `top` alternatives, as `tinygpt eval` scores a text: the
+        prompt cut into consecutive windows of block_size + 1 tokens; the first token has none."""
+        total = sum(len(ids) for ids in prompts)
+        if total > SCORE_MAX_TOKENS:
+            raise APIError(400, f"Invalid value for 'prompt': echo with logprobs scores at most {SCORE_MAX_TOKENS:,} "
+                                f"prompt tokens per request, got {total:,}", param="prompt", code="invalid_value")
+        out = []
+        for ids in prompts:
+            if not ids:
+                out.append([])
+                continue
+            offsets = _text_offsets(self.tokenizer, ids)
+            infos = [TokenInfo(ids[0], None, None, 0)]
+            starts = list(range(0, len(ids) - 1, self.block_size))
+            for i in range(0, len(starts), SCORE_WINDOWS_PER_CALL):
+                chunk = starts[i : i + SCORE_WINDOWS_PER_CALL]
+
+                def run(chunk=chunk) -> list[TokenInfo]:
+                    return score_windows(self.model, ids, chunk, top, offsets, self.vocab_size)
+
+                try:
+                    infos += await asyncio.wrap_future(self.scheduler.call(run))
+                except ModelDown as e:
+                    raise _model_down(str(e)) from None
+                except Draining:
+                    raise _unavailable() from None
+            out.append(infos)
+        return out
+
     async def generate(self, request: Request, req, prompts: list[list[int]], settings: dict, *, chat: bool,
-                       echo: list[str] | None = None) -> Response:
+                       echo: list[str] | None = None, scored: list[list[TokenInfo]] | None = None) -> Response:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -348,15 +431,21 @@ class _Server:
                 seed = None if req.seed is None else (req.seed + index) % 2**64  # each choice its own stream
                 # prompts longer than the context are cut to their last block_size tokens
                 seqs.append(Sequence(prompt=ids[-self.block_size :], emit=emit, index=index, seed=seed, **settings))
-        try:
-            self.scheduler.submit(seqs)
-        except QueueFull as e:
-            raise _busy(e.retry_after) from None
-        except Draining:
-            raise _unavailable() from None
+        if settings["max_tokens"] == 0:  # nothing to generate (a prompt scored with echo): every choice ends now
+            for s in seqs:
+                queue.put_nowait(Event(s.index, finish_reason="length"))
+        else:
+            try:
+                self.scheduler.submit(seqs)
+            except QueueFull as e:
+                raise _busy(e.retry_after) from None
+            except ModelDown as e:
+                raise _model_down(str(e)) from None
+            except Draining:
+                raise _unavailable() from None
         dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts)
         reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), dropped=dropped,
-                       echo=echo, n=n)
+                       echo=echo, n=n, scored=scored)
 
         def gone() -> None:
             self.scheduler.cancel(seqs)
@@ -392,6 +481,8 @@ class _Server:
 
         try:
             rows = await asyncio.wrap_future(self.scheduler.call(run))
+        except ModelDown as e:
+            raise _model_down(str(e)) from None
         except Draining:
             raise _unavailable() from None
         return {"object": "tinygpt.attention", "model": self.model_name, "layer": req.layer, "head": req.head,
@@ -418,7 +509,7 @@ class _Reply:
     """Turns a request's events into OpenAI's response or stream of chunks."""
 
     def __init__(self, server: _Server, req, seqs: list[Sequence], *, chat: bool, prompt_tokens: int,
-                 dropped: int, echo: list[str] | None, n: int) -> None:
+                 dropped: int, echo: list[str] | None, n: int, scored: list[list[TokenInfo]] | None = None) -> None:
         self.server, self.req, self.seqs, self.chat = server, req, seqs, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -427,7 +518,7 @@ class _Reply:
         self.completion_tokens = 0
         self.echo = echo
         self.n = n
-        self.offsets = [0] * len(seqs)  # text_offset of the next token, per choice
+        self.scored = scored  # per prompt: its tokens' logprobs (echo with logprobs)
         self.logprobs = seqs[0].logprobs is not None
 
     def usage(self) -> dict:
@@ -437,6 +528,17 @@ class _Reply:
             usage["prompt_tokens_truncated"] = self.dropped
         return usage
 
+    def echoed(self, index: int) -> tuple[str, list[TokenInfo]]:
+        """Choice `index`'s echoed prompt text and the prompt tokens' logprobs ("" and [] without echo)."""
+        if not self.echo:
+            return "", []
+        return self.echo[index // self.n], self.scored[index // self.n] if self.scored else []
+
+    def generated(self, index: int, tokens: list[TokenInfo]) -> list[TokenInfo]:
+        """Generated tokens with their text offsets moved past the echoed prompt: positions in the text."""
+        start = len(self.echoed(index)[0])
+        return [dataclasses.replace(t, offset=t.offset + start) for t in tokens] if start else tokens
+
     async def events(self, queue: asyncio.Queue) -> AsyncIterator[Event]:
         """Events until every choice has finished; raises APIError on a failure."""
         remaining = len(self.seqs)
@@ -445,27 +547,27 @@ class _Reply:
             if event is _GONE:
                 raise _ClientGone()
             if event.error is not None:
-                status = 503 if "shutting down" in event.error else 500
-                raise APIError(status, event.error, type="server_error")
+                raise APIError(event.status, event.error, type="server_error",
+                               code="service_unavailable" if event.status == 503 else None)
             if event.finish_reason is not None:
                 remaining -= 1
                 self.completion_tokens += event.completion_tokens
             yield event
 
     async def collect(self, queue: asyncio.Queue) -> dict:
-        texts = [self.echo[i // self.n] if self.echo else "" for i in range(len(self.seqs))]
-        tokens: list[list[TokenInfo]] = [[] for _ in self.seqs]
+        texts = [self.echoed(i)[0] for i in range(len(self.seqs))]
+        tokens: list[list[TokenInfo]] = [list(self.echoed(i)[1]) for i in range(len(self.seqs))]
         finish = [None] * len(self.seqs)
         try:
             async for e in self.events(queue):
                 texts[e.index] += e.text
-                tokens[e.index] += e.tokens
+                tokens[e.index] += self.generated(e.index, e.tokens)
                 finish[e.index] = e.finish_reason or finish[e.index]
         except _ClientGone:
             return {}
         choices = []
         for i in range(len(self.seqs)):
-            logprobs = self.format_logprobs(i, tokens[i]) if self.logprobs else None
+            logprobs = self.format_logprobs(tokens[i]) if self.logprobs else None
             if self.chat:
                 choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
                                 "logprobs": logprobs, "finish_reason": finish[i]})
@@ -480,15 +582,15 @@ class _Reply:
         try:
             for i in range(len(self.seqs)):
                 if self.chat:
-                    yield self.chunk(i, "", None, [], role=True)
+                    yield self.chunk(i, "", [], None, role=True)
                 elif self.echo:
-                    yield self.chunk(i, self.echo[i // self.n], None, [])
+                    yield self.chunk(i, *self.echoed(i), None)
             try:
                 async for e in self.events(queue):
                     if e.text or e.tokens:
-                        yield self.chunk(e.index, e.text, None, e.tokens)
+                        yield self.chunk(e.index, e.text, self.generated(e.index, e.tokens), None)
                     if e.finish_reason is not None:
-                        yield self.chunk(e.index, "", e.finish_reason, [])
+                        yield self.chunk(e.index, "", [], e.finish_reason)
             except _ClientGone:
                 return
             except APIError as e:
@@ -505,8 +607,8 @@ class _Reply:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
 
-    def chunk(self, index: int, text: str, finish: str | None, tokens: list[TokenInfo], role: bool = False) -> str:
-        logprobs = self.format_logprobs(index, tokens) if self.logprobs and tokens else None
+    def chunk(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None, role: bool = False) -> str:
+        logprobs = self.format_logprobs(tokens) if self.logprobs and tokens else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -517,7 +619,7 @@ class _Reply:
             body["usage"] = None
         return _sse(body)
 
-    def format_logprobs(self, index: int, tokens: list[TokenInfo]) -> dict:
+    def format_logprobs(self, tokens: list[TokenInfo]) -> dict:
         text_of = self.server.token_text
         if self.chat:
             def entry(token: int, logprob: float) -> dict:
@@ -526,18 +628,19 @@ class _Reply:
 
             return {"content": [{**entry(t.id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                                 for t in tokens], "refusal": None}
-        offsets = []
+        top: list[dict[str, float] | None] = []
         for t in tokens:
-            offsets.append(self.offsets[index])
-            self.offsets[index] += len(text_of(t.id))
-        top = []
-        for t in tokens:
+            if t.top is None:  # a prompt's first token: nothing predicts it
+                top.append(None)
+                continue
             best: dict[str, float] = {}
             for i, lp in t.top:  # two ids may share a text ('bytes:...'): keep the likelier
                 best[text_of(i)] = max(lp, best.get(text_of(i), lp))
             top.append(best)
+        # text_offset: where each token's text begins in the choice's text (a token that ends inside a
+        # UTF-8 character adds nothing until the character is complete)
         return {"tokens": [text_of(t.id) for t in tokens], "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": top, "text_offset": offsets}
+                "top_logprobs": top, "text_offset": [t.offset for t in tokens]}
 
 
 class _Admission:
@@ -564,6 +667,74 @@ class _Admission:
             await send({"type": "http.response.body", "body": self.body})
             return
         await self.app(scope, receive, send)
+
+
+class _Guard:
+    """Refuses, before anything else runs, what a web page could make a browser send to a server on
+    this machine: a request whose Host header names another site (DNS rebinding: the page's own name,
+    rebound to 127.0.0.1), answered 421; and a POST to /v1 from another origin with a body a browser
+    sends without asking first (text/plain, a form: anything but JSON), answered 403. A JSON body
+    from another origin needs the browser's preflight, which CORS answers."""
+
+    def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str]) -> None:
+        self.app, self.hosts, self.origins = app, hosts, origins
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            err = self.refusal(scope)
+            if err is not None:
+                body = json.dumps(err.body()).encode()
+                await send({"type": "http.response.start", "status": err.status,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> APIError | None:
+        host = _header(scope, b"host")
+        if self.hosts is not None and not _trusted_host(host, self.hosts):
+            shown = host if len(host) <= 100 else host[:100] + "..."
+            return APIError(421, f"The Host header {shown!r} does not name this server: bound to a loopback address, "
+                                 "it answers only 'localhost' and loopback addresses (tinygpt serve --allow-host NAME "
+                                 "adds a name)", code="misdirected_request")
+        if scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return None
+        origin = _header(scope, b"origin")
+        if not origin or _is_json(_header(scope, b"content-type")) or "*" in self.origins or origin in self.origins:
+            return None
+        if origin.partition("://")[2].lower() == host.lower():  # the same origin: the playground's own page
+            return None
+        return APIError(403, f"Cross-origin request refused: a page from {origin[:100]!r} may not POST a body that is "
+                             "not JSON here (send Content-Type: application/json; tinygpt serve --cors-origin "
+                             "allows an origin)", code="cross_origin_refused")
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header (or a --allow-host value), lowercased, without port or brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    name, sep, port = host.rpartition(":")
+    return (name if sep and port.isdigit() and ":" not in name else host).rstrip(".")
+
+
+def _trusted_host(host: str, names: frozenset[str]) -> bool:
+    """Whether a Host header names a loopback address, localhost, or one of `names`."""
+    name = _host_name(host)
+    if not name:
+        return False
+    if name == "localhost" or name in names:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_json(content_type: str) -> bool:
+    kind = content_type.partition(";")[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def _header(scope, name: bytes) -> str:
@@ -604,6 +775,28 @@ def _is_uint(text: str) -> bool:
     return text.isascii() and text.isdigit()  # str.isdigit alone accepts '²', which int() refuses
 
 
+def _uint_at_most(text: str, limit: int) -> int | None:
+    """text as an integer in 0..limit, or None. Digits past the limit's own count are refused
+    before int() sees them: int() raises past 4,300 digits, and a 5xx is not an answer to bad input."""
+    if not _is_uint(text):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(limit)):
+        return None
+    value = int(digits)
+    return value if value <= limit else None
+
+
+def _text_offsets(tokenizer, ids: list[int]) -> list[int]:
+    """Where each token's text begins in the decoded text of ids (see IncrementalDecoder.push_at)."""
+    decoder, offsets, chars = IncrementalDecoder(tokenizer), [], 0
+    for token in ids:
+        text, lead = decoder.push_at(token)
+        offsets.append(chars + lead)
+        chars += len(text)
+    return offsets
+
+
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
@@ -615,6 +808,10 @@ def _busy(retry_after: int) -> APIError:
 
 def _unavailable() -> APIError:
     return APIError(503, "The server is shutting down", type="server_error", code="service_unavailable")
+
+
+def _model_down(reason: str) -> APIError:
+    return APIError(503, f"The model is not available: {reason}", type="server_error", code="service_unavailable")
 
 
 def _too_large() -> APIError:

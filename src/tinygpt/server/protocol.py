@@ -101,6 +101,9 @@ class CompletionRequest(_Sampling):
     prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
         list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1)
     ]
+    # 0 generates nothing: with echo and logprobs, that scores the prompt (as evaluation harnesses do);
+    # without echo the text is empty and finish_reason "length", as OpenAI answers it
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = None
@@ -112,8 +115,6 @@ class CompletionRequest(_Sampling):
             raise _invalid("suffix", "insertion is not supported by tinygpt's decoder-only models")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise _invalid("best_of", "supported only equal to n")
-        if self.echo and self.logprobs is not None:
-            raise _invalid("logprobs", "not supported together with echo")
 
 
 class TextPart(_Strict):

@@ -11,6 +11,11 @@ re-prefilled from its last block_size tokens each step, exactly the context the 
 
 Everything that touches the model runs on the one model thread; the web server talks to it
 through `submit`, `cancel` and `call` and hears back through each sequence's `emit` callback.
+
+An error in one sequence (its prefill, its sampling, its text) ends that sequence alone with an
+error event; the others in the batch go on. Only an error in the batched forward itself, which
+belongs to no one sequence, fails every row of that step. Should the model thread itself die, the
+scheduler says so (`failure`), fails everything waiting or running with a 503, and refuses new work.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..calc.units import format_bytes
 from ..config import SampleConfig
+from ..device import free_memory
+from ..errors import ConfigError, TinyGPTError
 from ..generate import StopText, decode_step, prefill
 from ..kv_cache import KVCache
-from ..sampling import sample
+from ..sampling import mask_vocab, sample
 from ..tokenizer import IncrementalDecoder
 
 log = logging.getLogger("tinygpt.server")
@@ -49,13 +57,18 @@ class Draining(Exception):
     """The server is shutting down and accepts no new work."""
 
 
+class ModelDown(Exception):
+    """The model thread has stopped (its message says why): no work can be done."""
+
+
 @dataclass
 class TokenInfo:
     """One generated token with its log-probability and the most likely candidates at that step."""
 
     id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
+    top: list[tuple[int, float]] | None
+    offset: int = 0  # characters of text before this token's own, counted from the start of its sequence's text
 
 
 @dataclass
@@ -71,6 +84,7 @@ class Event:
     finish_reason: str | None = None  # "stop" | "length" when finished
     completion_tokens: int = 0
     error: str | None = None
+    status: int = 500  # with an error: the HTTP status it calls for (503: shutting down, or the model thread died)
 
 
 @dataclass(eq=False)
@@ -106,6 +120,7 @@ class Sequence:
 
     cancelled: bool = field(default=False, init=False)
     generated: int = field(default=0, init=False)
+    chars: int = field(default=0, init=False)  # characters of text decoded so far (for text offsets)
     filled: int = field(default=0, init=False)  # cache positions of this slot holding the current context
 
     def start(self, tokenizer, vocab_size: int, device: torch.device) -> None:
@@ -162,12 +177,10 @@ class Scheduler:
         self.max_queue = max_queue
         self.block_size = model.config.block_size
         self.vocab_size = model.config.vocab_size
+        self.tokenizer_vocab = tokenizer.vocab_size  # ids at or past it are never chosen (sampling.mask_vocab)
         self.device = next(model.parameters()).device
-        self._mask = None  # a model's vocabulary may be padded past the tokenizer's: never choose those ids
-        if tokenizer.vocab_size < self.vocab_size:
-            self._mask = torch.zeros(1, self.vocab_size, device=self.device)
-            self._mask[0, tokenizer.vocab_size :] = float("-inf")
         self.draining = False
+        self.failure: str | None = None  # why the model thread died, once it has
         self.counters = {"completed": 0, "cancelled": 0, "failed": 0, "generated_tokens": 0, "steps": 0,
                          "peak_batch": 0}
         self._cond = threading.Condition()
@@ -181,9 +194,34 @@ class Scheduler:
 
     # -- called from the web server ----------------------------------------------------------
 
+    def allocate(self) -> None:
+        """Allocate the KV cache now, on this thread: `create_app` does, before the server listens, so
+        that a cache this device cannot hold is an error at start-up and not a model thread that dies
+        after the server said it was serving.
+
+        Raises:
+            ConfigError: the cache needs more memory than the device has free (or its allocation
+                failed); the message says how much and that --max-concurrency lowers it.
+        """
+        if self._cache is not None:
+            return
+        need = KVCache.bytes_for_model(self.model, self.max_concurrency)
+        what = (f"the KV cache for {self.max_concurrency:,} concurrent sequences of {self.block_size:,} tokens needs "
+                f"{format_bytes(need)} ({format_bytes(need // self.max_concurrency)} a sequence)")
+        free = free_memory(self.device)
+        if free is not None and need > free:
+            raise ConfigError(f"{what}, more than the {format_bytes(free)} free on {self.device}: "
+                              "lower --max-concurrency")
+        try:
+            self._cache = KVCache.for_model(self.model, self.max_concurrency)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{what} and could not be allocated on {self.device} ({first}): "
+                              "lower --max-concurrency") from None
+
     def start(self) -> None:
         with self._cond:
-            if self._thread is None or not self._thread.is_alive():
+            if self.failure is None and (self._thread is None or not self._thread.is_alive()):
                 self._stopping = False
                 self._thread = threading.Thread(target=self._run, name="tinygpt-model", daemon=True)
                 self._thread.start()
@@ -211,10 +249,13 @@ class Scheduler:
         """Queue the sequences of one request, all or none.
 
         Raises:
+            ModelDown: the model thread has died.
             Draining: the server is shutting down.
             QueueFull: not enough room in the slots and the queue (retry later).
         """
         with self._cond:
+            if self.failure is not None:
+                raise ModelDown(self.failure)
             if self.draining or self._stopping:
                 raise Draining()
             if len(self._waiting) + self._running() + len(seqs) > self.max_concurrency + self.max_queue:
@@ -247,6 +288,8 @@ class Scheduler:
         """Run fn() on the model thread between two steps; returns a Future of its result."""
         future: Future = Future()
         with self._cond:
+            if self.failure is not None:
+                raise ModelDown(self.failure)
             if self._stopping:
                 raise Draining()
             self._jobs.append((fn, future))
@@ -279,52 +322,84 @@ class Scheduler:
     # -- the model thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        with torch.inference_mode():
-            if self._cache is None:
-                self._cache = KVCache.for_model(self.model, self.max_concurrency)
-            while True:
+        try:
+            with torch.inference_mode():
+                self.allocate()
+                self._loop()
+        except BaseException as e:  # whatever ended the thread, the server must hear of it
+            log.exception("the model thread stopped")
+            self._die(f"the model thread stopped ({type(e).__name__}: {e})" if str(e) else
+                      f"the model thread stopped ({type(e).__name__})")
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._active or self._waiting or self._jobs):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                jobs = list(self._jobs)
+                self._jobs.clear()
+                cancelled = [i for i, s in enumerate(self._active) if s.cancelled]
+                free = self.max_concurrency - len(self._active) + len(cancelled)
+                admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+                self._admitting = list(admit)
+                self.counters["cancelled"] += len(cancelled)
+            for fn, future in jobs:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # handed to the caller
+                        future.set_exception(e)
+            self._remove(cancelled)
+            if not self._active and not admit:
                 with self._cond:
-                    while not (self._stopping or self._active or self._waiting or self._jobs):
-                        self._cond.wait()
-                    if self._stopping:
-                        return
-                    jobs = list(self._jobs)
-                    self._jobs.clear()
-                    cancelled = [i for i, s in enumerate(self._active) if s.cancelled]
-                    free = self.max_concurrency - len(self._active) + len(cancelled)
-                    admit = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-                    self._admitting = list(admit)
-                    self.counters["cancelled"] += len(cancelled)
-                for fn, future in jobs:
-                    if future.set_running_or_notify_cancel():
-                        try:
-                            future.set_result(fn())
-                        except BaseException as e:  # handed to the caller
-                            future.set_exception(e)
-                self._remove(cancelled)
-                if not self._active and not admit:
-                    with self._cond:
-                        self._cond.notify_all()  # wake wait_idle
-                    continue
-                try:
-                    self._step(admit)
-                except Exception:
-                    log.exception("generation step failed")
-                    failed = list(dict.fromkeys([*self._active, *admit]))
-                    for seq in failed:
-                        _safe_emit(seq, Event(seq.index, error="internal error while generating"))
-                    self.counters["failed"] += len(failed)
-                    with self._cond:
-                        self._active.clear()
-                        self._admitting.clear()
-                        self._cond.notify_all()
+                    self._cond.notify_all()  # wake wait_idle
+                continue
+            try:
+                self._step(admit)
+            except Exception:  # the batched forward: it belongs to every row of the step
+                log.exception("generation step failed")
+                failed = list(dict.fromkeys([*self._active, *admit]))
+                for seq in failed:
+                    _safe_emit(seq, Event(seq.index, error="internal error while generating"))
+                self.counters["failed"] += len(failed)
+                with self._cond:
+                    self._active.clear()
+                    self._admitting.clear()
+                    self._cond.notify_all()
+
+    def _die(self, reason: str) -> None:
+        """The model thread is ending on an error: say so, fail what waits or runs, refuse the rest."""
+        with self._cond:
+            self.failure = reason
+            seqs = list(dict.fromkeys([*self._waiting, *self._admitting, *self._active]))
+            self._waiting.clear()
+            self._admitting.clear()
+            self._active.clear()
+            jobs, self._jobs = list(self._jobs), deque()
+            self.counters["failed"] += len(seqs)
+            self._cond.notify_all()
+        for seq in seqs:
+            _safe_emit(seq, Event(seq.index, error=f"the model is not available: {reason}", status=503))
+        for _, future in jobs:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(ModelDown(reason))
+
+    def _fail(self, s: Sequence, error: Exception) -> None:
+        """End one sequence on an error of its own; the rest of the batch goes on."""
+        log.error("a sequence failed: %s: %s", type(error).__name__, error, exc_info=error)
+        why = f": {error}" if isinstance(error, (TinyGPTError, ValueError)) and str(error) else ""
+        _safe_emit(s, Event(s.index, error=f"internal error while generating this choice{why}"))
+        self.counters["failed"] += 1
 
     def _step(self, admit: list[Sequence]) -> None:
         """One step: every active row gets its next logits (batched decode, or a re-prefill once its
-        context is full); every admitted sequence is prefilled into a free row; then each row chooses."""
+        context is full); every admitted sequence is prefilled into a free row; then each row chooses.
+        What fails for one sequence alone (its prefill, its choice) ends that sequence only."""
         model, cache, bs = self.model, self._cache, self.block_size
         active = self._active
-        logits: list[torch.Tensor] = []
+        logits: list[torch.Tensor | Exception] = []
         n_old = len(active)
         if n_old:
             full = [s.filled >= bs for s in active]
@@ -338,7 +413,7 @@ class Scheduler:
                 out = decode_step(model, tokens, view, pos)  # (B, V)
             for i, s in enumerate(active):
                 if full[i]:
-                    logits.append(prefill(model, s.context()[:, -bs:], cache.slot(i)))
+                    logits.append(_attempt(lambda: prefill(model, s.context()[:, -bs:], cache.slot(i))))
                 else:
                     logits.append(out[i : i + 1])
                     s.filled += 1
@@ -348,27 +423,40 @@ class Scheduler:
                     self._admitting.remove(s)
                     self.counters["cancelled"] += 1
                 continue
-            s.start(self.tokenizer, self.vocab_size, self.device)
-            if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
-                s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
             row = len(active)
             with self._cond:
                 active.append(s)
                 self._admitting.remove(s)
-            logits.append(prefill(model, s.context(), cache.slot(row)))
-            s.filled = s.length
+            logits.append(_attempt(lambda: self._admit(s, row)))
         self.counters["steps"] += 1
         self.counters["peak_batch"] = max(self.counters["peak_batch"], len(active))
-        done = [i for i, s in enumerate(active) if self._advance(s, logits[i])]
+        done = []
+        for i, s in enumerate(active):
+            result = logits[i]
+            if not isinstance(result, Exception):
+                result = _attempt(lambda: self._advance(s, logits[i]))
+            if isinstance(result, Exception):
+                self._fail(s, result)
+                done.append(i)
+            elif result is True:
+                done.append(i)
         self._remove(done)
+
+    def _admit(self, s: Sequence, row: int) -> torch.Tensor:
+        """Set up an admitted sequence and prefill its prompt into `row`; returns its first logits."""
+        s.start(self.tokenizer, self.vocab_size, self.device)
+        bs = self.block_size
+        if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
+            s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
+        logits = prefill(self.model, s.context(), self._cache.slot(row))
+        s.filled = s.length
+        return logits
 
     def _advance(self, s: Sequence, logits: torch.Tensor) -> bool:
         """Choose s's next token from logits (1, V), report its text; True when s is finished."""
         if s.cancelled:
             return False  # dropped (and counted) at the start of the next step
-        raw = logits.float()
-        if self._mask is not None:
-            raw = raw + self._mask
+        raw = mask_vocab(logits.float(), self.tokenizer_vocab)  # the logprobs reported exclude those ids too
         x = raw
         if s.bias is not None:
             x = x + s.bias
@@ -382,9 +470,11 @@ class Scheduler:
             s.counts[0, token] += 1
         if token in s.stop_tokens:
             return self._finish(s, "stop")
+        decoded, lead = s.decoder.push_at(token)
         if s.logprobs is not None:
-            s.pending.append(_token_info(raw, token, s.logprobs))
-        text = s.stopper.push(s.decoder.push(token))
+            s.pending.append(_token_info(raw, token, s.logprobs, s.chars + lead))
+        s.chars += len(decoded)
+        text = s.stopper.push(decoded)
         if s.stopper.done:
             return self._finish(s, "stop", text)
         if s.generated >= s.max_tokens:
@@ -427,15 +517,58 @@ class Scheduler:
             dst.v.copy_(src.v)
 
 
-def _token_info(logits: torch.Tensor, token: int, top: int) -> TokenInfo:
+def _token_info(logits: torch.Tensor, token: int, top: int, offset: int = 0) -> TokenInfo:
     """The model's own distribution (before temperature, penalties and filters) at this step."""
-    logprobs = torch.log_softmax(logits[0], dim=-1)
-    chosen = max(float(logprobs[token]), MIN_LOGPROB)
-    best: list[tuple[int, float]] = []
+    return token_infos(torch.log_softmax(logits, dim=-1), [token], top, [offset])[0]
+
+
+def token_infos(logprobs: torch.Tensor, tokens: list[int], top: int, offsets: list[int]) -> list[TokenInfo]:
+    """TokenInfo for each row of logprobs (N, V): the logprob of tokens[i] and the `top` most likely ids."""
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))[:, 0].tolist()
+    best: list[list[tuple[int, float]]] = [[] for _ in tokens]
     if top:
-        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
-        best = [(int(i), max(float(v), MIN_LOGPROB)) for i, v in zip(ids, values)]
-    return TokenInfo(token, chosen if math.isfinite(chosen) else MIN_LOGPROB, best)
+        values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]), dim=-1)
+        best = [[(i, _json_logprob(v)) for i, v in zip(row_ids, row_values)]
+                for row_ids, row_values in zip(ids.tolist(), values.tolist())]
+    return [TokenInfo(t, _json_logprob(lp), b, o) for t, lp, b, o in zip(tokens, chosen, best, offsets)]
+
+
+def score_windows(model, ids: list[int], starts: list[int], top: int, offsets: list[int],
+                  vocab_size: int | None = None) -> list[TokenInfo]:
+    """The logprob of every token a window predicts, as `tinygpt eval` cuts a text: the window at s
+    reads ids[s : s + block_size] and predicts ids[s + 1 : s + block_size + 1].
+
+    Args:
+        model: a tinygpt GPT (called on the model thread).
+        ids: the whole prompt.
+        starts: window starts, multiples of block_size below len(ids) - 1.
+        top: how many most likely alternatives to report with each token.
+        offsets: each token's text offset (see TokenInfo.offset).
+        vocab_size: the tokenizer's vocabulary: logprobs are over its ids, as for generated tokens.
+    """
+    block = model.config.block_size
+    device = next(model.parameters()).device
+    infos: list[TokenInfo] = []
+    with torch.inference_mode():
+        for s in starts:
+            end = min(s + block, len(ids) - 1)
+            x = torch.tensor([ids[s:end]], device=device)
+            logprobs = torch.log_softmax(mask_vocab(model(x)[0].float(), vocab_size), dim=-1)  # (T, V)
+            targets = list(range(s + 1, end + 1))
+            infos += token_infos(logprobs, [ids[t] for t in targets], top, [offsets[t] for t in targets])
+    return infos
+
+
+def _json_logprob(value: float) -> float:
+    return value if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
+
+
+def _attempt(fn: Callable[[], object]) -> object:
+    """fn()'s result, or the Exception it raised (for errors that belong to one sequence)."""
+    try:
+        return fn()
+    except Exception as e:  # returned, and turned into that sequence's error event
+        return e
 
 
 def _safe_emit(seq: Sequence, event: Event) -> None:

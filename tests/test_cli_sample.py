@@ -1,0 +1,41 @@
+"""`tinygpt sample` on runs that once broke it: a top_p too small for float32, a padded vocabulary."""
+
+import pytest
+from server_util import tiny_model, tiny_tokenizer
+
+import tinygpt
+from tinygpt import cli
+from tinygpt.tokenizer import CharTokenizer
+
+
+def tinygpt_cli(capsys, *args):
+    code = cli.main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tinygpt.save(tiny_model(), tmp_path_factory.mktemp("sample") / "run", tiny_tokenizer())
+
+
+def test_a_top_p_below_float32s_smallest_value_samples_the_most_likely_token(run, capsys):
+    args = ("sample", run, "--prompt", "hello", "--max-new-tokens", 30, "--device", "cpu")
+    code, greedy, err = tinygpt_cli(capsys, *args, "--greedy")
+    assert code == 0, err
+    for p in ("1e-300", "5e-324"):  # once: "the next-token probabilities are NaN or infinite" (blaming the weights)
+        code, out, err = tinygpt_cli(capsys, *args, "--top-p", p, "--seed", 1)
+        assert code == 0 and err == "", err
+        assert out == greedy  # only the most likely token survives the filter
+
+
+def test_a_padded_vocabulary_never_samples_past_the_tokenizer(tmp_path, capsys):
+    # `train --vocab-size 64` on 28-character data: 36 ids the tokenizer cannot decode
+    chars = CharTokenizer("abcdefghijklmnopqrstuvwxyz .")
+    run = tinygpt.save(tiny_model(vocab_size=64), tmp_path / "padded", chars)
+    for seed in range(3):
+        code, out, err = tinygpt_cli(capsys, "sample", run, "--prompt", "the cat", "--temperature", 1.5,
+                                     "--max-new-tokens", 200, "--seed", seed, "--device", "cpu")
+        assert code == 0, err
+        assert out.startswith("the cat") and len(out) == len("the cat") + 200 + 1  # every token decoded, then "\n"
+        assert set(out[:-1]) <= set(chars.decode(range(28)))
