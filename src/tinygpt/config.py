@@ -87,6 +87,10 @@ class GPTConfig:
         init: "gpt2" (normal 0.02, residual projections scaled by 1/sqrt(2 n_layer), zero biases)
             or "torch" (PyTorch's module defaults, as the lesson).
         layer_norm_eps: epsilon of every LayerNorm.
+        scale_embeddings: multiply the token embeddings by sqrt(n_embd) in the forward pass, as the
+            original Transformer and some later models (T5's, Gemma's) do; GPT-2 does not, so a
+            model that sets it cannot be exported as GPT-2 (Hugging Face or GGUF). Off by default;
+            a config.json written before it existed loads with it off.
     """
 
     vocab_size: int = 50257
@@ -100,6 +104,7 @@ class GPTConfig:
     activation: str = "gelu_tanh"
     init: str = "gpt2"
     layer_norm_eps: float = 1e-5
+    scale_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -123,6 +128,8 @@ class GPTConfig:
             "layer_norm_eps",
             f"must be > 0, got {self.layer_norm_eps!r}",
         )
+        _check(isinstance(self.scale_embeddings, bool), "scale_embeddings",
+               f"must be true or false, got {self.scale_embeddings!r}")
 
     @property
     def head_dim(self) -> int:
