@@ -587,6 +587,26 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Fold an adapter run's LoRA adapters into its base model's weights and write a plain run.
+
+    Args (flags):
+        RUN: an adapter run (adapter_config.json + adapter.safetensors, naming its base model).
+        --out MERGED: the run folder to create (model.safetensors, config.json, tokenizer.json):
+            a model like any other, which needs neither the adapters nor the base any more.
+    """
+    from .calc import format_count
+    from .lora import merge_run, read_adapter_config
+
+    model, tokenizer = merge_run(args.run, args.out)
+    info = read_adapter_config(args.run)
+    lora = info.lora
+    print(f"merged {args.run} (LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}) into the "
+          f"weights of {info.shown_base}: wrote {args.out} ({format_count(model.num_params())} parameters"
+          f"{'' if tokenizer is not None else ', no tokenizer'})")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run over an OpenAI-compatible HTTP API, with a web playground at /.
 
@@ -1211,6 +1231,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("merge", help="fold an adapter run's LoRA adapters into a plain run",
+                       description=cmd_merge.__doc__.split("\n\n")[0],
+                       epilog="example:\n  tinygpt merge runs/lora --out runs/merged",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", metavar="RUN", help="an adapter run (it names its base model)")
+    p.add_argument("--out", required=True, metavar="MERGED", help="the plain run folder to create")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser(
         "serve", help="serve a run over an OpenAI-compatible HTTP API with a playground",
