@@ -84,9 +84,10 @@ class LoRALinear(nn.Module):
         # drawn on the CPU in float32, so the same seed gives the same adapters on every device
         a = torch.empty(rank, self.in_features)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)  # nn.Linear's own init, as PEFT's
-        like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
-        self.lora_A = nn.Parameter(a.to(**like))  # (r, in)
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **like))  # (out, r): starts as the base
+        device, dtype = linear.weight.device, linear.weight.dtype
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))  # (r, in)
+        # (out, r): zero, so the adapted model starts out as the base
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
