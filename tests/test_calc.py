@@ -11,7 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import tinygpt.calc as calc
 from tinygpt import GPT, ConfigError, GPTConfig, KVCache
 from tinygpt.calc import CHINCHILLA_FIT, compute_optimal, count_params, flops_per_token
-from tinygpt.config import PRESETS
+from tinygpt.config import PRESETS, LoraConfig
 from tinygpt.model import lm_loss
 from tinygpt.throughput import measure_training_throughput
 
@@ -186,6 +186,68 @@ def test_training_memory_parts():
         calc.training_memory(cfg, 0)
     with pytest.raises(ConfigError, match="dtype"):
         calc.training_memory(cfg, 1, dtype="int3")
+
+
+METHODS = [
+    dict(),
+    dict(lora=LoraConfig(rank=4, targets="c_attn")),
+    dict(lora=LoraConfig(rank=2, alpha=16, targets="attn,mlp")),
+    dict(lora=LoraConfig(rank=3, targets="attn.c_proj,mlp.c_fc")),
+    dict(freeze_embeddings=True),
+    dict(freeze_layers=1),
+    dict(freeze_embeddings=True, freeze_layers=2),
+    dict(freeze_layers=3),
+]
+
+
+def _apply(model: GPT, method: dict) -> GPT:
+    from tinygpt.finetune import freeze
+    from tinygpt.lora import apply_lora
+
+    if method.get("lora"):
+        lora = method["lora"]
+        return apply_lora(model, lora.rank, lora.alpha, lora.targets)
+    return freeze(model, embeddings=method.get("freeze_embeddings", False), layers=method.get("freeze_layers", 0))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"tie={v['tie_weights']},bias={v['bias']}")
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: calc.trainable_params(tiny_config(n_layer=3), **m).method)
+def test_trainable_params_equal_the_built_model_with_the_method_applied(variant, method):
+    cfg = tiny_config(n_layer=3, **variant)
+    model = _apply(GPT(cfg), method)
+    counts = calc.trainable_params(cfg, **method)
+    assert counts.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.frozen == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    assert counts.adapters == (counts.total - count_params(cfg).total)
+    # training memory: weights of everything, gradients and AdamW's moments of what trains only
+    m = calc.training_memory(cfg, 2, 16, **method)
+    assert m.weights == 4 * counts.total
+    assert (m.gradients, m.optimizer) == (4 * counts.trainable, 8 * counts.trainable)
+    assert m.activations == calc.training_memory(cfg, 2, 16).activations  # counted as for full training
+    bf16 = calc.training_memory(cfg, 2, 16, dtype="bfloat16", **method)
+    autocast_full = calc.training_memory(cfg, 2, 16, dtype="bfloat16").autocast_weights
+    assert bf16.autocast_weights == autocast_full + 2 * counts.adapters  # A and B are cast too
+
+
+def test_trainable_params_published_and_refused():
+    gpt2 = GPTConfig.from_preset("gpt2")
+    # PEFT's print_trainable_parameters() for GPT-2 with its default LoRA (r=8 on c_attn)
+    lora = calc.trainable_params(gpt2, lora=LoraConfig())
+    assert (lora.trainable, lora.total) == (294_912, 124_734_720)
+    assert f"{100 * lora.trainable / lora.total:.4f}" == "0.2364"
+    assert lora.method == "LoRA r=8, alpha 8 on attn.c_attn"
+    assert calc.trainable_params(gpt2).trainable == 124_439_808
+    frozen = calc.trainable_params(gpt2, freeze_embeddings=True, freeze_layers=10)
+    assert frozen.method == "full, embeddings and blocks 0-9 frozen"
+    assert frozen.trainable == 2 * 7_087_872 + 2 * 768  # two blocks and ln_f (the tied head is wte: frozen)
+    with pytest.raises(ConfigError, match="LoRA already freezes"):
+        calc.trainable_params(gpt2, lora=LoraConfig(), freeze_layers=1)
+    with pytest.raises(ConfigError, match="0..12"):
+        calc.trainable_params(gpt2, freeze_layers=13)
+    m = calc.training_memory(gpt2, 4, 256, lora=LoraConfig(targets="attn,mlp"))
+    full = calc.training_memory(gpt2, 4, 256)
+    assert m.gradients + m.optimizer < (full.gradients + full.optimizer) / 50
 
 
 def test_chinchilla_published_cases():

@@ -57,6 +57,39 @@ def test_params_batch_and_dtype_move_the_memory(capsys):
     assert eight["training"]["weights"] == one["training"]["weights"]  # float32 master weights either way
 
 
+def test_params_for_lora_and_frozen_layers(capsys):
+    from tinygpt.calc import trainable_params
+    from tinygpt.config import LoraConfig
+
+    gpt2 = ["--preset", "gpt2", "--batch-size", "4", "--seq-len", "256"]
+    _, out, _ = run(capsys, "params", *gpt2, "--json")
+    full = last_json(out)
+    assert full["trainable"] == {"method": "full", "total": 124_439_808, "trainable": 124_439_808, "adapters": 0,
+                                 "frozen": 0}
+    code, out, _ = run(capsys, "params", *gpt2, "--lora-rank", "8", "--lora-targets", "attn,mlp", "--json")
+    lora = last_json(out)
+    want = trainable_params(GPTConfig.from_preset("gpt2"), lora=LoraConfig(rank=8, targets="attn,mlp"))
+    assert code == 0 and lora["trainable"] == want.to_dict() and lora["trainable"]["trainable"] == 1_179_648
+    assert lora["total"] == 124_439_808  # the model's own count; the adapters are in "trainable"
+    t, f = lora["memory"]["training"], full["memory"]["training"]
+    assert t["gradients"] == 4 * 1_179_648 and t["optimizer"] == 8 * 1_179_648
+    assert t["weights"] == f["weights"] + 4 * 1_179_648 and t["activations"] == f["activations"]
+    assert t["total"] - t["activations"] < 0.27 * (f["total"] - f["activations"])  # ~4 bytes a weight, not 16
+    _, out, _ = run(capsys, "params", *gpt2, "--lora-rank", "8", "--lora-targets", "attn,mlp")
+    assert "LoRA r=8, alpha 8 on attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj" in out
+    assert "1,179,648" in out and "0.94% of 125,619,456" in out and "trainable parameters only" in out
+    _, out, _ = run(capsys, "params", "--preset", "gpt2", "--lora-alpha", "32", "--json")  # any --lora-* turns it on
+    assert last_json(out)["trainable"]["method"] == "LoRA r=8, alpha 32 on attn.c_attn"
+
+    _, out, _ = run(capsys, "params", *gpt2, "--freeze-layers", "10", "--freeze-embeddings", "--json")
+    frozen = last_json(out)["trainable"]
+    assert frozen["method"] == "full, embeddings and blocks 0-9 frozen" and frozen["trainable"] == 14_177_280
+    _, out, _ = run(capsys, "params", *gpt2, "--freeze-layers", "1")
+    assert "Trainable parameters (full, block 0 frozen)" in out
+    _, out, _ = run(capsys, "params", "--preset", "gpt2")
+    assert "Trainable parameters" not in out  # full training shows what it always showed
+
+
 def test_family_table_matches_the_built_models(capsys):
     code, out, _ = run(capsys, "params", "--family")
     assert code == 0
@@ -114,6 +147,14 @@ def test_chinchilla_time_measures_this_machine(capsys):
         (["params", "--batch-size", "0"], "batch_size"),
         (["params", "--seq-len", "4096"], "seq_len"),
         (["params", "--family", "--preset", "gpt2"], "--family"),
+        (["params", "--family", "--lora-rank", "8"], "--family"),
+        (["params", "--lora-rank", "0"], "lora rank"),
+        (["params", "--lora-rank", "eight"], "--lora-rank"),
+        (["params", "--lora-alpha", "big"], "--lora-alpha"),
+        (["params", "--lora-targets", "c_proj"], "ambiguous"),
+        (["params", "--lora-targets", "q_proj"], "unknown target"),
+        (["params", "--freeze-layers", "13"], "0..12"),
+        (["params", "--freeze-layers", "2", "--lora-rank", "8"], "LoRA already freezes"),
     ],
 )
 def test_bad_input_is_one_clear_line(capsys, args, message):

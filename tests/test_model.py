@@ -162,3 +162,40 @@ def test_causal_switch_lets_the_past_see_the_future():
         model(idx[:, :4], KVCache.for_model(model, 1), torch.arange(4))
     model.causal = True  # and back: the past no longer depends on the future
     torch.testing.assert_close(model(changed)[:, :15], model(idx)[:, :15])
+
+
+def test_scale_embeddings_multiplies_the_token_embeddings(tmp_path, capsys):
+    """GPTConfig.scale_embeddings: wte(idx) * sqrt(n_embd) before the position embedding is added; kept
+    in config.json (an old one without the key loads with it off); GPT-2 export refuses it."""
+    import json
+
+    import tinygpt
+    from tinygpt.checkpoint import load_config
+    from tinygpt.cli import main
+    from tinygpt.tokenizer import CharTokenizer
+
+    idx = torch.randint(0, 37, (2, 16))
+    plain = tiny(tie_weights=False).eval()
+    scaled = GPT(GPTConfig(**{**plain.config.to_dict(), "scale_embeddings": True})).eval()
+    scaled.load_state_dict(plain.state_dict())
+    assert not torch.allclose(scaled(idx), plain(idx), atol=1e-3)
+    with torch.no_grad():  # an untied wte feeds the input only: scaling its weights is the same model
+        plain.wte.weight.mul_(math.sqrt(32))
+    torch.testing.assert_close(scaled(idx), plain(idx), atol=1e-5, rtol=0)
+
+    run = tinygpt.save(scaled, tmp_path / "run", CharTokenizer(sorted(set("abcdefghijklmnopqrstuvwxyz .,\n"))))
+    assert json.loads((run / "config.json").read_text())["scale_embeddings"] is True
+    assert load_config(run).scale_embeddings is True
+    torch.testing.assert_close(tinygpt.load(run)(idx), scaled(idx), atol=0, rtol=0)
+    old = {k: v for k, v in scaled.config.to_dict().items() if k != "scale_embeddings"}
+    (run / "config.json").write_text(json.dumps(old))
+    assert load_config(run).scale_embeddings is False
+    (run / "config.json").write_text(json.dumps(scaled.config.to_dict()))
+
+    for fmt, out in (("hf", tmp_path / "hf"), ("gguf", tmp_path / "m.gguf")):
+        code = main(["export", str(run), "--format", fmt, "--out", str(out)])
+        _, err = capsys.readouterr()
+        assert code == 2 and err.count("\n") == 1 and "scale_embeddings" in err and "GPT-2 does not" in err
+        assert not out.exists()
+    with pytest.raises(ValueError, match="scale_embeddings"):
+        GPTConfig(scale_embeddings=1)

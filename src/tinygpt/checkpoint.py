@@ -5,6 +5,9 @@
     RUN/tokenizer.json      the tokenizer, when there is one
     RUN/train_state.pt      optimizer, schedule, RNG states, data position, step (training runs)
 
+An adapter run holds LoRA adapters instead of model.safetensors (adapter_config.json names the
+base model and a checksum of its weights; see tinygpt.lora): `load` reads it like any run.
+
 Every file is written atomically: to a temporary file in the same folder, fsync, rename. The
 weights and the training state are two files, so a save renames the weights first and the state
 last; a kill between the two renames leaves the new state complete as `train_state.pt.tmp`, and
@@ -35,6 +38,8 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 STATE = "train_state.pt"
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder an adapter run (tinygpt.lora)
+ADAPTER_WEIGHTS = "adapter.safetensors"
 TIED_KEY = "lm_head.weight"
 # A safetensors header is JSON naming every tensor: about 1 KB per layer (GPT-2 XL's is 64 KB).
 # safetensors itself allows 100 MB, but parsed JSON can take 25x its size in memory, so tinygpt
@@ -51,6 +56,9 @@ def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[s
     if getattr(model, "inference_only", False):  # set by tinygpt.quantize: int8 or packed weights
         raise CheckpointError("a model converted by tinygpt.quantize is for inference only: save it before quantizing")
     state = dict(model.state_dict() if state is None else state)
+    if any(k.endswith((".lora_A", ".lora_B")) for k in state):
+        raise CheckpointError("the model has LoRA adapters: save them with tinygpt.lora.save_adapter_run, "
+                              "or fold them in first with tinygpt.lora.merge")
     if model.config.tie_weights:
         state.pop(TIED_KEY, None)  # the same tensor as wte.weight
     return {k: v.detach().contiguous().cpu() for k, v in state.items()}
@@ -88,7 +96,7 @@ def load_config(path: str | Path) -> GPTConfig:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such run folder")
-    if not (path / CONFIG).exists() or not (path / WEIGHTS).exists():
+    if not (path / CONFIG).exists() or not ((path / WEIGHTS).exists() or is_adapter_run(path)):
         raise CheckpointError(f"{path}: not a tinygpt run (it needs {CONFIG} and {WEIGHTS})")
     try:
         return GPTConfig.from_dict(read_json(path / CONFIG, CheckpointError))
@@ -222,24 +230,38 @@ def is_hf_folder(path: str | Path) -> bool:
     return isinstance(data, dict) and "model_type" in data
 
 
+def is_adapter_run(path: str | Path) -> bool:
+    """True for an adapter run: a folder holding adapter_config.json (written by tinygpt.lora)."""
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
 def load(
     path: str | Path,
     *,
     device: str | torch.device = "cpu",
     allow_nonfinite: bool = False,
+    merge: bool = False,
 ) -> GPT:
     """Load a run folder's model, in eval mode.
 
     Args:
-        path: a folder written by `tinygpt.save` or `tinygpt train`, or a Hugging Face GPT-2
-            folder (config.json with model_type "gpt2" + model.safetensors).
+        path: a folder written by `tinygpt.save` or `tinygpt train`, a Hugging Face GPT-2
+            folder (config.json with model_type "gpt2" + model.safetensors), or an adapter run
+            (its base model, checked against the checksum it was trained on, with the LoRA adapters).
         device: where to put the weights.
         allow_nonfinite: accept NaN or infinite weights (refused by default).
+        merge: for an adapter run, fold the adapters into the weights (a plain GPT, faster for
+            inference); by default they stay separate layers, ready to train on.
 
     Raises:
-        CheckpointError: not a run, a corrupt file, or a config.json that disagrees with the weights.
+        CheckpointError: not a run, a corrupt file, a config.json that disagrees with the weights,
+            or an adapter run whose base is missing or has changed.
     """
     path = Path(path)
+    if is_adapter_run(path):
+        from .lora import load_adapter_run  # a peer module, as hf_gpt2 is
+
+        return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge)
     if is_hf_folder(path):
         from .hf_gpt2 import load_hf  # a peer module; imported here so run folders never need it
 
@@ -301,8 +323,8 @@ def load_run(
     path: str | Path, device: str | torch.device = "auto", *, tokenizer_required: bool = True,
     allow_nonfinite: bool = False,
 ) -> tuple[GPT, Any]:
-    """A model and its tokenizer, from a run folder or a Hugging Face GPT-2 folder: what `sample`,
-    `eval`, `serve` and `export` start from.
+    """A model and its tokenizer, from a run folder, an adapter run (adapters merged) or a Hugging
+    Face GPT-2 folder: what `sample`, `eval`, `serve` and `export` start from.
 
     Args:
         path: the folder.
@@ -320,7 +342,7 @@ def load_run(
 
     if not isinstance(device, torch.device):
         device = resolve_device(device)
-    model = load(path, device=device, allow_nonfinite=allow_nonfinite)
+    model = load(path, device=device, allow_nonfinite=allow_nonfinite, merge=True)
     if is_hf_folder(path):
         from .hf_gpt2 import load_hf_tokenizer
 

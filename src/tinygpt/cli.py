@@ -590,6 +590,26 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Fold an adapter run's LoRA adapters into its base model's weights and write a plain run.
+
+    Args (flags):
+        RUN: an adapter run (adapter_config.json + adapter.safetensors, naming its base model).
+        --out MERGED: the run folder to create (model.safetensors, config.json, tokenizer.json):
+            a model like any other, which needs neither the adapters nor the base any more.
+    """
+    from .calc import format_count
+    from .lora import merge_run, read_adapter_config
+
+    model, tokenizer = merge_run(args.run, args.out)
+    info = read_adapter_config(args.run)
+    lora = info.lora
+    print(f"merged {args.run} (LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}) into the "
+          f"weights of {info.shown_base}: wrote {args.out} ({format_count(model.num_params())} parameters"
+          f"{'' if tokenizer is not None else ', no tokenizer'})")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run over an OpenAI-compatible HTTP API, with a web playground at /.
 
@@ -745,6 +765,27 @@ def _params_config(args: argparse.Namespace):
     return GPTConfig(**{**base, **overrides}), name
 
 
+def _params_method(args: argparse.Namespace) -> dict:
+    """The training method `tinygpt params` sizes: LoRA from any --lora-* flag, freezing from --freeze-*."""
+    from .config import LoraConfig
+
+    lora = None
+    if args.lora_rank is not None or args.lora_alpha is not None or args.lora_targets is not None:
+        settings = {}
+        if args.lora_rank is not None:
+            settings["rank"] = _int_flag(args.lora_rank, "--lora-rank")
+        if args.lora_alpha is not None:
+            try:
+                settings["alpha"] = float(args.lora_alpha)
+            except ValueError:
+                raise ConfigError(f"--lora-alpha: expected a number, got {args.lora_alpha!r}") from None
+        if args.lora_targets is not None:
+            settings["targets"] = args.lora_targets
+        lora = LoraConfig(**settings)
+    layers = _int_flag(args.freeze_layers, "--freeze-layers")
+    return dict(lora=lora, freeze_embeddings=args.freeze_embeddings, freeze_layers=0 if layers is None else layers)
+
+
 def cmd_params(args: argparse.Namespace) -> int:
     """Count a model's parameters, FLOPs per token and memory, from its architecture alone.
 
@@ -753,6 +794,10 @@ def cmd_params(args: argparse.Namespace) -> int:
             override either. Without both, GPTConfig's defaults (GPT-2 small) with the flags.
         --batch-size, --seq-len: the batch the KV cache and the training activations are sized for.
         --dtype: compute dtype of activations, KV cache and inference weights.
+        --lora-rank R, --lora-alpha A, --lora-targets LIST: trainable parameters and training memory
+            for LoRA (any of the three turns it on; defaults rank 8, alpha 8, c_attn).
+        --freeze-layers N, --freeze-embeddings: the same for full training with the first N blocks
+            and/or the embeddings frozen.
         --family: the GPT-2 family table instead of one model.
         --json: one JSON object (last line); for one model its "total" is the parameter count.
     """
@@ -762,17 +807,20 @@ def cmd_params(args: argparse.Namespace) -> int:
 
     batch_size = _int_flag(args.batch_size, "--batch-size")
     seq_len = _int_flag(args.seq_len, "--seq-len")
+    method = _params_method(args)
     if args.family:
         model_flags = [args.preset, args.run, args.n_layer, args.n_head, args.n_embd, args.vocab_size,
-                       args.block_size, args.bias, args.tie, batch_size, seq_len]
+                       args.block_size, args.bias, args.tie, batch_size, seq_len, method["lora"],
+                       args.freeze_layers, args.freeze_embeddings or None]
         if any(v is not None for v in model_flags):
-            raise ConfigError("--family describes the four GPT-2 sizes: it takes no model or batch flags")
+            raise ConfigError("--family describes the four GPT-2 sizes: it takes no model, batch or method flags")
         rows = report.family_report(args.dtype)
         print(json.dumps({"family": rows}) if args.json else report.render_family(rows, args.dtype))
         return 0
     config, name = _params_config(args)
     result = report.model_report(
-        config, name=name, batch_size=1 if batch_size is None else batch_size, seq_len=seq_len, dtype=args.dtype
+        config, name=name, batch_size=1 if batch_size is None else batch_size, seq_len=seq_len, dtype=args.dtype,
+        **method,
     )
     print(json.dumps(result) if args.json else report.render_model_report(result))
     return 0
@@ -1149,6 +1197,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=cmd_params.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  tinygpt params --preset gpt2\n  tinygpt params RUN --batch-size 32 --dtype bfloat16\n"
                "  tinygpt params --n-layer 6 --n-head 6 --n-embd 384 --vocab-size 65 --block-size 256 --json\n"
+               "  tinygpt params --preset gpt2 --batch-size 4 --seq-len 256 --lora-rank 8 --lora-targets attn,mlp\n"
+               "  tinygpt params --preset gpt2 --freeze-layers 10 --freeze-embeddings\n"
                "  tinygpt params --family",
     )
     p.add_argument("run", nargs="?", metavar="RUN", help="a run folder holding config.json (or the file itself)")
@@ -1161,6 +1211,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", metavar="T", help="training sequence length (default block_size)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype (default float32)")
+    f = p.add_argument_group("fine-tuning method (trainable parameters and training memory; default: full)")
+    f.add_argument("--lora-rank", metavar="R", help="LoRA adapters of rank R (8)")
+    f.add_argument("--lora-alpha", metavar="A", help="LoRA's scale is alpha / rank (alpha 8)")
+    f.add_argument("--lora-targets", metavar="LIST",
+                   help="projections to adapt: c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
+    f.add_argument("--freeze-layers", metavar="N", help="full training with the first N blocks frozen")
+    f.add_argument("--freeze-embeddings", action="store_true", help="full training with wte and wpe frozen")
     p.add_argument("--family", action="store_true", help="print the GPT-2 family table")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
@@ -1251,6 +1308,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.set_defaults(func=cmd_import)
+
+    p = sub.add_parser("merge", help="fold an adapter run's LoRA adapters into a plain run",
+                       description=cmd_merge.__doc__.split("\n\n")[0],
+                       epilog="example:\n  tinygpt merge runs/lora --out runs/merged",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", metavar="RUN", help="an adapter run (it names its base model)")
+    p.add_argument("--out", required=True, metavar="MERGED", help="the plain run folder to create")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser(
         "serve", help="serve a run over an OpenAI-compatible HTTP API with a playground",

@@ -87,6 +87,10 @@ class GPTConfig:
         init: "gpt2" (normal 0.02, residual projections scaled by 1/sqrt(2 n_layer), zero biases)
             or "torch" (PyTorch's module defaults, as the lesson).
         layer_norm_eps: epsilon of every LayerNorm.
+        scale_embeddings: multiply the token embeddings by sqrt(n_embd) in the forward pass, as the
+            original Transformer and some later models (T5's, Gemma's) do; GPT-2 does not, so a
+            model that sets it cannot be exported as GPT-2 (Hugging Face or GGUF). Off by default;
+            a config.json written before it existed loads with it off.
     """
 
     vocab_size: int = 50257
@@ -100,6 +104,7 @@ class GPTConfig:
     activation: str = "gelu_tanh"
     init: str = "gpt2"
     layer_norm_eps: float = 1e-5
+    scale_embeddings: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -123,6 +128,8 @@ class GPTConfig:
             "layer_norm_eps",
             f"must be > 0, got {self.layer_norm_eps!r}",
         )
+        _check(isinstance(self.scale_embeddings, bool), "scale_embeddings",
+               f"must be true or false, got {self.scale_embeddings!r}")
 
     @property
     def head_dim(self) -> int:
@@ -200,6 +207,87 @@ class SampleConfig:
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature < 1e-5
+
+
+# The projections of a block that LoRA can adapt, by their names inside the block, in block order,
+# and the short names and groups that stand for them. A bare "c_proj" is both attention's and the
+# MLP's, so it is refused rather than guessed.
+LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+LORA_TARGET_NAMES: dict[str, tuple[str, ...]] = {
+    **{name: (name,) for name in LORA_TARGETS},
+    "c_attn": ("attn.c_attn",),
+    "c_fc": ("mlp.c_fc",),
+    "attn": ("attn.c_attn", "attn.c_proj"),
+    "mlp": ("mlp.c_fc", "mlp.c_proj"),
+}
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA): each adapted projection computes W x + b + (alpha / rank) B A dropout(x),
+    with W and b frozen, A (rank, in) and B (out, rank) trained.
+
+    Args:
+        rank: r, the adapters' inner size. Each adapter adds rank x (in + out) parameters.
+        alpha: the adapters' output is scaled by alpha / rank, so that a new rank needs no new
+            learning rate (the LoRA paper's reason). The defaults (8, 8) are PEFT's.
+        targets: the projections to adapt in every block: c_attn, attn.c_proj, c_fc, mlp.c_proj, or the
+            groups attn (c_attn + attn.c_proj) and mlp (c_fc + mlp.c_proj); a comma-separated string
+            is accepted. Kept as full names (attn.c_attn, ...) in block order. The default, c_attn
+            alone, is PEFT's for GPT-2: c_attn holds the query, key and value projections, the LoRA
+            paper found adapting queries and values as good as adapting more at a fixed budget, and
+            it is the fewest parameters (rank x 4 n_embd per block).
+        dropout: dropout on the adapters' input during training (the frozen path sees x unchanged).
+    """
+
+    rank: int = 8
+    alpha: float = 8.0
+    targets: tuple[str, ...] = ("attn.c_attn",)
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1, "lora rank",
+               f"must be an integer >= 1, got {self.rank!r}")
+        _check(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+               and 0 < self.alpha < math.inf, "lora alpha", f"must be a finite number > 0, got {self.alpha!r}")
+        self.alpha = float(self.alpha)
+        _check(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+               and 0.0 <= self.dropout < 1.0, "lora dropout", f"must be in [0, 1), got {self.dropout!r}")
+        self.targets = lora_targets(self.targets)
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "targets": list(self.targets)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LoraConfig:
+        return from_mapping(cls, data)
+
+
+def lora_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Full projection names (attn.c_attn, ...) in block order for LoRA targets as a user gives them.
+
+    Args:
+        targets: names and groups (see LoraConfig), as a sequence or one comma-separated string.
+
+    Raises:
+        ConfigError: no target, an unknown name, or the ambiguous "c_proj".
+    """
+    names = targets.split(",") if isinstance(targets, str) else targets
+    _check(isinstance(names, (tuple, list)) and all(isinstance(n, str) for n in names), "lora targets",
+           f"expected names such as c_attn,mlp, got {targets!r}")
+    chosen: set[str] = set()
+    for name in (n.strip() for n in names if n.strip()):
+        if name == "c_proj":
+            raise ConfigError("lora targets: c_proj is ambiguous: say attn.c_proj or mlp.c_proj")
+        _check(name in LORA_TARGET_NAMES, "lora targets",
+               f"unknown target {name!r}; choose from {', '.join(LORA_TARGET_NAMES)}")
+        chosen.update(LORA_TARGET_NAMES[name])
+    _check(bool(chosen), "lora targets", "name at least one projection (c_attn, attn.c_proj, c_fc, mlp.c_proj)")
+    return tuple(t for t in LORA_TARGETS if t in chosen)
 
 
 DEFAULT_LR = 1e-3  # TrainConfig.lr when it is left to choose and nothing sized the model

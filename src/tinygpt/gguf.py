@@ -22,7 +22,7 @@ import torch
 from .config import GPTConfig
 from .errors import CheckpointError, ConfigError, MissingDependencyError
 from .fileio import atomic_write
-from .hf_gpt2 import byte_level_vocab, gpt2_shapes, gpt2_tensors
+from .hf_gpt2 import byte_level_vocab, check_gpt2_computes, gpt2_shapes, gpt2_tensors
 from .model import GPT
 from .tokenizer import Tokenizer
 
@@ -102,6 +102,7 @@ def export_gguf(
     if out.is_dir():
         raise CheckpointError(f"{out} is a folder; give the .gguf file to write")
     config = model.config
+    check_gpt2_computes(config, "llama.cpp's gpt2")
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
 

@@ -158,6 +158,23 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], config: GPTConfig, wher
 # ---- config.json ------------------------------------------------------------------------------
 
 
+def check_gpt2_computes(config: GPTConfig, target: str = "a Hugging Face GPT-2") -> None:
+    """Refuse a config that GPT-2's architecture cannot express, before anything is written.
+
+    Args:
+        config: the model's architecture.
+        target: what the export is for, for the message ("llama.cpp's gpt2", ...).
+
+    Raises:
+        ConfigError: the config sets scale_embeddings (GPT-2 adds its token embeddings unscaled).
+    """
+    if config.scale_embeddings:
+        raise ConfigError(
+            f"this model sets scale_embeddings (token embeddings times sqrt(n_embd) = {config.n_embd**0.5:g}), "
+            f"which GPT-2 does not do: {target} would compute something else, so it cannot be exported"
+        )
+
+
 def hf_config(config: GPTConfig, eot_id: int | None = None) -> dict[str, Any]:
     """config.json for a GPT2LMHeadModel equal to a tinygpt model of `config`."""
     return {
@@ -488,6 +505,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
         The folder.
     """
     out = Path(out)
+    check_gpt2_computes(model.config)
     _check_target(out)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
@@ -548,6 +566,7 @@ def to_transformers(model: GPT) -> Any:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         raise MissingDependencyError("transformers is not installed: pip install 'tinygpt[hf]'") from None
+    check_gpt2_computes(model.config, "transformers' GPT-2")
     fields = {k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")}
     config = GPT2Config(**fields)
     hf = GPT2LMHeadModel(config)

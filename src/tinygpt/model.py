@@ -241,7 +241,12 @@ class GPT(nn.Module):
                 raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
             input_pos = pos = kv_cache.positions(input_pos, B)  # (T,) or (B, T)
             kv_len, mask = kv_cache.span(input_pos)  # the cached positions to read, and who sees what
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        tok = self.wte(idx)  # (B, T, C)
+        if self.config.scale_embeddings:
+            # an embedding shared with the head has entries of about 1/sqrt(d): the factor lifts them to
+            # unit size beside the position embedding (the original Transformer's choice; GPT-2's is not to)
+            tok = tok * math.sqrt(self.config.n_embd)
+        x = self.drop(tok + self.wpe(pos))  # (B, T, C)
         weights = []
         for layer, block in enumerate(self.h):
             x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len)

@@ -1,10 +1,12 @@
-"""Parameter counts of a GPTConfig, piece by piece, equal to `sum(p.numel())` of the built model."""
+"""Parameter counts of a GPTConfig, piece by piece, equal to `sum(p.numel())` of the built model; and
+the share a fine-tuning method trains (full, LoRA, frozen embeddings or blocks)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import GPTConfig
+from ..config import GPTConfig, LoraConfig
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,87 @@ def count_params(config: GPTConfig) -> ParamCounts:
         matmul_weights=L * (attn_weights + mlp_weights),
         tied=config.tie_weights,
     )
+
+
+# in and out features of each projection LoRA can adapt, in units of n_embd (see config.LORA_TARGETS)
+_PROJECTION_SHAPES = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}
+
+
+@dataclass(frozen=True)
+class TrainableParams:
+    """What one training method updates, in parameters.
+
+    Args:
+        method: what trains, in words ("full", "LoRA r=8, alpha 8 on attn.c_attn", "full, embeddings
+            and blocks 0-1 frozen").
+        total: every parameter of the model being trained: the base's, plus the adapters for LoRA.
+        trainable: the ones that get gradients and AdamW's two moments.
+        adapters: LoRA's A and B matrices (0 for the other methods); counted in both figures above.
+    """
+
+    method: str
+    total: int
+    trainable: int
+    adapters: int
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    def to_dict(self) -> dict[str, int | str]:
+        return {**asdict(self), "frozen": self.frozen}
+
+
+def lora_params(config: GPTConfig, lora: LoraConfig) -> int:
+    """Parameters LoRA adds: rank x (in + out) for each adapted projection of every block."""
+    d = config.n_embd
+    return config.n_layer * sum(lora.rank * (i + o) * d for i, o in (_PROJECTION_SHAPES[t] for t in lora.targets))
+
+
+def trainable_params(
+    config: GPTConfig,
+    *,
+    lora: LoraConfig | None = None,
+    freeze_embeddings: bool = False,
+    freeze_layers: int = 0,
+) -> TrainableParams:
+    """The parameters a method trains, equal to the built model's `sum(p.numel() for p in
+    model.parameters() if p.requires_grad)` once tinygpt.lora.apply_lora or tinygpt.finetune.freeze
+    has been applied.
+
+    Args:
+        config: the architecture.
+        lora: LoRA's settings: only the adapters train. None: full training.
+        freeze_embeddings: with full training, wte and wpe stay fixed (and a head tied to wte with them).
+        freeze_layers: with full training, the first N blocks stay fixed.
+
+    Raises:
+        ConfigError: freezing combined with LoRA (which freezes every base weight already), or
+            freeze_layers outside 0..n_layer.
+    """
+    counts = count_params(config)
+    L = config.n_layer
+    if not (isinstance(freeze_layers, int) and not isinstance(freeze_layers, bool) and 0 <= freeze_layers <= L):
+        raise ConfigError(f"freeze layers: must be an integer in 0..{L} (the model has {L} blocks), "
+                          f"got {freeze_layers!r}")
+    if lora is not None:
+        if freeze_embeddings or freeze_layers:
+            raise ConfigError("freezing embeddings or layers goes with full training: LoRA already freezes every "
+                              "base weight")
+        adapters = lora_params(config, lora)
+        method = f"LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}"
+        return TrainableParams(method, counts.total + adapters, adapters, adapters)
+    per_block = (counts.attention + counts.mlp + counts.layer_norm - _norm_params(config)) // L
+    frozen = freeze_layers * per_block
+    if freeze_embeddings:
+        frozen += counts.token_embedding + counts.position_embedding
+    parts = ["embeddings"] if freeze_embeddings else []
+    if freeze_layers:
+        parts.append("block 0" if freeze_layers == 1 else f"blocks 0-{freeze_layers - 1}")
+    method = "full" + (f", {' and '.join(parts)} frozen" if parts else "")
+    return TrainableParams(method, counts.total, counts.total - frozen, 0)
+
+
+def _norm_params(config: GPTConfig) -> int:
+    """ln_f's parameters: the one LayerNorm outside the blocks."""
+    return config.n_embd * (2 if config.bias else 1)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import PRESETS, GPTConfig
+from ..config import PRESETS, GPTConfig, LoraConfig
 from .chinchilla import CHINCHILLA_FIT, ChinchillaPlan, LossFit
 from .flops import flops_per_token, inference_flops_per_token, six_n
 from .memory import kv_cache_bytes, training_memory
-from .params import count_params
+from .params import count_params, trainable_params
 from .units import dtype_bytes, dtype_name, format_bytes, format_count, format_flops
 
 GPT2_FAMILY = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -21,6 +21,9 @@ def model_report(
     batch_size: int = 1,
     seq_len: int | None = None,
     dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    freeze_embeddings: bool = False,
+    freeze_layers: int = 0,
 ) -> dict[str, Any]:
     """Everything the calculators know about one architecture, as JSON-ready data.
 
@@ -30,21 +33,26 @@ def model_report(
         batch_size: sequences per batch for the KV cache and the training activations.
         seq_len: training sequence length (default block_size).
         dtype: compute dtype: activations, KV cache and inference weights.
+        lora, freeze_embeddings, freeze_layers: the training method the "trainable" figures and the
+            training memory are for (default: full training; see calc.params.trainable_params).
 
     Returns:
-        A dict whose "total" is the parameter count.
+        A dict whose "total" is the parameter count (of the model without adapters).
     """
     dtype = dtype_name(dtype)
     counts = count_params(config)
     flops = flops_per_token(config, seq_len)
     T = flops.seq_len
-    memory = training_memory(config, batch_size, T, dtype=dtype)
+    method = dict(lora=lora, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers)
+    trainable = trainable_params(config, **method)
+    memory = training_memory(config, batch_size, T, dtype=dtype, **method)
     return {
         "name": name,
         "config": config.to_dict(),
         "total": counts.total,
         "non_embedding": counts.non_embedding,
         "params": counts.to_dict(),
+        "trainable": trainable.to_dict(),
         "flops_per_token": {
             "convention": "matmuls only, 2 FLOPs per multiply-add, attention over all seq_len positions",
             **flops.to_dict(),
@@ -123,16 +131,26 @@ def render_model_report(report: dict[str, Any]) -> str:
         ("weights for inference", format_bytes(m["inference_weight_bytes"]), ""),
     ])
     autocast = t["dtype"] != t["param_dtype"]
+    tr = report["trainable"]
+    method = "" if tr["method"] == "full" else f", {tr['method']}"
+    if method:
+        lines += ["", f"Trainable parameters ({tr['method']})"]
+        lines += _rows([
+            *([("adapters (added)", f"{tr['adapters']:,}", "rank x (in + out) per adapted matrix")]
+              if tr["adapters"] else []),
+            ("trainable", f"{tr['trainable']:,}", f"{100 * tr['trainable'] / tr['total']:.2f}% of {tr['total']:,}"),
+            ("frozen", f"{tr['frozen']:,}", "no gradients, no AdamW state"),
+        ])
     lines += [
         "",
         f"Training with AdamW (batch {t['batch_size']} x {t['seq_len']:,} tokens, {t['dtype']} activations, "
-        f"{t['param_dtype']} weights{', autocast' if autocast else ''})",
+        f"{t['param_dtype']} weights{', autocast' if autocast else ''}{method})",
     ]
     lines += _rows([
         ("weights", format_bytes(t["weights"]), ""),
-        ("gradients", format_bytes(t["gradients"]), ""),
-        ("AdamW moments (2)", format_bytes(t["optimizer"]), ""),
-        ("activations saved for backward", format_bytes(t["activations"]), ""),
+        ("gradients", format_bytes(t["gradients"]), "trainable parameters only" if method else ""),
+        ("AdamW moments (2)", format_bytes(t["optimizer"]), "trainable parameters only" if method else ""),
+        ("activations saved for backward", format_bytes(t["activations"]), "as for full training" if method else ""),
         *([("autocast weight copies", format_bytes(t["autocast_weights"]), "")] if autocast else []),
         ("total", format_bytes(t["total"]), ""),
     ])
