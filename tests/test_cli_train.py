@@ -132,3 +132,18 @@ def test_bad_run_files(data, tmp_path):
     assert_clean_error(tinygpt("eval", run), "disagrees with the weights")
     (run / "config.json").write_text("nope")
     assert_clean_error(tinygpt("sample", run), "not valid JSON")
+
+
+@pytest.mark.parametrize("line", ["weight_decay = inf", "grad_clip = inf", "lr = nan", "beta2 = nan", "min_lr = inf"])
+def test_config_file_with_a_non_finite_value_is_refused_before_training(data, tmp_path, capsys, line):
+    # TOML has nan and inf literals; weight_decay = inf used to pass and fail at step 2 (exit 3)
+    from tinygpt.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(line + "\n")
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--config", str(cfg), "--max-iters", "3",
+                 *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [err.strip()] and line.split()[0] in err
+    assert not (tmp_path / "run").exists()
