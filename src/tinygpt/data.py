@@ -10,7 +10,8 @@ A prepared data folder holds:
 How text is read:
 
 - A SOURCE is a text file, a folder (every text file below it, in sorted path order; hidden entries
-  and binary files, those with a NUL byte in their first 8 KiB, are skipped), or a built-in corpus:
+  and binary files, those with a NUL byte in their first 8 KiB, are skipped; symlinked folders are
+  followed, each real folder read once, so a link loop ends), or a built-in corpus:
   `python-stdlib` (this interpreter's standard-library .py files, read in place, each decoded as
   Python itself decodes it) or `shakespeare` (tiny-shakespeare, downloaded once into the cache).
   An existing path wins over a built-in name.
@@ -154,16 +155,40 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
     return out
 
 
-def _walk_files(root: Path, exclude: list[Path], skip_dirs: tuple[str, ...] = ()) -> list[Path]:
-    """Regular files below root, in sorted path order, skipping hidden entries and excluded folders."""
+def _walk_files(
+    root: Path, exclude: list[Path], skip_dirs: tuple[str, ...] = (), *, follow_links: bool = True
+) -> list[Path]:
+    """Regular files below root, in sorted path order, skipping hidden entries and excluded folders.
+
+    Symlinked folders are followed (unless follow_links is False), each real folder once: a link
+    back to a folder above it, or a second link to one already read, is skipped, so a loop ends.
+    """
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    seen = {_folder_id(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
         here = Path(dirpath)
-        dirnames[:] = [
-            d for d in dirnames if not d.startswith(".") and d not in skip_dirs and (here / d).resolve() not in exclude
-        ]
+        kept = []
+        for d in sorted(dirnames):  # sorted: which of two links to one folder is read does not depend on the disk
+            if d.startswith(".") or d in skip_dirs or (here / d).resolve() in exclude:
+                continue
+            if follow_links:
+                key = _folder_id(here / d)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+            kept.append(d)
+        dirnames[:] = kept
         found += [here / f for f in filenames if not f.startswith(".") and (here / f).is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def _folder_id(path: Path) -> tuple[int, int] | None:
+    """The folder a path leads to (device and inode, after links), or None when it leads nowhere."""
+    try:
+        st = path.stat()
+    except OSError:  # a dangling link, or a link loop
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _is_binary(path: Path) -> bool:
@@ -196,7 +221,7 @@ def _python_stdlib_source() -> Source:
     # files Python itself refuses (deliberately broken test fixtures) are skipped.
     root = python_stdlib_root()
     src = Source("python-stdlib", root)
-    for p in _walk_files(root, [], skip_dirs=("site-packages", "dist-packages", "__pycache__")):
+    for p in _walk_files(root, [], skip_dirs=("site-packages", "dist-packages", "__pycache__"), follow_links=False):
         if p.suffix != ".py" or p.stat().st_size == 0:
             continue
         try:
