@@ -147,3 +147,22 @@ def test_config_file_with_a_non_finite_value_is_refused_before_training(data, tm
     assert code == 2, err
     assert err.strip().splitlines() == [err.strip()] and line.split()[0] in err
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_data_prepared_with_another_tokenizer(data, tmp_path, capsys):
+    # upper-cased text: a char vocabulary of the same size whose ids mean other characters
+    from tinygpt.cli import main
+
+    (tmp_path / "upper.txt").write_text(make_text().upper())
+    assert main(["prepare", str(tmp_path / "upper.txt"), "--out", str(tmp_path / "upper")]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(run), "--max-iters", "2", *SMALL]) == 0
+    assert main(["eval", str(run), "--data", str(data)]) == 0  # its own data
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(tmp_path / "upper")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err and str(run) in err
+    assert main(["train", "--data", str(tmp_path / "upper"), "--out", str(run), "--resume", "--max-iters", "4",
+                 *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err

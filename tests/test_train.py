@@ -165,3 +165,44 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_has_it(monkeypatch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     assert device.resolve_dtype("auto", torch.device("cpu")) is torch.float32
     assert device.resolve_dtype("float32", torch.device("cpu")) is torch.float32
+
+
+def test_resume_refuses_data_prepared_with_another_tokenizer(char_data, tmp_path):
+    import shutil
+
+    from conftest import make_text
+
+    from tinygpt.data import load_data, prepare
+    from tinygpt.errors import DataError
+
+    (tmp_path / "upper.txt").write_text(make_text().upper())
+    upper = tmp_path / "upper"
+    prepare([str(tmp_path / "upper.txt")], upper)
+    own = load_data(char_data)
+    other = load_data(upper)  # the same kind and size of vocabulary: only the characters differ
+    assert (other.meta["tokenizer"], other.vocab_size) == (own.meta["tokenizer"], own.vocab_size)
+    assert own.meta["tokenizer_fingerprint"] == own.tokenizer.fingerprint() != other.fingerprint
+
+    run = tmp_path / "run"
+    train(char_data, run, MODEL, cfg(max_iters=2, eval_interval=2), progress=False)
+    assert json.loads((run / "train_config.json").read_text())["tokenizer_fingerprint"] == own.fingerprint
+    before = {name: (run / name).read_bytes() for name in ("tokenizer.json", "train_config.json", "train_state.pt")}
+    with pytest.raises(DataError, match="another tokenizer") as info:
+        train(upper, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and own.fingerprint[:19] in message and other.fingerprint[:19] in message
+    assert {name: (run / name).read_bytes() for name in before} == before  # the run's tokenizer is not replaced
+
+    # folders written before fingerprints existed: computed from their tokenizer.json
+    old_data, old_upper = tmp_path / "old_data", tmp_path / "old_upper"
+    for src, dst in ((char_data, old_data), (upper, old_upper)):
+        shutil.copytree(src, dst)
+        meta = json.loads((dst / "meta.json").read_text())
+        del meta["tokenizer_fingerprint"]
+        (dst / "meta.json").write_text(json.dumps(meta))
+    record = json.loads((run / "train_config.json").read_text())
+    del record["tokenizer_fingerprint"]
+    (run / "train_config.json").write_text(json.dumps(record))
+    with pytest.raises(DataError, match="another tokenizer"):
+        train(old_upper, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False)
+    assert train(old_data, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False).step == 4

@@ -479,7 +479,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
     from .data import load_data
-    from .train import evaluate, read_train_config
+    from .train import check_data_for_run, evaluate, read_train_config
 
     model, tokenizer = _load_run(args.run, args.device, args.quantize, args.allow_nonfinite)
     if args.text:
@@ -494,8 +494,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if data is None:
             raise ConfigError("give --data DIR or --text FILE")
         dataset = load_data(data)
-        if dataset.meta["tokenizer"] != tokenizer.kind or int(dataset.meta["vocab_size"]) > model.config.vocab_size:
-            raise ConfigError(f"{data} was prepared with a different tokenizer than {args.run}'s")
+        check_data_for_run(args.run, dataset, tokenizer)
         tokens, chars, nbytes = dataset.val, int(dataset.meta["val_chars"]), int(dataset.meta["val_bytes"])
         where = f"the val split of {data}"
     if args.max_tokens is not None:

@@ -4,8 +4,9 @@ A prepared data folder holds:
 
     train.bin, val.bin   token ids, raw little-endian uint16 (vocab <= 65,536) or uint32, np.memmap-able
     tokenizer.json       the tokenizer, as tinygpt JSON
-    meta.json            what the files hold: tokenizer kind, dtype, vocab size, tokens / characters /
-                         UTF-8 bytes per split (for bits per char or byte), sources, error handling
+    meta.json            what the files hold: tokenizer kind, fingerprint (Tokenizer.fingerprint) and
+                         vocab size, dtype, tokens / characters / UTF-8 bytes per split (for bits per
+                         char or byte), sources, error handling
 
 How text is read:
 
@@ -609,6 +610,7 @@ def prepare(
             "format": FORMAT,
             "version": VERSION,
             "tokenizer": tok.kind,
+            "tokenizer_fingerprint": tok.fingerprint(),
             "vocab_size": tok.vocab_size,
             "dtype": dtype.name,
             **writer.counts,
@@ -683,6 +685,47 @@ class DataSet:
     def dtype(self) -> np.dtype:
         return self.train.dtype
 
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the tokenizer the data was prepared with: meta.json's, or for a folder an
+        older prepare wrote without one, its tokenizer.json's."""
+        return self.meta.get("tokenizer_fingerprint") or self.tokenizer.fingerprint()
+
+
+def check_same_tokenizer(
+    dataset: DataSet, tokenizer: Tokenizer | None, owner: str, *, fingerprint: str | None = None
+) -> None:
+    """Refuse a data folder prepared with another tokenizer than `tokenizer`: its ids would mean
+    other text (a char vocabulary of upper-cased text has the same kind and size, other characters).
+    The one check for every place that puts data in front of a model: resuming a run, evaluating
+    one on --data, fine-tuning a base model.
+
+    Args:
+        dataset: the data folder (load_data).
+        tokenizer: the tokenizer the data must have been prepared with (a run's, a base model's);
+            None when only its recorded fingerprint is known.
+        owner: where that tokenizer lives (a run folder), for the message.
+        fingerprint: the fingerprint recorded where the tokenizer lives, if any; else computed
+            from `tokenizer`. Fingerprints recorded when they were written are compared as they
+            are, so a later `tokenizers` release cannot turn a match into a mismatch.
+
+    Raises:
+        DataError: one line naming both tokenizers (kind, size, fingerprint).
+    """
+    theirs = fingerprint or (tokenizer.fingerprint() if tokenizer is not None else None)
+    if theirs is None or theirs == dataset.fingerprint:
+        return
+    from .tokenizer import short_fingerprint
+
+    def label(tok: Tokenizer | None, fp: str) -> str:
+        return short_fingerprint(fp) if tok is None else f"{tok.kind}, {tok.vocab_size:,} tokens, {short_fingerprint(fp)}"
+
+    raise DataError(
+        f"{dataset.path} was prepared with another tokenizer than {owner}'s ({label(dataset.tokenizer, dataset.fingerprint)}"
+        f" against {label(tokenizer, theirs)}): its ids would mean other text; prepare the text again with "
+        f"--tokenizer-file {owner}"
+    )
+
 
 _META_INTS = ("vocab_size", "train_tokens", "val_tokens", "train_chars", "val_chars", "train_bytes", "val_bytes")
 
@@ -720,6 +763,9 @@ def load_data(path: str | os.PathLike) -> DataSet:
         tok = load_tokenizer(p)
     except TokenizerError as e:
         raise DataError(str(e)) from None
+    stored = meta.get("tokenizer_fingerprint")
+    if stored is not None and not (isinstance(stored, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", stored)):
+        raise DataError(f"{p / 'meta.json'}: tokenizer_fingerprint must be 'sha256:' and 64 hex digits, got {stored!r}")
     if tok.kind != meta.get("tokenizer") or tok.vocab_size != meta["vocab_size"]:
         raise DataError(
             f"{p}: tokenizer.json ({tok.kind}, {tok.vocab_size:,} tokens) disagrees with meta.json "

@@ -32,7 +32,7 @@ from .calc import (
     smallest_shape,
 )
 from .config import DEFAULT_LR, GPTConfig, TrainConfig, from_mapping
-from .data import get_batch, load_data
+from .data import DataSet, check_same_tokenizer, get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
@@ -494,6 +494,7 @@ def _train(
         if model_config is not None and model_config != saved:
             raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
         model_config = saved
+        check_data_for_run(run, dataset)  # before anything in the run is touched
         state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
         _check_state(state, run)
     else:
@@ -571,7 +572,8 @@ def _train(
             saved = read_json(run / TRAIN_CONFIG, TrainingError)
             previous = saved.get("notes") if isinstance(saved, dict) else None
             notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
-        record = {"data": str(Path(data).resolve()), "train": cfg.to_dict()}
+        record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": dataset.fingerprint,
+                  "train": cfg.to_dict()}
         write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
         if state is None:
             (run / METRICS).write_text("")
@@ -815,6 +817,31 @@ def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> in
 def has_checkpoint(run: str | Path) -> bool:
     """Whether a run folder holds weights to resume from (a run killed before its first save holds none)."""
     return (Path(run) / checkpoint.WEIGHTS).exists()
+
+
+def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None) -> None:
+    """Refuse data prepared with another tokenizer than the run's (what `train --resume` and `eval
+    --data` check): the run's fingerprint is the one train_config.json recorded, else its tokenizer's.
+
+    Args:
+        run: a run folder (or a Hugging Face GPT-2 folder, which records nothing).
+        dataset: the data folder (load_data).
+        tokenizer: the run's tokenizer when the caller has loaded it; else read from run/tokenizer.json.
+
+    Raises:
+        DataError: the tokenizers differ (one line naming both).
+    """
+    run = Path(run)
+    recorded = None
+    if (run / TRAIN_CONFIG).is_file():
+        saved = read_json(run / TRAIN_CONFIG, TrainingError)
+        recorded = saved.get("tokenizer_fingerprint") if isinstance(saved, dict) else None
+        recorded = recorded if isinstance(recorded, str) else None
+    if tokenizer is None and (run / checkpoint.TOKENIZER).is_file():
+        from .tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(run)
+    check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded)
 
 
 def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
