@@ -472,21 +472,42 @@ def cmd_fewshot_data(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text."""
+    """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text.
+
+    --text FILE with characters a char vocabulary lacks is refused, naming them; with --unknown skip
+    those characters are left out and each run of known characters between them is scored as a
+    text of its own (its first character starts the context and is not predicted, like the first
+    character of any text), so no context holds a character the model never saw. The report says
+    how many characters were left out and their share of the text.
+    """
     import json
     from pathlib import Path
 
     import numpy as np
 
     from .data import load_data
+    from .errors import TokenizerError
+    from .tokenizer import encode_skipping_unknown
     from .train import check_data_for_run, evaluate, read_train_config
 
+    if args.unknown == "skip" and not args.text:
+        raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
     model, tokenizer = _load_run(args.run, args.device, args.quantize, args.allow_nonfinite)
+    segments, skipped = None, None
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
-        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        if args.unknown == "skip":
+            tokens, segments, skipped = encode_skipping_unknown(tokenizer, text)
+        else:
+            try:
+                tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+            except TokenizerError as e:
+                raise TokenizerError(f"{args.text}: {e}; --unknown skip scores the rest") from None
         chars, nbytes, where = len(text), len(text.encode("utf-8")), args.text
+        if skipped:  # the characters scored: the known ones
+            kept = tokenizer.decode_bytes(tokens.tolist())
+            chars, nbytes = len(kept.decode("utf-8")), len(kept)
     else:
         data = args.data
         if data is None and (Path(args.run) / "train_config.json").exists():  # a Hugging Face folder has none
@@ -497,14 +518,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_data_for_run(args.run, dataset, tokenizer)
         tokens, chars, nbytes = dataset.val, int(dataset.meta["val_chars"]), int(dataset.meta["val_bytes"])
         where = f"the val split of {data}"
-    if args.max_tokens is not None:
-        if args.max_tokens < 2:
-            raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-        if args.max_tokens < len(tokens):
-            tokens = np.asarray(tokens[: args.max_tokens])
-            kept = tokenizer.decode_bytes(tokens.tolist())
-            chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
-    result = evaluate(model, tokens, batch_size=args.batch_size)
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
+    if args.max_tokens is not None and args.max_tokens < len(tokens):
+        tokens = np.asarray(tokens[: args.max_tokens])
+        kept = tokenizer.decode_bytes(tokens.tolist())
+        chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
+        if segments is not None:
+            segments = [(a, min(b, len(tokens))) for a, b in segments if a < len(tokens)]
+    result = evaluate(model, tokens, batch_size=args.batch_size, segments=segments)
     # the first token is never predicted: count the characters of the predicted share only
     share = result["tokens"] / max(1, len(tokens))
     unit, per = ("char", chars) if tokenizer.kind == "char" else ("byte", nbytes)
@@ -514,7 +536,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"bits_per_{unit}": result["nll"] / math.log(2) / (per * share),
         "tokens": result["tokens"],
     }
+    if skipped is not None:
+        report.update(skipped_chars=skipped, skipped_share=skipped / max(1, len(text)))
     print(f"{where}: {result['tokens']:,} tokens")
+    if skipped is not None:
+        runs = f"; the {len(segments):,} runs of known text between them scored separately" if skipped else ""
+        print(f"skipped {skipped:,} of {len(text):,} characters ({report['skipped_share']:.2%}): not in the "
+              f"vocabulary{runs}")
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  bits per {unit} {report[f'bits_per_{unit}']:.4f}")
     if args.json:
         print(json.dumps(report))
@@ -1097,6 +1125,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text", help="any UTF-8 text file")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens (a quicker estimate)")
+    p.add_argument("--unknown", choices=("refuse", "skip"), default="refuse",
+                   help="--text characters a char vocabulary lacks: refuse the file (default), or skip them "
+                        "and score each run of known text between them on its own")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--device", default="auto")
     _add_quantize_flag(p)

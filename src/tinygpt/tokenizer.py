@@ -239,6 +239,29 @@ class CharTokenizer(_TokenizerBase):
         return cls(chars)
 
 
+def encode_skipping_unknown(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, list[tuple[int, int]], int]:
+    """Token ids of `text` without the characters a char vocabulary lacks, for scoring what it can.
+
+    Returns (ids, segments, skipped): the ids of the known characters, in order; the (start, end)
+    ranges of `ids` that were unbroken runs of known characters in the text (so a context never
+    reaches across a character that was left out); and how many characters were left out. Other
+    kinds encode every text: the ids of all of it, one segment, 0 skipped.
+    """
+    if not isinstance(tokenizer, CharTokenizer):
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        return ids, [(0, len(ids))], 0
+    codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    ids = tokenizer.table[codepoints].astype(np.int64)
+    known = ids >= 0
+    # a run starts at a known character that follows an unknown one (or the start of the text)
+    starts = np.flatnonzero(known & ~np.concatenate(([False], known[:-1])))
+    position = np.cumsum(known) - 1  # index in the kept ids of each known character
+    kept_starts = position[starts].tolist()
+    kept = int(known.sum())
+    segments = list(zip(kept_starts, kept_starts[1:] + [kept]))
+    return ids[known], segments, len(ids) - kept
+
+
 def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> str:
     """Name the characters outside the vocabulary and where they are (0-based character positions)."""
     where: dict[str, list[int]] = {}

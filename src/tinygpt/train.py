@@ -336,22 +336,41 @@ def estimate_loss(
 
 
 @torch.no_grad()
-def evaluate(model: GPT, tokens: np.ndarray, *, batch_size: int = 8, device=None, dtype=torch.float32) -> dict:
+def evaluate(
+    model: GPT,
+    tokens: np.ndarray,
+    *,
+    batch_size: int = 8,
+    device=None,
+    dtype=torch.float32,
+    segments: list[tuple[int, int]] | None = None,
+) -> dict:
     """Loss over a whole token stream, cut into consecutive windows of block_size + 1 tokens.
+
+    Args:
+        model: the GPT.
+        tokens: the token ids.
+        batch_size: windows per forward pass.
+        device, dtype: where and in which autocast dtype to run (the model's device, float32).
+        segments: (start, end) ranges of `tokens` to score as separate texts: no window crosses
+            from one into the next, and each one's first token is not predicted (it has no
+            context). Default: the whole stream as one text.
 
     Returns {"loss": mean nats per predicted token, "tokens": predicted tokens, "nll": total nats}.
     """
     device = device or next(model.parameters()).device
     block = model.config.block_size
     n = len(tokens)
-    if n < 2:
-        raise TrainingError(f"need at least 2 tokens to evaluate, got {n}")
-    starts = list(range(0, n - 1, block))
+    segments = [(0, n)] if segments is None else segments
+    # (start, length) of each window: `length` inputs tokens[s:s+length], targets one token later
+    windows = [(s, min(block, end - 1 - s)) for start, end in segments for s in range(start, end - 1, block)]
+    if not windows:
+        what = f"got {n}" if len(segments) == 1 else "in a row between the characters left out"
+        raise TrainingError(f"need at least 2 tokens to evaluate, {what}")
     total, count = 0.0, 0
-    for i in range(0, len(starts), batch_size):
-        chunk = starts[i : i + batch_size]
-        # the last window may be shorter: evaluate same-length windows together
-        for length, group in _group_by_length(chunk, block, n):
+    for i in range(0, len(windows), batch_size):
+        # the last window of a text may be shorter: evaluate same-length windows together
+        for length, group in _group_by_length(windows[i : i + batch_size]):
             x = torch.stack([torch.from_numpy(np.asarray(tokens[s : s + length], dtype=np.int64)) for s in group])
             y = torch.stack([torch.from_numpy(np.asarray(tokens[s + 1 : s + length + 1], dtype=np.int64)) for s in group])
             with autocast(device, dtype):
@@ -363,10 +382,10 @@ def evaluate(model: GPT, tokens: np.ndarray, *, batch_size: int = 8, device=None
     return {"loss": total / count, "tokens": count, "nll": total}
 
 
-def _group_by_length(starts: list[int], block: int, n: int):
+def _group_by_length(windows: list[tuple[int, int]]):
     groups: dict[int, list[int]] = {}
-    for s in starts:
-        groups.setdefault(min(block, n - 1 - s), []).append(s)
+    for s, length in windows:
+        groups.setdefault(length, []).append(s)
     return groups.items()
 
 
