@@ -456,8 +456,8 @@ def test_cli_prepare_replace_reports_substitutions(tmp_path, capsys):
         (["surrogate.txt"], "invalid UTF-8 at byte 2"),
         (["empty.txt"], "is empty"),
         (["ok.txt", "blank.txt"], "holds only whitespace"),
-        (["ok.txt", "--val-fraction", "0.9"], "val fraction must be between 0 and 0.5"),
-        (["ok.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "too small"),
+        (["ok.txt", "--val-fraction", "0.9"], "--val-fraction: expected a number >= 0 and <= 0.5"),
+        (["ok.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size: expected an integer from 257"),
         (["ok.txt", "--tokenizer", "gpt2", "--tokenizer-file", "nope"], "tokenizer file not found"),
     ],
 )
