@@ -53,7 +53,7 @@ def test_sweep_command_runs_resumes_and_reports(char_data, tmp_path):
         (["--quick", "--budgets", "1e12"], "--quick"),
         (["--budgets", "1e12", "--sizes", "1M", "--points", "3"], "--sizes"),
         (["--budgets", "1e12", "--points", "0"], "points"),
-        (["--budgets", "1e12", "--batch-size", "0"], "batch_size"),
+        (["--budgets", "1e12", "--batch-size", "0"], "--batch-size"),
     ],
 )
 def test_sweep_bad_input_is_a_clean_error(char_data, tmp_path, capsys, flags, fragment):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import make_text
 
@@ -132,3 +133,79 @@ def test_bad_run_files(data, tmp_path):
     assert_clean_error(tinygpt("eval", run), "disagrees with the weights")
     (run / "config.json").write_text("nope")
     assert_clean_error(tinygpt("sample", run), "not valid JSON")
+
+
+@pytest.mark.parametrize("line", ["weight_decay = inf", "grad_clip = inf", "lr = nan", "beta2 = nan", "min_lr = inf"])
+def test_config_file_with_a_non_finite_value_is_refused_before_training(data, tmp_path, capsys, line):
+    # TOML has nan and inf literals; weight_decay = inf used to pass and fail at step 2 (exit 3)
+    from tinygpt.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(line + "\n")
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--config", str(cfg), "--max-iters", "3",
+                 *SMALL])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.strip().splitlines() == [err.strip()] and line.split()[0] in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_data_prepared_with_another_tokenizer(data, tmp_path, capsys):
+    # upper-cased text: a char vocabulary of the same size whose ids mean other characters
+    from tinygpt.cli import main
+
+    (tmp_path / "upper.txt").write_text(make_text().upper())
+    assert main(["prepare", str(tmp_path / "upper.txt"), "--out", str(tmp_path / "upper")]) == 0
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(run), "--max-iters", "2", *SMALL]) == 0
+    assert main(["eval", str(run), "--data", str(data)]) == 0  # its own data
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(tmp_path / "upper")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err and str(run) in err
+    assert main(["train", "--data", str(tmp_path / "upper"), "--out", str(run), "--resume", "--max-iters", "4",
+                 *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "another tokenizer" in err
+
+
+def test_eval_text_with_unknown_characters(data, tmp_path, capsys):
+    # refused by default; --unknown skip leaves them out and scores each run of known text on its own
+    import math
+
+    from tinygpt.checkpoint import load_run
+    from tinygpt.cli import main
+    from tinygpt.train import evaluate
+
+    run = tmp_path / "run"
+    assert main(["train", "--data", str(data), "--out", str(run), "--max-iters", "20", *SMALL]) == 0
+    pieces = [make_text(8, seed=3), make_text(5, seed=4), make_text(6, seed=5), "a"]
+    text = pieces[0] + "Z" + pieces[1] + "\u2603\u2603" + pieces[2] + "Q" + pieces[3]  # none in the vocabulary
+    (tmp_path / "new.txt").write_text(text)
+    capsys.readouterr()
+    assert main(["eval", str(run), "--text", str(tmp_path / "new.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'Z'" in err and "--unknown skip" in err
+
+    assert main(["eval", str(run), "--text", str(tmp_path / "new.txt"), "--unknown", "skip", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["skipped_chars"] == 4 and report["skipped_share"] == pytest.approx(4 / len(text))
+    assert "skipped 4 of" in out
+    # the same as scoring each piece as a text of its own: no context crosses a skipped character, and
+    # the last piece, one character, has nothing to predict
+    model, tokenizer = load_run(run, "cpu")
+    parts = [evaluate(model, np.asarray(tokenizer.encode(p))) for p in pieces[:3]]
+    nll, count = sum(p["nll"] for p in parts), sum(p["tokens"] for p in parts)
+    assert report["tokens"] == count == sum(len(p) - 1 for p in pieces)
+    assert report["loss"] == pytest.approx(nll / count, rel=1e-6)
+    assert report["bits_per_char"] == pytest.approx(nll / math.log(2) / count, rel=1e-6)
+
+    # a text the vocabulary covers: skip changes nothing but the report's two fields
+    (tmp_path / "known.txt").write_text(pieces[0])
+    assert main(["eval", str(run), "--text", str(tmp_path / "known.txt"), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(["eval", str(run), "--text", str(tmp_path / "known.txt"), "--json", "--unknown", "skip"]) == 0
+    skip = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert skip == {**plain, "skipped_chars": 0, "skipped_share": 0.0}
+    assert main(["eval", str(run), "--unknown", "skip"]) == 2  # a data folder has no unknown characters

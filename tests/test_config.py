@@ -3,7 +3,7 @@ import json
 import pytest
 
 from tinygpt import ConfigError, GPTConfig, SampleConfig
-from tinygpt.config import PRESETS, parse_duration
+from tinygpt.config import PRESETS, TrainConfig, parse_duration
 
 
 def test_defaults_are_gpt2():
@@ -89,3 +89,29 @@ def test_parse_duration(text, seconds):
 def test_parse_duration_refuses_bad_text(text):
     with pytest.raises(ConfigError, match="--max-time"):
         parse_duration(text, "--max-time")
+
+
+def _float_fields(cls):
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in (float, float | None)]
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, GPTConfig])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_every_float_field_refuses_nan_and_inf(cls, value):
+    # NaN passes no comparison, so a `>= 0` check let it through; inf passed most checks (weight_decay,
+    # grad_clip, min_lr, layer_norm_eps) and reached the optimizer, failing at step 2
+    fields = _float_fields(cls)
+    assert {"lr", "weight_decay", "beta1", "beta2", "grad_clip"} <= set(fields) or cls is GPTConfig
+    for name in fields:
+        with pytest.raises(ConfigError, match=f"^{name}: "):
+            cls(**{name: value})
+
+
+def test_seed_fits_torch():
+    assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+    with pytest.raises(ConfigError, match="seed"):
+        TrainConfig(seed=2**63)

@@ -242,6 +242,28 @@ def test_output_inside_the_source_folder_is_not_read(tmp_path):
     assert meta["documents"] == 1
 
 
+def test_symlinked_folders_are_followed_each_once(tmp_path):
+    # a folder holding only links to folders used to give "no text files"; a loop must still end
+    real = tmp_path / "real"
+    (real / "deep").mkdir(parents=True)
+    (real / "a.txt").write_text("alpha text\n")
+    (real / "deep" / "b.txt").write_text("beta text\n")
+    (real / "deep" / "up").symlink_to(real, target_is_directory=True)  # a loop back to the top
+    (real / "deep" / "again").symlink_to(real / "deep", target_is_directory=True)  # a loop onto itself
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "linked").symlink_to(real, target_is_directory=True)
+    (top / "twice").symlink_to(real, target_is_directory=True)  # the same folder through a second link
+    (src,) = resolve_sources([str(top)])
+    assert [d.path.relative_to(top).as_posix() for d in src.documents] == ["linked/a.txt", "linked/deep/b.txt"]
+    meta = prepare([str(top)], tmp_path / "data", val_fraction=0)
+    assert meta["documents"] == 2 and meta["train_chars"] == len("alpha text\nbeta text\n")
+    (src,) = resolve_sources([str(real)])  # the loops below the folder given: each file once
+    assert [d.path.name for d in src.documents] == ["a.txt", "b.txt"]
+    (alias,) = resolve_sources([str(tmp_path / "top" / "linked")])  # a folder given through a link
+    assert len(alias.documents) == 2
+
+
 # --- bad input -----------------------------------------------------------------------------------
 
 
@@ -434,8 +456,8 @@ def test_cli_prepare_replace_reports_substitutions(tmp_path, capsys):
         (["surrogate.txt"], "invalid UTF-8 at byte 2"),
         (["empty.txt"], "is empty"),
         (["ok.txt", "blank.txt"], "holds only whitespace"),
-        (["ok.txt", "--val-fraction", "0.9"], "val fraction must be between 0 and 0.5"),
-        (["ok.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "too small"),
+        (["ok.txt", "--val-fraction", "0.9"], "--val-fraction: expected a number >= 0 and <= 0.5"),
+        (["ok.txt", "--tokenizer", "bpe", "--vocab-size", "100"], "--vocab-size: expected an integer from 257"),
         (["ok.txt", "--tokenizer", "gpt2", "--tokenizer-file", "nope"], "tokenizer file not found"),
     ],
 )

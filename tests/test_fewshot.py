@@ -190,7 +190,7 @@ def test_missing_task_file_and_bad_settings(tmp_path, task_file):
 def test_parse_shots():
     assert fewshot.parse_shots("0,1,2,3") == [0, 1, 2, 3]
     assert fewshot.parse_shots("3, 0-2") == [0, 1, 2, 3]
-    for bad in ("", "a", "-1", "1,,2"):
+    for bad in ("", "a", "-1", "1,,2", "0-99999999999999", "99999999999999999999", "nan"):
         with pytest.raises(ConfigError, match="--shots"):
             fewshot.parse_shots(bad)
 

@@ -61,7 +61,7 @@ def test_attention_bad_input(run, tmp_path, capsys):
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--head", 5, "--out", png),
                           "--head 5", "valid 0..1")
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--layer", -1, "--out", png),
-                          "valid 0..1")
+                          "--layer", "from 0")  # refused as the flag is read, before the model is loaded
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the cat sees the moon", "--out", png),
                           "longer than the model's context of 16")
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "THE", "--out", png), "'T'")

@@ -332,3 +332,43 @@ def test_load_missing(tmp_path):
         load_tokenizer(tmp_path / "x.json")
     with pytest.raises(TokenizerError, match="no tokenizer.json in"):
         load_tokenizer(tmp_path)
+
+
+# --- fingerprints ------------------------------------------------------------------------------
+
+
+def test_fingerprint_is_the_same_for_the_same_tokenizer_however_it_was_made(tmp_path, bpe):
+    text = "the cat sat on the mat.\n"
+    char = CharTokenizer.from_text(text)
+    fp = char.fingerprint()
+    assert fp.startswith("sha256:") and len(fp) == len("sha256:") + 64
+    char.save(tmp_path / "char.json")
+    assert load_tokenizer(tmp_path / "char.json").fingerprint() == fp
+    # the file's spacing, key order and format version are not the tokenizer
+    data = json.loads((tmp_path / "char.json").read_text())
+    (tmp_path / "other.json").write_text(json.dumps(dict(reversed(list(data.items()))), indent=4, ensure_ascii=False))
+    assert load_tokenizer(tmp_path / "other.json").fingerprint() == fp
+    assert CharTokenizer(sorted(set(text))).fingerprint() == fp
+    # the same kind and size with other characters (the text upper-cased) is another tokenizer
+    upper = CharTokenizer.from_text(text.upper())
+    assert upper.vocab_size == char.vocab_size and upper.fingerprint() != fp
+    assert CharTokenizer(list(reversed(char.chars))).fingerprint() != fp  # the same characters, other ids
+
+    bpe.save(tmp_path / "bpe.json")
+    assert load_tokenizer(tmp_path / "bpe.json").fingerprint() == bpe.fingerprint()
+    # merges as older tokenizers releases wrote them ("a b") load as the same tokenizer
+    data = json.loads((tmp_path / "bpe.json").read_text())
+    merges = data["tokenizer"]["model"]["merges"]
+    data["tokenizer"]["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_tokenizer(tmp_path / "old.json").fingerprint() == bpe.fingerprint()
+    other = BPETokenizer.train([CORPUS.upper()], 320)
+    assert len({bpe.fingerprint(), other.fingerprint(), fp}) == 3
+
+    _, ranks = write_gpt2_files(tmp_path / "gpt2")
+    gpt2 = GPT2Tokenizer.from_file(tmp_path / "gpt2")
+    gpt2.save(tmp_path / "gpt2.json")
+    assert load_tokenizer(tmp_path / "gpt2.json").fingerprint() == gpt2.fingerprint()
+    assert GPT2Tokenizer.from_file(tmp_path / "gpt2" / "merges.txt").fingerprint() == gpt2.fingerprint()
+    assert GPT2Tokenizer(ranks, {EOT: len(ranks)}, pat_str=r"\s+|\S+").fingerprint() != gpt2.fingerprint()
+    assert gpt2.describe() == f"gpt2, {gpt2.vocab_size:,} tokens, {gpt2.fingerprint()[:19]}"

@@ -114,7 +114,7 @@ def test_a_learning_rate_left_to_choose(char_data, tmp_path):
 def test_max_time_stops_and_saves(char_data, tmp_path):
     result = train(char_data, tmp_path / "run", MODEL, cfg(max_iters=None, max_time=1.5, eval_interval=1000),
                    progress=False)
-    assert result.stopped in ("max_time", "max_iters") and result.step >= 1
+    assert result.stopped == "max_time" and result.step >= 1  # the horizon it reached is the budget's
     assert load(tmp_path / "run") is not None
     assert result.elapsed < 10
 
@@ -165,3 +165,119 @@ def test_auto_dtype_is_bfloat16_only_where_the_hardware_has_it(monkeypatch):
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: False)
     assert device.resolve_dtype("auto", torch.device("cpu")) is torch.float32
     assert device.resolve_dtype("float32", torch.device("cpu")) is torch.float32
+
+
+def test_resume_refuses_data_prepared_with_another_tokenizer(char_data, tmp_path):
+    import shutil
+
+    from conftest import make_text
+
+    from tinygpt.data import load_data, prepare
+    from tinygpt.errors import DataError
+
+    (tmp_path / "upper.txt").write_text(make_text().upper())
+    upper = tmp_path / "upper"
+    prepare([str(tmp_path / "upper.txt")], upper)
+    own = load_data(char_data)
+    other = load_data(upper)  # the same kind and size of vocabulary: only the characters differ
+    assert (other.meta["tokenizer"], other.vocab_size) == (own.meta["tokenizer"], own.vocab_size)
+    assert own.meta["tokenizer_fingerprint"] == own.tokenizer.fingerprint() != other.fingerprint
+
+    run = tmp_path / "run"
+    train(char_data, run, MODEL, cfg(max_iters=2, eval_interval=2), progress=False)
+    assert json.loads((run / "train_config.json").read_text())["tokenizer_fingerprint"] == own.fingerprint
+    before = {name: (run / name).read_bytes() for name in ("tokenizer.json", "train_config.json", "train_state.pt")}
+    with pytest.raises(DataError, match="another tokenizer") as info:
+        train(upper, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False)
+    message = str(info.value)
+    assert "\n" not in message and own.fingerprint[:19] in message and other.fingerprint[:19] in message
+    assert {name: (run / name).read_bytes() for name in before} == before  # the run's tokenizer is not replaced
+
+    # folders written before fingerprints existed: computed from their tokenizer.json
+    old_data, old_upper = tmp_path / "old_data", tmp_path / "old_upper"
+    for src, dst in ((char_data, old_data), (upper, old_upper)):
+        shutil.copytree(src, dst)
+        meta = json.loads((dst / "meta.json").read_text())
+        del meta["tokenizer_fingerprint"]
+        (dst / "meta.json").write_text(json.dumps(meta))
+    record = json.loads((run / "train_config.json").read_text())
+    del record["tokenizer_fingerprint"]
+    (run / "train_config.json").write_text(json.dumps(record))
+    with pytest.raises(DataError, match="another tokenizer"):
+        train(old_upper, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False)
+    assert train(old_data, run, None, cfg(max_iters=4, eval_interval=2), resume=True, progress=False).step == 4
+
+
+class FakeMachine:
+    """A clock for train(clock=...) that moves only when the model works: a training step costs the
+    current phase's seconds, an evaluation batch (no gradients) a third of that. `phases` is a list of
+    (until, seconds per step): the machine gets busier or quieter at those times."""
+
+    def __init__(self, monkeypatch, phases):
+        train_module = importlib.import_module("tinygpt.train")
+        self.now, self.phases, real = 0.0, phases, train_module.lm_loss
+
+        def timed_loss(logits, targets):
+            per_step = next(seconds for until, seconds in phases if self.now < until)
+            self.now += per_step if torch.is_grad_enabled() else per_step / 3
+            return real(logits, targets)
+
+        monkeypatch.setattr(train_module, "lm_loss", timed_loss)
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lrs(run):
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["lr"] for r in lines if "lr" in r]
+
+
+def assert_never_rises_after_warmup(rates):
+    peak = rates.index(max(rates))
+    assert all(b >= a for a, b in zip(rates[:peak], rates[1 : peak + 1]))  # the warmup climbs
+    assert all(b <= a for a, b in zip(rates[peak:], rates[peak + 1 :])), rates
+
+
+@pytest.mark.parametrize("phases", [[(60, 7.7), (math.inf, 2.0)], [(150, 2.0), (math.inf, 7.7)]],
+                         ids=["slow-then-fast", "fast-then-slow"])
+def test_a_time_budget_is_used_as_the_speed_changes(char_data, tmp_path, monkeypatch, phases):
+    # `make demo` on a busy machine: 7.7 s steps while it was timed, ~2 s after, and the schedule fixed
+    # from the first steps ended at 221 s of 300. The length is re-estimated every step instead.
+    clock = FakeMachine(monkeypatch, phases)
+    c = cfg(max_iters=None, max_time=300, eval_interval=25, warmup=10, lr=1e-3, min_lr=1e-4)
+    result = train(char_data, tmp_path / "run", MODEL, c, progress=False, clock=clock)
+    assert result.stopped == "max_time"
+    assert 0.95 * 300 <= result.elapsed <= 1.05 * 300, result.elapsed
+    rates = lrs(tmp_path / "run")
+    assert len(rates) == result.step
+    assert_never_rises_after_warmup(rates)
+    assert max(rates) == pytest.approx(1e-3)
+    assert rates[-1] < 1e-4 + 0.1 * (1e-3 - 1e-4)  # the decay was spread over the run, and used
+
+
+def test_max_iters_wins_over_a_time_budget_when_it_comes_first(char_data, tmp_path, monkeypatch):
+    clock = FakeMachine(monkeypatch, [(math.inf, 2.0)])
+    c = cfg(max_iters=12, max_time=300, warmup=3, lr=1e-3)
+    result = train(char_data, tmp_path / "run", MODEL, c, progress=False, clock=clock)
+    assert result.stopped == "max_iters" and result.step == 12 and result.elapsed < 100
+    assert lrs(tmp_path / "run") == [lr_at(s, c, 12) for s in range(12)]  # the cosine over max_iters
+    result = train(char_data, tmp_path / "late", MODEL, cfg(max_iters=1000, max_time=60, eval_interval=1000),
+                   progress=False, clock=FakeMachine(monkeypatch, [(math.inf, 2.0)]))
+    assert result.stopped == "max_time" and result.step < 1000 and 60 <= result.elapsed <= 63
+
+
+def test_a_time_budget_run_resumes(char_data, tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    c = cfg(max_iters=None, max_time=200, eval_interval=10, warmup=5, lr=1e-3, min_lr=1e-4)
+    first = train(char_data, run, MODEL, c, progress=False, clock=FakeMachine(monkeypatch, [(math.inf, 2.0)]),
+                  should_stop=lambda s: s == 40)
+    assert first.stopped == "requested" and first.step == 40
+    before = lrs(run)
+    second = train(char_data, run, None, c, resume=True, progress=False,
+                   clock=FakeMachine(monkeypatch, [(math.inf, 4.0)]))  # a busier machine this time
+    assert second.stopped == "max_time" and 0.95 * 200 <= second.elapsed <= 1.05 * 200
+    rates = lrs(run)
+    assert rates[:40] == before and len(rates) == second.step
+    assert_never_rises_after_warmup(rates)  # the decay goes on from where it was
+    assert rates[-1] < 1e-4 + 0.1 * (1e-3 - 1e-4)

@@ -12,6 +12,121 @@ import sys
 from .errors import ConfigError, TinyGPTError
 
 EXIT_ERROR = 2
+MAX_INT = 2**63 - 1  # no count, size or seed is bigger than torch's int64: a larger one is a typo
+
+
+class Number:
+    """An argparse `type=` for a numeric flag that checks the value's range as it parses it, so a
+    bad value is a one-line usage error (exit 2) before anything is loaded: never a traceback from
+    deep inside (--batch-size -1 divided by zero, --seed 99999999999999999999 overflowed torch).
+
+    Each flag's range is written once, where the flag is defined; tests/test_cli_flags.py reads it
+    back (kind, low, high, low_open, high_open) and tries every numeric flag of every command with
+    zero, negative, huge, NaN, infinite and wrong-type values.
+
+    Args:
+        kind: "int"; "float" (always finite); "count", a positive number that may be written 70B
+            or 1.4e12 (calc.parse_count); "duration", seconds written 90s, 10m, 1h30m
+            (config.parse_duration).
+        low, high: the bounds, inclusive unless low_open / high_open; an int's high is at most
+            MAX_INT; a count or a duration is more than 0 unless low says otherwise.
+        grouped: an int may be written with , or _ between digit groups (1,000).
+        items: the text is a comma-separated list, each item checked (the type returns the list).
+        keep_text: return the text as given (once checked): for handlers that parse it themselves
+            and show it as the user wrote it (--flops 70B).
+    """
+
+    def __init__(self, kind: str = "int", low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False, grouped: bool = False, items: bool = False,
+                 keep_text: bool = False) -> None:
+        assert kind in ("int", "float", "count", "duration") and (kind != "int" or low is not None)
+        if kind in ("count", "duration") and low is None:  # both are more than zero by their syntax
+            low, low_open = 0, True
+        self.kind, self.low, self.low_open, self.high_open = kind, low, low_open, high_open
+        self.high = min(MAX_INT, MAX_INT if high is None else high) if kind == "int" else high
+        self.grouped, self.items, self.keep_text = grouped, items, keep_text
+
+    def describe(self) -> str:
+        """The range in words: "an integer from 1 to 2**63 - 1", "a number >= 0 and < 1"."""
+        if self.kind == "int":
+            high = "2**63 - 1" if self.high == MAX_INT else str(self.high)
+            return f"an integer from {self.low} to {high}"
+        bounds = []
+        if self.low is not None:
+            bounds.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+        if self.high is not None:
+            bounds.append(f"{'<' if self.high_open else '<='} {self.high:g}")
+        noun = "a duration" if self.kind == "duration" else "a number"
+        example = {"count": " (such as 1e12 or 70B)", "duration": " (such as 90s, 10m or 1h30m)"}.get(self.kind, "")
+        return " ".join([noun, *([" and ".join(bounds)] if bounds else [])]) + example
+
+    def _one(self, text: str) -> int | float:
+        raw = text.strip()
+        try:
+            if self.kind == "int":
+                value: int | float = int(raw.replace(",", "").replace("_", "") if self.grouped else raw)
+            elif self.kind == "float":
+                value = float(raw)
+            elif self.kind == "count":
+                from .calc import parse_count
+
+                value = parse_count(raw)
+            else:
+                from .config import parse_duration
+
+                value = parse_duration(raw)
+        except (ValueError, ConfigError):
+            value = math.nan
+        if not self.inside(value):
+            raise argparse.ArgumentTypeError(f"expected {self.describe()}, got {text!r}")
+        return value
+
+    def inside(self, value: float) -> bool:
+        """Whether a parsed value is one this flag takes (finite, within the bounds)."""
+        if not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __call__(self, text: str):
+        values = [self._one(t) for t in text.split(",")] if self.items else self._one(text)
+        return text if self.keep_text else values
+
+    def __repr__(self) -> str:
+        return f"Number({self.describe()})"
+
+
+def _seed() -> Number:
+    from .config import MAX_SEED
+
+    return Number("int", 0, MAX_SEED)
+
+
+def _device(text: str) -> str:
+    """An argparse `type=` for --device: one this torch can use here (resolve_device's rule), else a
+    one-line usage error; the name is kept as given ("auto" is resolved later, by the command)."""
+    if text == "auto":
+        return text
+    from .device import resolve_device
+
+    try:
+        resolve_device(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("device: ")) from None
+    return text
+
+
+class _UsageError(Exception):
+    """A command line argparse refused; main() prints it as every other error, on one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are the CLI's one-line errors (`tinygpt: error: argument --lr: ...`, no
+    usage block), returned by main() as exit code 2 like any other bad input."""
+
+    def error(self, message: str):
+        raise _UsageError(message)
 
 
 def _fmt(values, digits: int = 4) -> str:
@@ -473,21 +588,42 @@ def cmd_fewshot_data(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text."""
+    """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text.
+
+    --text FILE with characters a char vocabulary lacks is refused, naming them; with --unknown skip
+    those characters are left out and each run of known characters between them is scored as a
+    text of its own (its first character starts the context and is not predicted, like the first
+    character of any text), so no context holds a character the model never saw. The report says
+    how many characters were left out and their share of the text.
+    """
     import json
     from pathlib import Path
 
     import numpy as np
 
     from .data import load_data
-    from .train import evaluate, read_train_config
+    from .errors import TokenizerError
+    from .tokenizer import encode_skipping_unknown
+    from .train import check_data_for_run, evaluate, read_train_config
 
+    if args.unknown == "skip" and not args.text:
+        raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
     model, tokenizer = _load_run(args.run, args.device, args.quantize, args.allow_nonfinite)
+    segments, skipped = None, None
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
-        tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        if args.unknown == "skip":
+            tokens, segments, skipped = encode_skipping_unknown(tokenizer, text)
+        else:
+            try:
+                tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
+            except TokenizerError as e:
+                raise TokenizerError(f"{args.text}: {e}; --unknown skip scores the rest") from None
         chars, nbytes, where = len(text), len(text.encode("utf-8")), args.text
+        if skipped:  # the characters scored: the known ones
+            kept = tokenizer.decode_bytes(tokens.tolist())
+            chars, nbytes = len(kept.decode("utf-8")), len(kept)
     else:
         data = args.data
         if data is None and (Path(args.run) / "train_config.json").exists():  # a Hugging Face folder has none
@@ -497,18 +633,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
                               "give --data DIR (a folder from `tinygpt prepare` with this model's tokenizer) "
                               "or --text FILE")
         dataset = load_data(data)
-        if dataset.meta["tokenizer"] != tokenizer.kind or int(dataset.meta["vocab_size"]) > model.config.vocab_size:
-            raise ConfigError(f"{data} was prepared with a different tokenizer than {args.run}'s")
+        check_data_for_run(args.run, dataset, tokenizer)
         tokens, chars, nbytes = dataset.val, int(dataset.meta["val_chars"]), int(dataset.meta["val_bytes"])
         where = f"the val split of {data}"
-    if args.max_tokens is not None:
-        if args.max_tokens < 2:
-            raise ConfigError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-        if args.max_tokens < len(tokens):
-            tokens = np.asarray(tokens[: args.max_tokens])
-            kept = tokenizer.decode_bytes(tokens.tolist())
-            chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
-    result = evaluate(model, tokens, batch_size=args.batch_size)
+    if args.max_tokens is not None and args.max_tokens < len(tokens):
+        tokens = np.asarray(tokens[: args.max_tokens])
+        kept = tokenizer.decode_bytes(tokens.tolist())
+        chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
+        if segments is not None:
+            segments = [(a, min(b, len(tokens))) for a, b in segments if a < len(tokens)]
+    result = evaluate(model, tokens, batch_size=args.batch_size, segments=segments)
     # the first token is never predicted: count the characters of the predicted share only
     share = result["tokens"] / max(1, len(tokens))
     unit, per = ("char", chars) if tokenizer.kind == "char" else ("byte", nbytes)
@@ -518,7 +652,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         f"bits_per_{unit}": result["nll"] / math.log(2) / (per * share),
         "tokens": result["tokens"],
     }
+    if skipped is not None:
+        report.update(skipped_chars=skipped, skipped_share=skipped / max(1, len(text)))
     print(f"{where}: {result['tokens']:,} tokens")
+    if skipped is not None:
+        runs = f"; the {len(segments):,} runs of known text between them scored separately" if skipped else ""
+        print(f"skipped {skipped:,} of {len(text):,} characters ({report['skipped_share']:.2%}): not in the "
+              f"vocabulary{runs}")
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  bits per {unit} {report[f'bits_per_{unit}']:.4f}")
     if args.json:
         print(json.dumps(report))
@@ -1060,7 +1200,12 @@ def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tinygpt", description="Build, train, inspect and serve small GPTs.")
+    from .tokenizer import BPE_MAX_VOCAB, BPE_MIN_VOCAB
+
+    # every numeric flag's range is here, in its type (Number); every --device is checked by _device
+    positive, natural, seed = Number("int", 1), Number("int", 0), _seed()
+    rate, fraction = Number("float", 0, low_open=True), Number("float", 0, 1, high_open=True)
+    parser = _Parser(prog="tinygpt", description="Build, train, inspect and serve small GPTs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -1078,59 +1223,59 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --max-time and no size flags: size the model by this `tinygpt sweep` folder's fit "
                         "(default: Chinchilla's rule)")
     m = p.add_argument_group("model (default: sized for --max-time on this machine, else for the data)")
-    m.add_argument("--n-layer", type=int)
-    m.add_argument("--n-head", type=int)
-    m.add_argument("--n-embd", type=int)
-    m.add_argument("--block-size", type=int)
-    m.add_argument("--dropout", type=float)
-    m.add_argument("--vocab-size", type=int, help="default: the data's vocabulary")
+    m.add_argument("--n-layer", type=positive)
+    m.add_argument("--n-head", type=positive)
+    m.add_argument("--n-embd", type=positive)
+    m.add_argument("--block-size", type=positive)
+    m.add_argument("--dropout", type=fraction)
+    m.add_argument("--vocab-size", type=positive, help="default: the data's vocabulary")
     m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
     m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None)
     m.add_argument("--activation", choices=["gelu", "gelu_tanh"])
     m.add_argument("--init", choices=["gpt2", "torch"])
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, help="sequences per micro-step, per process (12)")
-    t.add_argument("--grad-accum", type=int, help="micro-steps per optimizer step (1)")
-    t.add_argument("--lr", type=float,
+    t.add_argument("--batch-size", type=positive, help="sequences per micro-step, per process (12)")
+    t.add_argument("--grad-accum", type=positive, help="micro-steps per optimizer step (1)")
+    t.add_argument("--lr", type=rate,
                    help="peak learning rate (1e-3; a model sized for --max-time gets one for its width)")
-    t.add_argument("--min-lr", type=float, help="end of the cosine decay (lr/10)")
-    t.add_argument("--warmup", type=int, help="linear warmup steps (100)")
-    t.add_argument("--max-iters", type=int, help="optimizer steps (2000 unless --max-time is given)")
-    t.add_argument("--max-time", help="wall-clock budget, e.g. 90s, 5m, 1h")
-    t.add_argument("--weight-decay", type=float, help="AdamW weight decay on matrices (0.1)")
-    t.add_argument("--beta1", type=float)
-    t.add_argument("--beta2", type=float)
-    t.add_argument("--grad-clip", type=float, help="max gradient norm, 0 = off (1.0)")
-    t.add_argument("--eval-interval", type=int, help="steps between evaluations and checkpoints (250)")
-    t.add_argument("--eval-iters", type=int, help="batches per evaluation (20)")
-    t.add_argument("--seed", type=int, help="initialization, dropout and batch order (1337)")
-    t.add_argument("--device", help="auto, cpu, cuda, mps")
+    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine decay (lr/10)")
+    t.add_argument("--warmup", type=natural, help="linear warmup steps (100)")
+    t.add_argument("--max-iters", type=positive, help="optimizer steps (2000 unless --max-time is given)")
+    t.add_argument("--max-time", type=Number("duration", keep_text=True), help="wall-clock budget, e.g. 90s, 5m, 1h")
+    t.add_argument("--weight-decay", type=Number("float", 0), help="AdamW weight decay on matrices (0.1)")
+    t.add_argument("--beta1", type=fraction)
+    t.add_argument("--beta2", type=fraction)
+    t.add_argument("--grad-clip", type=Number("float", 0), help="max gradient norm, 0 = off (1.0)")
+    t.add_argument("--eval-interval", type=positive, help="steps between evaluations and checkpoints (250)")
+    t.add_argument("--eval-iters", type=positive, help="batches per evaluation (20)")
+    t.add_argument("--seed", type=seed, help="initialization, dropout and batch order (1337)")
+    t.add_argument("--device", type=_device, help="auto, cpu, cuda, cuda:N, mps")
     t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
                    help="compute dtype (auto: bfloat16 autocast where the hardware multiplies it natively, "
                         "CUDA GPUs and CPUs with AVX-512 BF16 or AMX; else float32)")
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
-    t.add_argument("--dist-timeout", metavar="T",
+    t.add_argument("--dist-timeout", metavar="T", type=Number("duration", keep_text=True),
                    help="under torchrun: how long a process waits for the others before the job fails (10m)")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("sample", help="generate text from a run", description=cmd_sample.__doc__)
     p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")
     p.add_argument("--prompt", default="", help="text to continue (default: start of text)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=natural, default=200)
+    p.add_argument("--temperature", type=Number("float", 0), default=0.8)
+    p.add_argument("--top-k", type=positive)
+    p.add_argument("--top-p", type=Number("float", 0, 1, low_open=True))
+    p.add_argument("--repetition-penalty", type=rate, default=1.0)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, help="makes sampling reproducible")
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=seed, help="makes sampling reproducible")
+    p.add_argument("--num-samples", type=positive, default=1)
     p.add_argument("--stop", action="append", metavar="TEXT", help="stop when TEXT is generated (repeatable)")
     p.add_argument("--trace", action="store_true",
                    help="show every step: the context, the top candidates after sampling settings, the choice")
-    p.add_argument("--trace-top", type=int, metavar="N", help="candidates shown per step (5); implies --trace")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--trace-top", type=positive, metavar="N", help="candidates shown per step (5); implies --trace")
+    p.add_argument("--device", type=_device, default="auto")
     _add_quantize_flag(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load NaN or infinite weights (refused by default), to inspect a diverged run")
@@ -1140,12 +1285,12 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run", help="a run folder")
     p.add_argument("--prompt", required=True, help="the text whose attention to draw (at most block_size tokens)")
-    p.add_argument("--layer", type=int, default=0, help="the block, from 0 (0)")
+    p.add_argument("--layer", type=natural, default=0, help="the block, from 0 (0)")
     heads = p.add_mutually_exclusive_group()
-    heads.add_argument("--head", type=int, help="the head, from 0 (0)")
+    heads.add_argument("--head", type=natural, help="the head, from 0 (0)")
     heads.add_argument("--all-heads", action="store_true", help="every head of the layer, in a grid")
     p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=_device, default="auto")
     p.set_defaults(func=cmd_attention)
 
     p = sub.add_parser("plot", help="loss curves of one or more runs", description=cmd_plot.__doc__,
@@ -1162,20 +1307,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shots", default="0,1,2,3", help="numbers of worked examples, e.g. 0,1,2,3 or 0-5 (0,1,2,3)")
     p.add_argument("--scoring", choices=("generate", "likelihood"), default="generate",
                    help="greedy answer, exact match (default), or the most likely candidate answer")
-    p.add_argument("--queries", type=int, metavar="N", help="evaluate the first N examples (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="the draw of worked examples and of the synthetic task (0)")
+    p.add_argument("--queries", type=positive, metavar="N", help="evaluate the first N examples (default: all)")
+    p.add_argument("--seed", type=seed, default=0, help="the draw of worked examples and of the synthetic task (0)")
     p.add_argument("--show-prompt", action="store_true", help="print the first query's prompt for each k")
     p.add_argument("--plot", metavar="FILE", help="draw accuracy against k (.png, .svg, .pdf)")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=_device, default="auto")
     p.set_defaults(func=cmd_fewshot)
 
     p = sub.add_parser("fewshot-data", help="write the synthetic in-context-learning task's data",
                        description=cmd_fewshot_data.__doc__)
     p.add_argument("--out", required=True, metavar="DIR", help="folder for train.txt and task.jsonl")
-    p.add_argument("--episodes", type=int, default=40000, help="training episodes, each a fresh mapping (40000)")
-    p.add_argument("--seed", type=int, default=0, help="the draw of the episodes and of task.jsonl (0)")
+    p.add_argument("--episodes", type=positive, default=40000, help="training episodes, each a fresh mapping (40000)")
+    p.add_argument("--seed", type=seed, default=0, help="the draw of the episodes and of task.jsonl (0)")
     p.set_defaults(func=cmd_fewshot_data)
 
     p = sub.add_parser("eval", help="loss, perplexity and bits per char/byte", description=cmd_eval.__doc__)
@@ -1183,10 +1328,13 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="a prepared data folder: its val split (default: the run's own data)")
     src.add_argument("--text", help="any UTF-8 text file")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens (a quicker estimate)")
+    p.add_argument("--batch-size", type=positive, default=8)
+    p.add_argument("--max-tokens", type=Number("int", 2), help="evaluate only the first N tokens (a quicker estimate)")
+    p.add_argument("--unknown", choices=("refuse", "skip"), default="refuse",
+                   help="--text characters a char vocabulary lacks: refuse the file (default), or skip them "
+                        "and score each run of known text between them on its own")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=_device, default="auto")
     _add_quantize_flag(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load NaN or infinite weights (refused by default), to inspect a diverged run")
@@ -1204,11 +1352,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", nargs="?", metavar="RUN", help="a run folder holding config.json (or the file itself)")
     p.add_argument("--preset", help="a preset name: lesson, stretch, baby, gpt2, gpt2-medium, gpt2-large, gpt2-xl")
     for flag in ("--n-layer", "--n-head", "--n-embd", "--vocab-size", "--block-size"):
-        p.add_argument(flag, metavar="N", help="override the architecture")
+        p.add_argument(flag, metavar="N", type=Number("int", 1, grouped=True, keep_text=True),
+                       help="override the architecture")
     p.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None, help="biases in Linear and LayerNorm")
     p.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None, help="tie the LM head to wte")
-    p.add_argument("--batch-size", metavar="B", help="sequences per batch for memory figures (default 1)")
-    p.add_argument("--seq-len", metavar="T", help="training sequence length (default block_size)")
+    p.add_argument("--batch-size", metavar="B", type=Number("int", 1, grouped=True, keep_text=True),
+                   help="sequences per batch for memory figures (default 1)")
+    p.add_argument("--seq-len", metavar="T", type=Number("int", 1, grouped=True, keep_text=True),
+                   help="training sequence length (default block_size)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype (default float32)")
     f = p.add_argument_group("fine-tuning method (trainable parameters and training memory; default: full)")
@@ -1228,13 +1379,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  tinygpt chinchilla --flops 5.76e23\n  tinygpt chinchilla --params 70B --json\n"
                "  tinygpt chinchilla --time 10m",
     )
-    p.add_argument("--flops", metavar="C", help="training compute in FLOPs (e.g. 5.76e23)")
-    p.add_argument("--params", metavar="N", help="model parameters (e.g. 70B)")
-    p.add_argument("--tokens", metavar="D", help="training tokens (e.g. 1.4T)")
-    p.add_argument("--time", metavar="T", help="a training time on this machine (90s, 10m, 1h30m); measures FLOP/s")
-    p.add_argument("--tokens-per-param", metavar="R", default="20", help="the D / N ratio (default 20)")
+    count = Number("count", keep_text=True)
+    p.add_argument("--flops", metavar="C", type=count, help="training compute in FLOPs (e.g. 5.76e23)")
+    p.add_argument("--params", metavar="N", type=count, help="model parameters (e.g. 70B)")
+    p.add_argument("--tokens", metavar="D", type=count, help="training tokens (e.g. 1.4T)")
+    p.add_argument("--time", metavar="T", type=Number("duration", keep_text=True),
+                   help="a training time on this machine (90s, 10m, 1h30m); measures FLOP/s")
+    p.add_argument("--tokens-per-param", metavar="R", type=count, default="20", help="the D / N ratio (default 20)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="with --time: measure in this dtype")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="with --time: measure on this device")
+    p.add_argument("--device", type=_device, choices=("cpu", "cuda"), help="with --time: measure on this device")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_chinchilla)
 
@@ -1248,20 +1401,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", required=True, metavar="DIR", help="a folder written by `tinygpt prepare`")
     p.add_argument("--out", required=True, metavar="DIR", help="the sweep folder (rerun to continue it)")
-    p.add_argument("--budgets", nargs="+", metavar="C", help="compute budgets in training FLOPs (e.g. 1e12 1e13)")
-    p.add_argument("--sizes", nargs="+", metavar="N", help="model sizes for every budget (e.g. 50K 200K 1M)")
-    p.add_argument("--points", metavar="K", help="sizes per budget around Chinchilla's N (default 5)")
-    p.add_argument("--spread", metavar="F", help="ratio between neighbouring default sizes (default 2)")
-    p.add_argument("--centre", metavar="F", help="default sizes centre on F x Chinchilla's N (default 1)")
+    counts = Number("count", items=True, keep_text=True)  # 1e12 3e12, or 1e12,3e12
+    grouped = Number("int", 1, grouped=True, keep_text=True)
+    p.add_argument("--budgets", nargs="+", metavar="C", type=counts,
+                   help="compute budgets in training FLOPs (e.g. 1e12 1e13)")
+    p.add_argument("--sizes", nargs="+", metavar="N", type=counts, help="model sizes for every budget (e.g. 50K 200K 1M)")
+    p.add_argument("--points", metavar="K", type=grouped, help="sizes per budget around Chinchilla's N (default 5)")
+    p.add_argument("--spread", metavar="F", type=Number("float", 1, low_open=True, keep_text=True),
+                   help="ratio between neighbouring default sizes (default 2)")
+    p.add_argument("--centre", metavar="F", type=Number("float", 0, low_open=True, keep_text=True),
+                   help="default sizes centre on F x Chinchilla's N (default 1)")
     p.add_argument("--quick", action="store_true", help="the small built-in grid (< 20 minutes on a laptop CPU)")
-    p.add_argument("--batch-size", metavar="B", help="sequences per step for every model (16)")
-    p.add_argument("--block-size", metavar="T", help="context of every model (128)")
-    p.add_argument("--lr", metavar="LR", help="peak learning rate for every model (2e-3)")
-    p.add_argument("--eval-iters", metavar="K", help="val batches behind each final loss (20)")
-    p.add_argument("--seed", metavar="S", help="initialization and batch order (1337)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    p.add_argument("--batch-size", metavar="B", type=grouped, help="sequences per step for every model (16)")
+    p.add_argument("--block-size", metavar="T", type=grouped, help="context of every model (128)")
+    p.add_argument("--lr", metavar="LR", type=Number("float", 0, low_open=True, keep_text=True),
+                   help="peak learning rate for every model (2e-3)")
+    p.add_argument("--eval-iters", metavar="K", type=grouped, help="val batches behind each final loss (20)")
+    p.add_argument("--seed", metavar="S", type=Number("int", 0, seed.high, grouped=True, keep_text=True),
+                   help="initialization and batch order (1337)")
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda, cuda:N, mps")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--threads", metavar="N", default="1",
+    p.add_argument("--threads", metavar="N", type=grouped, default="1",
                    help="CPU threads for training (1: small models, and steady on a busy machine)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (they need matplotlib: the viz extra)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -1276,9 +1436,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("char", "bpe", "gpt2"),
         help="char (default), bpe (trained on the corpus) or gpt2 (GPT-2's BPE)",
     )
-    p.add_argument("--vocab-size", type=int, metavar="N", help="BPE vocabulary size to train (default 4096)")
+    p.add_argument("--vocab-size", type=Number("int", BPE_MIN_VOCAB, BPE_MAX_VOCAB), metavar="N",
+                   help="BPE vocabulary size to train (default 4096)")
     p.add_argument(
-        "--val-fraction", type=float, default=0.1, metavar="F", help="share held out for validation, 0-0.5 (0.1)"
+        "--val-fraction", type=Number("float", 0, 0.5), default=0.1, metavar="F",
+        help="share held out for validation, 0-0.5 (0.1)"
     )
     p.add_argument(
         "--errors", choices=("strict", "replace"), default="strict", help="invalid UTF-8: stop (default) or put U+FFFD"
@@ -1328,18 +1490,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face GPT-2 folder)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (8000; 0 picks a free one)")
+    p.add_argument("--port", type=Number("int", 0, 65535), default=8000, help="port (8000; 0 picks a free one)")
     p.add_argument("--api-key", metavar="KEY", help="require this bearer key on /v1 routes (default $TINYGPT_API_KEY)")
-    p.add_argument("--max-concurrency", type=int, default=8, metavar="N", help="sequences decoded together (8)")
-    p.add_argument("--max-queue", type=int, default=32, metavar="N", help="sequences waiting for a slot (32)")
-    p.add_argument("--max-tokens", type=int, default=2048, metavar="N", help="largest max_tokens per request (2048)")
+    p.add_argument("--max-concurrency", type=positive, default=8, metavar="N", help="sequences decoded together (8)")
+    p.add_argument("--max-queue", type=natural, default=32, metavar="N", help="sequences waiting for a slot (32)")
+    p.add_argument("--max-tokens", type=positive, default=2048, metavar="N", help="largest max_tokens per request (2048)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser calls from ORIGIN")
     p.add_argument("--allow-host", action="append", metavar="NAME",
                    help="also answer Host: NAME (repeatable; bound to loopback, only localhost and loopback addresses "
                         "are answered otherwise)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
-    p.add_argument("--threads", type=int, metavar="N", help="torch's CPU threads (default: torch's choice)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, mps")
+    p.add_argument("--threads", type=positive, metavar="N", help="torch's CPU threads (default: torch's choice)")
+    p.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda, cuda:N, mps")
     _add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)
 
@@ -1360,7 +1522,11 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as e:
+        print(f"tinygpt: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         return args.func(args) or 0
     except (TinyGPTError, ValueError, OSError) as e:

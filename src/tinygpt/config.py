@@ -21,6 +21,20 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; this leaves room for the seed + rank / + step offsets training adds
+
+
+def _finite(obj: Any, names: tuple[str, ...]) -> None:
+    """Each field must be a real, finite number (or None): NaN slips past every `>=` check, and inf
+    past most, and either would reach the optimizer (a file's `lr = nan` or `weight_decay = inf`)."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is None:
+            continue
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value), name,
+               f"must be a finite number, got {value!r}")
+
+
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
     """Check one JSON/TOML value against a dataclass field's type; ints are accepted for floats."""
     origin = typing.get_origin(annotation)
@@ -107,6 +121,7 @@ class GPTConfig:
     scale_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        _finite(self, ("dropout", "layer_norm_eps"))
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool), name, f"must be an integer, got {value!r}")
@@ -342,6 +357,7 @@ class TrainConfig:
     dist_timeout: float = 600.0
 
     def __post_init__(self) -> None:
+        _finite(self, ("lr", "min_lr", "max_time", "weight_decay", "beta1", "beta2", "grad_clip", "dist_timeout"))
         for name in ("batch_size", "grad_accum", "eval_interval", "eval_iters"):
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name,
@@ -350,6 +366,7 @@ class TrainConfig:
             value = getattr(self, name)
             _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name,
                    f"must be an integer >= 0, got {value!r}")
+        _check(self.seed <= MAX_SEED, "seed", f"must be at most 2**63 - 1, got {self.seed!r}")
         if self.max_iters is not None:
             _check(isinstance(self.max_iters, int) and self.max_iters >= 1, "max_iters",
                    f"must be an integer >= 1, got {self.max_iters!r}")

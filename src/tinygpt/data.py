@@ -4,13 +4,15 @@ A prepared data folder holds:
 
     train.bin, val.bin   token ids, raw little-endian uint16 (vocab <= 65,536) or uint32, np.memmap-able
     tokenizer.json       the tokenizer, as tinygpt JSON
-    meta.json            what the files hold: tokenizer kind, dtype, vocab size, tokens / characters /
-                         UTF-8 bytes per split (for bits per char or byte), sources, error handling
+    meta.json            what the files hold: tokenizer kind, fingerprint (Tokenizer.fingerprint) and
+                         vocab size, dtype, tokens / characters / UTF-8 bytes per split (for bits per
+                         char or byte), sources, error handling
 
 How text is read:
 
 - A SOURCE is a text file, a folder (every text file below it, in sorted path order; hidden entries
-  and binary files, those with a NUL byte in their first 8 KiB, are skipped), or a built-in corpus:
+  and binary files, those with a NUL byte in their first 8 KiB, are skipped; symlinked folders are
+  followed, each real folder read once, so a link loop ends), or a built-in corpus:
   `python-stdlib` (this interpreter's standard-library .py files, read in place, each decoded as
   Python itself decodes it) or `shakespeare` (tiny-shakespeare, downloaded once into the cache).
   An existing path wins over a built-in name.
@@ -154,16 +156,40 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
     return out
 
 
-def _walk_files(root: Path, exclude: list[Path], skip_dirs: tuple[str, ...] = ()) -> list[Path]:
-    """Regular files below root, in sorted path order, skipping hidden entries and excluded folders."""
+def _walk_files(
+    root: Path, exclude: list[Path], skip_dirs: tuple[str, ...] = (), *, follow_links: bool = True
+) -> list[Path]:
+    """Regular files below root, in sorted path order, skipping hidden entries and excluded folders.
+
+    Symlinked folders are followed (unless follow_links is False), each real folder once: a link
+    back to a folder above it, or a second link to one already read, is skipped, so a loop ends.
+    """
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    seen = {_folder_id(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=follow_links):
         here = Path(dirpath)
-        dirnames[:] = [
-            d for d in dirnames if not d.startswith(".") and d not in skip_dirs and (here / d).resolve() not in exclude
-        ]
+        kept = []
+        for d in sorted(dirnames):  # sorted: which of two links to one folder is read does not depend on the disk
+            if d.startswith(".") or d in skip_dirs or (here / d).resolve() in exclude:
+                continue
+            if follow_links:
+                key = _folder_id(here / d)
+                if key is None or key in seen:
+                    continue
+                seen.add(key)
+            kept.append(d)
+        dirnames[:] = kept
         found += [here / f for f in filenames if not f.startswith(".") and (here / f).is_file()]
     return sorted(found, key=lambda p: p.relative_to(root).parts)
+
+
+def _folder_id(path: Path) -> tuple[int, int] | None:
+    """The folder a path leads to (device and inode, after links), or None when it leads nowhere."""
+    try:
+        st = path.stat()
+    except OSError:  # a dangling link, or a link loop
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _is_binary(path: Path) -> bool:
@@ -196,7 +222,7 @@ def _python_stdlib_source() -> Source:
     # files Python itself refuses (deliberately broken test fixtures) are skipped.
     root = python_stdlib_root()
     src = Source("python-stdlib", root)
-    for p in _walk_files(root, [], skip_dirs=("site-packages", "dist-packages", "__pycache__")):
+    for p in _walk_files(root, [], skip_dirs=("site-packages", "dist-packages", "__pycache__"), follow_links=False):
         if p.suffix != ".py" or p.stat().st_size == 0:
             continue
         try:
@@ -584,6 +610,7 @@ def prepare(
             "format": FORMAT,
             "version": VERSION,
             "tokenizer": tok.kind,
+            "tokenizer_fingerprint": tok.fingerprint(),
             "vocab_size": tok.vocab_size,
             "dtype": dtype.name,
             **writer.counts,
@@ -658,6 +685,47 @@ class DataSet:
     def dtype(self) -> np.dtype:
         return self.train.dtype
 
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the tokenizer the data was prepared with: meta.json's, or for a folder an
+        older prepare wrote without one, its tokenizer.json's."""
+        return self.meta.get("tokenizer_fingerprint") or self.tokenizer.fingerprint()
+
+
+def check_same_tokenizer(
+    dataset: DataSet, tokenizer: Tokenizer | None, owner: str, *, fingerprint: str | None = None
+) -> None:
+    """Refuse a data folder prepared with another tokenizer than `tokenizer`: its ids would mean
+    other text (a char vocabulary of upper-cased text has the same kind and size, other characters).
+    The one check for every place that puts data in front of a model: resuming a run, evaluating
+    one on --data, fine-tuning a base model.
+
+    Args:
+        dataset: the data folder (load_data).
+        tokenizer: the tokenizer the data must have been prepared with (a run's, a base model's);
+            None when only its recorded fingerprint is known.
+        owner: where that tokenizer lives (a run folder), for the message.
+        fingerprint: the fingerprint recorded where the tokenizer lives, if any; else computed
+            from `tokenizer`. Fingerprints recorded when they were written are compared as they
+            are, so a later `tokenizers` release cannot turn a match into a mismatch.
+
+    Raises:
+        DataError: one line naming both tokenizers (kind, size, fingerprint).
+    """
+    theirs = fingerprint or (tokenizer.fingerprint() if tokenizer is not None else None)
+    if theirs is None or theirs == dataset.fingerprint:
+        return
+    from .tokenizer import short_fingerprint
+
+    def label(tok: Tokenizer | None, fp: str) -> str:
+        return short_fingerprint(fp) if tok is None else f"{tok.kind}, {tok.vocab_size:,} tokens, {short_fingerprint(fp)}"
+
+    raise DataError(
+        f"{dataset.path} was prepared with another tokenizer than {owner}'s ({label(dataset.tokenizer, dataset.fingerprint)}"
+        f" against {label(tokenizer, theirs)}): its ids would mean other text; prepare the text again with "
+        f"--tokenizer-file {owner}"
+    )
+
 
 _META_INTS = ("vocab_size", "train_tokens", "val_tokens", "train_chars", "val_chars", "train_bytes", "val_bytes")
 
@@ -695,6 +763,9 @@ def load_data(path: str | os.PathLike) -> DataSet:
         tok = load_tokenizer(p)
     except TokenizerError as e:
         raise DataError(str(e)) from None
+    stored = meta.get("tokenizer_fingerprint")
+    if stored is not None and not (isinstance(stored, str) and re.fullmatch(r"sha256:[0-9a-f]{64}", stored)):
+        raise DataError(f"{p / 'meta.json'}: tokenizer_fingerprint must be 'sha256:' and 64 hex digits, got {stored!r}")
     if tok.kind != meta.get("tokenizer") or tok.vocab_size != meta["vocab_size"]:
         raise DataError(
             f"{p}: tokenizer.json ({tok.kind}, {tok.vocab_size:,} tokens) disagrees with meta.json "

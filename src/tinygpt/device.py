@@ -11,8 +11,17 @@ from .errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+DEVICE_NAMES = "auto, cpu, cuda, cuda:N or mps"
+
+
 def resolve_device(name: str = "auto") -> torch.device:
-    """"auto" picks cuda, then mps, then cpu; an explicit name must be available here."""
+    """"auto" picks cuda, then mps, then cpu; an explicit name must be one tinygpt runs on (cpu,
+    cuda, cuda:N, mps) and available here.
+
+    Raises:
+        ConfigError: another kind of device (xpu, meta, ...), a name torch does not know, or one this
+            machine lacks (cuda without a GPU, cuda:3 with two).
+    """
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -21,10 +30,20 @@ def resolve_device(name: str = "auto") -> torch.device:
         return torch.device("cpu")
     try:
         device = torch.device(name)
-    except RuntimeError as e:
-        raise ConfigError(f"device: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but no CUDA device is available")
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device: {name!r} is not a device name ({DEVICE_NAMES})") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        # torch knows xpu, meta, hpu, ...; the model, its cache and autocast are written for these three
+        raise ConfigError(f"device: {name!r} is not a device tinygpt runs on ({DEVICE_NAMES})")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("device: cuda was asked for but no CUDA device is available")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device: {name} was asked for but this machine has {count} CUDA device"
+                              f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+    elif device.index not in (None, 0):
+        raise ConfigError(f"device: {name!r}: there is one {device.type} device ({device.type} or {device.type}:0)")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device: mps was asked for but MPS is not available")
     return device

@@ -387,21 +387,28 @@ class FewShotReport:
                 "results": [r.to_dict() for r in self.results]}
 
 
+MAX_SHOTS = 10_000  # worked examples in one prompt: far past any context, and "0-99999999999" is a typo
+
+
 def parse_shots(text: str) -> list[int]:
-    """"0,1,2,3" -> [0, 1, 2, 3] (also ranges such as "0-3")."""
+    """"0,1,2,3" -> [0, 1, 2, 3] (also ranges such as "0-3"), each k in 0..MAX_SHOTS."""
     shots: list[int] = []
     try:
         for part in text.split(","):
             part = part.strip()
             if "-" in part[1:]:
-                lo, hi = part.split("-", 1)
-                shots += range(int(lo), int(hi) + 1)
+                lo, hi = (int(n) for n in part.split("-", 1))
+                if hi > MAX_SHOTS:  # before the range is built: a huge one would fill memory
+                    raise ConfigError(f"--shots: at most {MAX_SHOTS:,} worked examples, got {text!r}")
+                shots += range(lo, hi + 1)
             else:
                 shots.append(int(part))
     except ValueError:
         raise ConfigError(f"--shots: expected numbers like 0,1,2,3 or 0-3, got {text!r}") from None
     if not shots or min(shots) < 0:
         raise ConfigError(f"--shots: expected numbers >= 0, got {text!r}")
+    if max(shots) > MAX_SHOTS:
+        raise ConfigError(f"--shots: at most {MAX_SHOTS:,} worked examples, got {text!r}")
     return sorted(set(shots))
 
 

@@ -9,6 +9,10 @@ Three kinds share one small protocol (`Tokenizer`):
 - `GPT2Tokenizer`: GPT-2's own BPE through `tiktoken`, from local files. The saved JSON carries
   the ranks, so a data or run folder never needs the network again.
 
+Every tokenizer has a fingerprint (`tokenizer.fingerprint()`): a SHA-256 of what it does, the same
+however it was built or saved. Data folders and runs carry it, so data prepared with another
+tokenizer is refused rather than trained on (`tinygpt.data.check_same_tokenizer`).
+
 Encoding treats all text as text: the literal string "<|endoftext|>" is never turned into the
 separator token (tiktoken's `encode_ordinary`). Documents are separated by the data pipeline,
 which inserts `eot_id` between them. Decoding renders the separator as "<|endoftext|>".
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import hashlib
 import itertools
 import json
 import operator
@@ -67,6 +72,13 @@ class Tokenizer(Protocol):
 
     def save(self, path: str | os.PathLike) -> None: ...
 
+    def fingerprint(self) -> str: ...
+
+
+def _canonical_json(value: Any) -> bytes:
+    """One byte string per value: keys sorted, no whitespace, ASCII escapes (so no encoding choice)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
 
 class _TokenizerBase:
     """The parts all kinds share: id checking, decode via bytes, batch/array encoding, save."""
@@ -74,6 +86,7 @@ class _TokenizerBase:
     kind: str = ""
     vocab_size: int = 0
     eot_id: int | None = None
+    _fingerprint: str | None = None  # computed once, on first use
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
@@ -99,6 +112,29 @@ class _TokenizerBase:
 
     def to_dict(self) -> dict[str, Any]:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def _canonical(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        """"sha256:" and 64 hex digits: the SHA-256 of this tokenizer's canonical form.
+
+        The canonical form holds what decides the ids of a text and the text of ids, and nothing
+        else: the kind and, for char, the characters in id order; for bpe, each id's bytes, the
+        merges (spelled "a b", whichever way the `tokenizers` release writes them), the normalizer,
+        the pre-tokenizer and the added tokens; for gpt2, the ranks, the special tokens and the
+        split pattern. It is serialized as JSON with sorted keys, no whitespace and ASCII escapes.
+        So the same tokenizer gives the same fingerprint whether it was just trained or loaded
+        from a file, whatever the file's key order, spacing or format version; a vocabulary of
+        the same kind and size with other characters (text upper-cased) gives another.
+        """
+        if self._fingerprint is None:
+            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(self._canonical())).hexdigest()
+        return self._fingerprint
+
+    def describe(self) -> str:
+        """A short label for messages: kind, size and the fingerprint's first 12 hex digits."""
+        return f"{self.kind}, {self.vocab_size:,} tokens, {short_fingerprint(self.fingerprint())}"
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the tokenizer as one JSON file (into `path/tokenizer.json` if path is a folder)."""
@@ -192,12 +228,38 @@ class CharTokenizer(_TokenizerBase):
     def to_dict(self) -> dict[str, Any]:
         return {**self._header(), "chars": self.chars}
 
+    def _canonical(self) -> dict[str, Any]:
+        return {"kind": self.kind, "chars": self.chars}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
         chars = data.get("chars")
         if not isinstance(chars, list):
             raise TokenizerError('a char tokenizer needs "chars", a list of characters')
         return cls(chars)
+
+
+def encode_skipping_unknown(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, list[tuple[int, int]], int]:
+    """Token ids of `text` without the characters a char vocabulary lacks, for scoring what it can.
+
+    Returns (ids, segments, skipped): the ids of the known characters, in order; the (start, end)
+    ranges of `ids` that were unbroken runs of known characters in the text (so a context never
+    reaches across a character that was left out); and how many characters were left out. Other
+    kinds encode every text: the ids of all of it, one segment, 0 skipped.
+    """
+    if not isinstance(tokenizer, CharTokenizer):
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+        return ids, [(0, len(ids))], 0
+    codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    ids = tokenizer.table[codepoints].astype(np.int64)
+    known = ids >= 0
+    # a run starts at a known character that follows an unknown one (or the start of the text)
+    starts = np.flatnonzero(known & ~np.concatenate(([False], known[:-1])))
+    position = np.cumsum(known) - 1  # index in the kept ids of each known character
+    kept_starts = position[starts].tolist()
+    kept = int(known.sum())
+    segments = list(zip(kept_starts, kept_starts[1:] + [kept]))
+    return ids[known], segments, len(ids) - kept
 
 
 def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> str:
@@ -355,6 +417,21 @@ class BPETokenizer(_TokenizerBase):
 
     def to_dict(self) -> dict[str, Any]:
         return {**self._header(), "eot": EOT, "tokenizer": json.loads(self._tok.to_str())}
+
+    def _canonical(self) -> dict[str, Any]:
+        inner = json.loads(self._tok.to_str())
+        # tokenizers 0.20 began writing a merge as ["a", "b"] instead of "a b"; byte-level tokens hold
+        # no space, so "a b" is the same merge either way
+        merges = [m if isinstance(m, str) else " ".join(m) for m in (inner.get("model") or {}).get("merges", [])]
+        added = sorted([t.get("id"), t.get("content"), bool(t.get("special"))] for t in inner.get("added_tokens") or [])
+        return {
+            "kind": self.kind,
+            "tokens": [base64.b64encode(b).decode("ascii") for b in self._bytes],
+            "merges": merges,
+            "added": added,
+            "normalizer": inner.get("normalizer"),
+            "pre_tokenizer": inner.get("pre_tokenizer"),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
@@ -548,6 +625,9 @@ class GPT2Tokenizer(_TokenizerBase):
             "ranks": [base64.b64encode(b).decode("ascii") for b, _ in by_rank],
         }
 
+    def _canonical(self) -> dict[str, Any]:
+        return {key: value for key, value in self.to_dict().items() if key not in ("format", "version", "vocab_size")}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GPT2Tokenizer:
         ranks_b64, special, pat = data.get("ranks"), data.get("special_tokens", {}), data.get("pat_str", GPT2_PATTERN)
@@ -560,6 +640,11 @@ class GPT2Tokenizer(_TokenizerBase):
         if len(ranks) != len(ranks_b64):
             raise TokenizerError('"ranks" holds duplicate tokens')
         return cls(ranks, special, pat_str=pat)
+
+
+def short_fingerprint(fingerprint: str) -> str:
+    """A fingerprint as messages show it: "sha256:" and its first 12 hex digits."""
+    return fingerprint[: len("sha256:") + 12]
 
 
 def _sibling(path: Path, renames: list[tuple[str, str]], fallbacks: list[str]) -> Path:

@@ -32,7 +32,7 @@ from .calc import (
     smallest_shape,
 )
 from .config import DEFAULT_LR, GPTConfig, TrainConfig, from_mapping
-from .data import get_batch, load_data
+from .data import DataSet, check_same_tokenizer, get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
@@ -47,7 +47,8 @@ from .model import GPT, lm_loss
 DEFAULT_MAX_ITERS = 2000
 METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
-CALIBRATION_STEPS = 5  # steps timed before a --max-time run fixes its schedule's length
+CALIBRATION_STEPS = 5  # steps timed before a --max-time run first estimates its schedule's length
+SPEED_WINDOW = 20  # a time budget's step time: the median of this many most recent steps
 DEBUG_ENV = "TINYGPT_DEBUG_DIR"  # see _Trace
 SIZE_FIELDS = ("n_layer", "n_head", "n_embd")  # setting any of these turns budget sizing off
 MIN_SIZED_STEPS = 100  # a model sized for a time budget gets at least this many optimizer steps
@@ -81,6 +82,54 @@ def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
         return cfg.lr
     progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
     return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+class BudgetSchedule:
+    """The learning rate of a run with a time budget and no max_iters: linear warmup, then cosine decay
+    toward min_lr over a length that is re-estimated after every step from the speed measured so far.
+
+    Both phases are fractions that only grow. The warmup moves 1/W of the way each step, W being
+    cfg.warmup until the run is timed and then at most a tenth of the estimated length. The decay's
+    progress p moves (1 - p) / R each step, R the steps the time left is estimated to buy (this one
+    included): at a steady speed that is the plain cosine over the run, and when the estimate
+    changes the rest of the decay stretches or squeezes from where it is. So the rate never goes
+    back up after the warmup, and it reaches min_lr as the budget runs out.
+
+    Args:
+        cfg: the run's settings (lr, min_lr, warmup).
+        warm, progress: where a resumed run's schedule was (its train_state.pt "schedule").
+    """
+
+    def __init__(self, cfg: TrainConfig, warm: float = 0.0, progress: float = 0.0) -> None:
+        self.cfg, self.warm, self.progress = cfg, warm, progress
+        self.left: float | None = None  # steps the time left buys, the next one included (None: not timed yet)
+
+    def next_lr(self, step: int) -> float:
+        """The rate for optimizer step `step` (0-based), which is about to run; moves the schedule on."""
+        cfg = self.cfg
+        if self.warm < 1:
+            length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
+            self.warm = min(1.0, self.warm + 1 / max(1, length))
+            return cfg.lr * self.warm
+        if self.left is not None:
+            self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
+        return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * self.progress)) * (cfg.lr - cfg.final_lr)
+
+    def state(self) -> dict[str, float]:
+        return {"warm": self.warm, "progress": self.progress}
+
+    @classmethod
+    def resumed(cls, cfg: TrainConfig, state: dict[str, Any], step: int) -> BudgetSchedule:
+        """Where a saved run's schedule was; a state saved before this schedule existed gives its
+        fixed length (max_iters), from which lr_at's position follows."""
+        saved = state.get("schedule")
+        if saved is not None:
+            return cls(cfg, float(saved["warm"]), float(saved["progress"]))
+        length = state.get("max_iters")
+        warmup = cfg.warmup if length is None else min(cfg.warmup, max(1, length // 10))
+        if step < warmup:
+            return cls(cfg, step / warmup)
+        return cls(cfg, 1.0, 0.0 if length is None else min(1.0, (step - warmup) / max(1, length - warmup)))
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -336,22 +385,41 @@ def estimate_loss(
 
 
 @torch.no_grad()
-def evaluate(model: GPT, tokens: np.ndarray, *, batch_size: int = 8, device=None, dtype=torch.float32) -> dict:
+def evaluate(
+    model: GPT,
+    tokens: np.ndarray,
+    *,
+    batch_size: int = 8,
+    device=None,
+    dtype=torch.float32,
+    segments: list[tuple[int, int]] | None = None,
+) -> dict:
     """Loss over a whole token stream, cut into consecutive windows of block_size + 1 tokens.
+
+    Args:
+        model: the GPT.
+        tokens: the token ids.
+        batch_size: windows per forward pass.
+        device, dtype: where and in which autocast dtype to run (the model's device, float32).
+        segments: (start, end) ranges of `tokens` to score as separate texts: no window crosses
+            from one into the next, and each one's first token is not predicted (it has no
+            context). Default: the whole stream as one text.
 
     Returns {"loss": mean nats per predicted token, "tokens": predicted tokens, "nll": total nats}.
     """
     device = device or next(model.parameters()).device
     block = model.config.block_size
     n = len(tokens)
-    if n < 2:
-        raise TrainingError(f"need at least 2 tokens to evaluate, got {n}")
-    starts = list(range(0, n - 1, block))
+    segments = [(0, n)] if segments is None else segments
+    # (start, length) of each window: `length` inputs tokens[s:s+length], targets one token later
+    windows = [(s, min(block, end - 1 - s)) for start, end in segments for s in range(start, end - 1, block)]
+    if not windows:
+        what = f"got {n}" if len(segments) == 1 else "in a row between the characters left out"
+        raise TrainingError(f"need at least 2 tokens to evaluate, {what}")
     total, count = 0.0, 0
-    for i in range(0, len(starts), batch_size):
-        chunk = starts[i : i + batch_size]
-        # the last window may be shorter: evaluate same-length windows together
-        for length, group in _group_by_length(chunk, block, n):
+    for i in range(0, len(windows), batch_size):
+        # the last window of a text may be shorter: evaluate same-length windows together
+        for length, group in _group_by_length(windows[i : i + batch_size]):
             x = torch.stack([torch.from_numpy(np.asarray(tokens[s : s + length], dtype=np.int64)) for s in group])
             y = torch.stack([torch.from_numpy(np.asarray(tokens[s + 1 : s + length + 1], dtype=np.int64)) for s in group])
             with autocast(device, dtype):
@@ -363,10 +431,10 @@ def evaluate(model: GPT, tokens: np.ndarray, *, batch_size: int = 8, device=None
     return {"loss": total / count, "tokens": count, "nll": total}
 
 
-def _group_by_length(starts: list[int], block: int, n: int):
+def _group_by_length(windows: list[tuple[int, int]]):
     groups: dict[int, list[int]] = {}
-    for s in starts:
-        groups.setdefault(min(block, n - 1 - s), []).append(s)
+    for s, length in windows:
+        groups.setdefault(length, []).append(s)
     return groups.items()
 
 
@@ -424,6 +492,7 @@ def train(
     progress: bool = True,
     should_stop: Callable[[int], bool] | None = None,
     notes: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     """Train a GPT on a prepared data folder and keep it in a run folder.
 
@@ -444,6 +513,12 @@ def train(
             training there (saving first), as a signal would.
         notes: JSON-ready facts about how the run was set up (how its size was chosen, a sweep's
             grid point), kept in train_config.json under "notes" (merged on resume).
+        clock: seconds, for max_time and the step times its schedule is estimated from
+            (time.perf_counter; tests pass a fake one to play a machine that speeds up or slows down).
+
+    With max_time and no max_iters the run uses its budget: the schedule's length is re-estimated
+    after every step from the measured speed (BudgetSchedule), and it stops ("max_time") when the
+    time left would not buy another step and the last evaluation.
 
     Several processes: launched by torchrun (WORLD_SIZE > 1), every process calls train() with the
     same arguments. They join one process group (gloo on CPU, NCCL with one GPU per process),
@@ -460,7 +535,7 @@ def train(
     cfg = train_config or TrainConfig()
     with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
         try:
-            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop, notes)
+            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop, notes, clock)
         except Exception as e:
             if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
                 raise
@@ -481,6 +556,7 @@ def _train(
     progress: bool,
     should_stop: Callable[[int], bool] | None,
     notes: dict[str, Any] | None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     run = Path(out)
     dataset = load_data(data)
@@ -494,6 +570,7 @@ def _train(
         if model_config is not None and model_config != saved:
             raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
         model_config = saved
+        check_data_for_run(run, dataset)  # before anything in the run is touched
         state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
         _check_state(state, run)
     else:
@@ -547,11 +624,15 @@ def _train(
     data_rng = torch.Generator().manual_seed(cfg.seed)
 
     step, tokens_seen, horizon = 0, 0, cfg.max_iters
+    budget = cfg.max_iters is None and cfg.max_time is not None  # a time budget alone: its length is estimated
     if horizon is None and cfg.max_time is None:
         horizon = DEFAULT_MAX_ITERS
+    schedule = BudgetSchedule(cfg) if budget else None
     if state is not None:
         step, tokens_seen = int(state["step"]), int(state["tokens"])
-        if cfg.max_iters is None and state["max_iters"] is not None:
+        if budget:
+            schedule = BudgetSchedule.resumed(cfg, state, step)
+        elif cfg.max_iters is None and state["max_iters"] is not None:
             horizon = int(state["max_iters"])
         _check_optimizer_state(state["optimizer"], optimizer, run)
         try:
@@ -571,7 +652,8 @@ def _train(
             saved = read_json(run / TRAIN_CONFIG, TrainingError)
             previous = saved.get("notes") if isinstance(saved, dict) else None
             notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
-        record = {"data": str(Path(data).resolve()), "train": cfg.to_dict()}
+        record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": dataset.fingerprint,
+                  "train": cfg.to_dict()}
         write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
         if state is None:
             (run / METRICS).write_text("")
@@ -596,6 +678,7 @@ def _train(
         train_state = {
             "step": step, "tokens": tokens_seen, "max_iters": horizon, "optimizer": optimizer_state,
             "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
+            "schedule": schedule.state() if schedule is not None else None,
         }
         checkpoint.save_training(run, model, train_state, dataset.tokenizer, state_dict=weights)
 
@@ -626,16 +709,16 @@ def _train(
 
     bar = tqdm(total=horizon, initial=step, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True)
     stop = _Stop()
-    started = time.perf_counter()
+    started = clock()
     loss_value: float | None = None
     val_loss: float | None = None
     stopped = "max_iters"
-    step_times: list[float] = []
+    pace = _Pace(cfg, started)
     try:
         with _signals(stop):
             while horizon is None or step < horizon:
-                t0 = time.perf_counter()
-                lr = lr_at(step, cfg, horizon)
+                t0 = clock()
+                lr = schedule.next_lr(step) if schedule is not None else lr_at(step, cfg, horizon)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
                 loss_sum = torch.zeros((), device=device)
@@ -667,31 +750,37 @@ def _train(
                 step += 1
                 tokens_seen += tokens_per_step
                 trace.step(step)
-                dt = time.perf_counter() - t0
-                step_times.append(dt)
+                now = clock()
+                dt = now - t0
+                pace.step(dt)
                 log({"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                     "tokens_per_s": tokens_per_step / dt, "time": time.perf_counter() - started})
+                     "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "time": now - started})
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_step / dt:,.0f}", refresh=False)
+                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_step / max(dt, 1e-9):,.0f}", refresh=False)
 
-                elapsed = time.perf_counter() - started
-                if horizon is None and len(step_times) > CALIBRATION_STEPS:
-                    # clocks differ between processes: they agree on the shortest schedule
-                    horizon = int(ctx.min(step + _steps_left(cfg, elapsed, step_times[1:])))
-                    bar.total = horizon
-                    bar.refresh()
                 if step % cfg.eval_interval == 0:
+                    t_eval = clock()
                     val_loss = evaluate_now()
                     save()
-                # one small all-reduce a step: a signal or a time limit seen by any process stops all of them here
-                sigterm, sigint, requested, time_up = ctx.max([
+                    pace.evaluation(clock() - t_eval)
+                now = clock()
+                left = pace.steps_left(now) if budget else None
+                # one small all-reduce a step: a signal or a time limit seen by any process stops all of them
+                # here, and they agree on the shortest estimate of the steps left (clocks differ between them)
+                sigterm, sigint, requested, time_up, fewest = ctx.max([
                     stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(step)),
-                    cfg.max_time is not None and time.perf_counter() - started >= cfg.max_time,
+                    cfg.max_time is not None and now - started >= cfg.max_time,
+                    -math.inf if left is None else -left,
                 ])
+                if schedule is not None and fewest != -math.inf:
+                    schedule.left = -fewest
+                    bar.total = step + max(0, round(schedule.left))
                 if sigterm or sigint or requested:
                     stopped = "SIGTERM" if sigterm else "SIGINT" if sigint else "requested"
                     break
-                if time_up:
+                # a time budget alone also ends when what is left would not buy half a step and the
+                # last evaluation: it was used
+                if time_up or (schedule is not None and schedule.left is not None and schedule.left < 0.5):
                     stopped = "max_time"
                     break
             if step % cfg.eval_interval != 0 or step == 0:
@@ -704,7 +793,7 @@ def _train(
         if metrics is not None:
             metrics.close()
         trace.close()
-    return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, time.perf_counter() - started)
+    return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, clock() - started)
 
 
 def _check_state(state: dict[str, Any], run: Path) -> None:
@@ -717,7 +806,10 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
     def rng_state(v: Any) -> bool:
         return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
 
-    rng, opt = state.get("rng"), state.get("optimizer")
+    def fraction(v: Any) -> bool:
+        return type(v) is float and 0.0 <= v <= 1.0
+
+    rng, opt, schedule = state.get("rng"), state.get("optimizer"), state.get("schedule")
     checks = {
         "tokens": count(state.get("tokens")),
         "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
@@ -726,6 +818,8 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
         and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"]),
         "scaler": state.get("scaler") is None or isinstance(state.get("scaler"), dict),
         "rng": isinstance(rng, dict) and rng_state(rng.get("torch")) and rng_state(rng.get("data")),
+        "schedule": schedule is None or isinstance(schedule, dict) and fraction(schedule.get("warm"))
+        and fraction(schedule.get("progress")),
     }
     bad = [name for name, ok in checks.items() if not ok]
     if bad:
@@ -806,15 +900,67 @@ class _Trace:
             self.file.close()
 
 
-def _steps_left(cfg: TrainConfig, elapsed: float, step_times: list[float]) -> int:
-    """How many more steps fit in the time budget, counting the evaluations they bring."""
-    per_step = float(np.median(step_times)) * (1 + eval_overhead(cfg))
-    return max(1, int((cfg.max_time - elapsed) / per_step))
+class _Pace:
+    """How fast a run with a time budget goes, measured as it goes: the median of the last
+    SPEED_WINDOW step times (the first step, which warms caches and kernels up, left out), and the
+    time an evaluation with its checkpoint takes (estimated from eval_iters until one has run)."""
+
+    def __init__(self, cfg: TrainConfig, started: float) -> None:
+        self.cfg, self.started = cfg, started
+        self.times: list[float] = []
+        self.steps = 0
+        self.eval_seconds: list[float] = []
+
+    def step(self, seconds: float) -> None:
+        self.steps += 1
+        if self.steps > 1:
+            self.times = (self.times + [seconds])[-SPEED_WINDOW:]
+
+    def evaluation(self, seconds: float) -> None:
+        self.eval_seconds = (self.eval_seconds + [seconds])[-3:]
+
+    def steps_left(self, now: float) -> float | None:
+        """Steps the rest of the budget buys, after the evaluations they bring and the last one
+        (None until CALIBRATION_STEPS steps have been timed)."""
+        if self.steps <= CALIBRATION_STEPS or not self.times:
+            return None
+        cfg = self.cfg
+        per_step = float(np.median(self.times))
+        # an evaluation: as measured, else 2 x eval_iters forward passes at a third of a step each
+        per_eval = float(np.mean(self.eval_seconds)) if self.eval_seconds else (
+            per_step * 2 * cfg.eval_iters / (3 * cfg.grad_accum))
+        time_left = cfg.max_time - (now - self.started) - per_eval
+        return max(0.0, time_left / (per_step + per_eval / cfg.eval_interval))
 
 
 def has_checkpoint(run: str | Path) -> bool:
     """Whether a run folder holds weights to resume from (a run killed before its first save holds none)."""
     return (Path(run) / checkpoint.WEIGHTS).exists()
+
+
+def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None) -> None:
+    """Refuse data prepared with another tokenizer than the run's (what `train --resume` and `eval
+    --data` check): the run's fingerprint is the one train_config.json recorded, else its tokenizer's.
+
+    Args:
+        run: a run folder (or a Hugging Face GPT-2 folder, which records nothing).
+        dataset: the data folder (load_data).
+        tokenizer: the run's tokenizer when the caller has loaded it; else read from run/tokenizer.json.
+
+    Raises:
+        DataError: the tokenizers differ (one line naming both).
+    """
+    run = Path(run)
+    recorded = None
+    if (run / TRAIN_CONFIG).is_file():
+        saved = read_json(run / TRAIN_CONFIG, TrainingError)
+        recorded = saved.get("tokenizer_fingerprint") if isinstance(saved, dict) else None
+        recorded = recorded if isinstance(recorded, str) else None
+    if tokenizer is None and (run / checkpoint.TOKENIZER).is_file():
+        from .tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(run)
+    check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded)
 
 
 def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
