@@ -148,7 +148,7 @@ def test_chinchilla_time_measures_this_machine(capsys):
         (["params", "--seq-len", "4096"], "seq_len"),
         (["params", "--family", "--preset", "gpt2"], "--family"),
         (["params", "--family", "--lora-rank", "8"], "--family"),
-        (["params", "--lora-rank", "0"], "lora rank"),
+        (["params", "--lora-rank", "0"], "--lora-rank"),
         (["params", "--lora-rank", "eight"], "--lora-rank"),
         (["params", "--lora-alpha", "big"], "--lora-alpha"),
         (["params", "--lora-targets", "c_proj"], "ambiguous"),

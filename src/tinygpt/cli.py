@@ -911,19 +911,9 @@ def _params_method(args: argparse.Namespace) -> dict:
 
     lora = None
     if args.lora_rank is not None or args.lora_alpha is not None or args.lora_targets is not None:
-        settings = {}
-        if args.lora_rank is not None:
-            settings["rank"] = _int_flag(args.lora_rank, "--lora-rank")
-        if args.lora_alpha is not None:
-            try:
-                settings["alpha"] = float(args.lora_alpha)
-            except ValueError:
-                raise ConfigError(f"--lora-alpha: expected a number, got {args.lora_alpha!r}") from None
-        if args.lora_targets is not None:
-            settings["targets"] = args.lora_targets
-        lora = LoraConfig(**settings)
-    layers = _int_flag(args.freeze_layers, "--freeze-layers")
-    return dict(lora=lora, freeze_embeddings=args.freeze_embeddings, freeze_layers=0 if layers is None else layers)
+        given = {"rank": args.lora_rank, "alpha": args.lora_alpha, "targets": args.lora_targets}
+        lora = LoraConfig(**{k: v for k, v in given.items() if v is not None})
+    return dict(lora=lora, freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers or 0)
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -1363,11 +1353,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                    help="compute dtype (default float32)")
     f = p.add_argument_group("fine-tuning method (trainable parameters and training memory; default: full)")
-    f.add_argument("--lora-rank", metavar="R", help="LoRA adapters of rank R (8)")
-    f.add_argument("--lora-alpha", metavar="A", help="LoRA's scale is alpha / rank (alpha 8)")
+    f.add_argument("--lora-rank", metavar="R", type=Number("int", 1), help="LoRA adapters of rank R (8)")
+    f.add_argument("--lora-alpha", metavar="A", type=Number("float", 0, low_open=True), help="LoRA's scale is alpha / rank (alpha 8)")
     f.add_argument("--lora-targets", metavar="LIST",
                    help="projections to adapt: c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
-    f.add_argument("--freeze-layers", metavar="N", help="full training with the first N blocks frozen")
+    f.add_argument("--freeze-layers", metavar="N", type=Number("int", 0), help="full training with the first N blocks frozen")
     f.add_argument("--freeze-embeddings", action="store_true", help="full training with wte and wpe frozen")
     p.add_argument("--family", action="store_true", help="print the GPT-2 family table")
     p.add_argument("--json", action="store_true", help="print one JSON object")
