@@ -366,9 +366,11 @@ def share(offsets: torch.Tensor, rank: int, batch_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def estimate_loss(
-    model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype, *, rank: int = 0, world_size: int = 1
+    model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype, *, rank: int = 0, world_size: int = 1,
+    iters: int | None = None,
 ) -> float:
-    """Mean loss over eval_iters random batches; the same batches at every evaluation.
+    """Mean loss over eval_iters random batches (the first `iters` of them when given); the same
+    batches at every evaluation.
 
     With several processes each batch holds batch_size x world_size sequences and this process
     evaluates its own slice; the mean of the processes' results is the loss over the whole batch.
@@ -376,7 +378,7 @@ def estimate_loss(
     block = model.config.block_size
     g = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
-    for _ in range(cfg.eval_iters):
+    for _ in range(cfg.eval_iters if iters is None else iters):
         offsets = sample_offsets(len(tokens), block, cfg.batch_size * world_size, g)
         x, y = get_batch(tokens, share(offsets, rank, cfg.batch_size), block)
         with autocast(device, dtype):
@@ -682,15 +684,16 @@ def _train(
         }
         checkpoint.save_training(run, model, train_state, dataset.tokenizer, state_dict=weights)
 
-    def evaluate_now() -> float:
+    def evaluate_now(iters: int | None = None) -> float:
         model.eval()
         losses = {
             s: ctx.mean(estimate_loss(model, getattr(dataset, s), cfg, device, dtype, rank=ctx.rank,
-                                      world_size=ctx.world_size))
+                                      world_size=ctx.world_size, iters=iters))
             for s in ("train", "val")
         }
         model.train()
-        log({"step": step, "tokens": tokens_seen, "train_loss": losses["train"], "val_loss": losses["val"]})
+        record = {"step": step, "tokens": tokens_seen, "train_loss": losses["train"], "val_loss": losses["val"]}
+        log({**record, "eval_iters": iters} if iters is not None and iters < cfg.eval_iters else record)
         if show:
             bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
         return losses["val"]
@@ -769,7 +772,8 @@ def _train(
                 # here, and they agree on the shortest estimate of the steps left (clocks differ between them)
                 sigterm, sigint, requested, time_up, fewest = ctx.max([
                     stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(step)),
-                    cfg.max_time is not None and now - started >= cfg.max_time,
+                    # the budget is spent once what is left would not pay for the last evaluation
+                    cfg.max_time is not None and (now - started >= cfg.max_time or pace.time_left(now) <= 0),
                     -math.inf if left is None else -left,
                 ])
                 if schedule is not None and fewest != -math.inf:
@@ -784,7 +788,9 @@ def _train(
                     stopped = "max_time"
                     break
             if step % cfg.eval_interval != 0 or step == 0:
-                val_loss = evaluate_now()
+                # a time budget's last evaluation takes what the budget still affords (the processes agree)
+                iters = int(ctx.min(pace.final_eval_iters(clock()))) if cfg.max_time is not None else None
+                val_loss = evaluate_now(iters)
                 save()
             trace.end(step, stopped, model)
             ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
@@ -902,35 +908,53 @@ class _Trace:
 
 class _Pace:
     """How fast a run with a time budget goes, measured as it goes: the median of the last
-    SPEED_WINDOW step times (the first step, which warms caches and kernels up, left out), and the
-    time an evaluation with its checkpoint takes (estimated from eval_iters until one has run)."""
+    SPEED_WINDOW step times (the first step, which warms caches and kernels up, left out unless it
+    is all there is), and the time an evaluation with its checkpoint takes (estimated from
+    eval_iters until one has run)."""
 
     def __init__(self, cfg: TrainConfig, started: float) -> None:
         self.cfg, self.started = cfg, started
+        self.first: float | None = None
         self.times: list[float] = []
         self.steps = 0
         self.eval_seconds: list[float] = []
 
     def step(self, seconds: float) -> None:
         self.steps += 1
-        if self.steps > 1:
+        if self.steps == 1:
+            self.first = seconds
+        else:
             self.times = (self.times + [seconds])[-SPEED_WINDOW:]
 
     def evaluation(self, seconds: float) -> None:
         self.eval_seconds = (self.eval_seconds + [seconds])[-3:]
+
+    def per_step(self) -> float:
+        return float(np.median(self.times)) if self.times else (self.first or 0.0)
+
+    def per_eval(self) -> float:
+        """An evaluation's seconds: as measured, else 2 x eval_iters forward passes at a third of a step each."""
+        if self.eval_seconds:
+            return float(np.mean(self.eval_seconds))
+        return self.per_step() * 2 * self.cfg.eval_iters / (3 * self.cfg.grad_accum)
+
+    def time_left(self, now: float) -> float:
+        """Seconds of the budget left once the last evaluation is paid for."""
+        return self.cfg.max_time - (now - self.started) - self.per_eval()
 
     def steps_left(self, now: float) -> float | None:
         """Steps the rest of the budget buys, after the evaluations they bring and the last one
         (None until CALIBRATION_STEPS steps have been timed)."""
         if self.steps <= CALIBRATION_STEPS or not self.times:
             return None
-        cfg = self.cfg
-        per_step = float(np.median(self.times))
-        # an evaluation: as measured, else 2 x eval_iters forward passes at a third of a step each
-        per_eval = float(np.mean(self.eval_seconds)) if self.eval_seconds else (
-            per_step * 2 * cfg.eval_iters / (3 * cfg.grad_accum))
-        time_left = cfg.max_time - (now - self.started) - per_eval
-        return max(0.0, time_left / (per_step + per_eval / cfg.eval_interval))
+        return max(0.0, self.time_left(now) / (self.per_step() + self.per_eval() / self.cfg.eval_interval))
+
+    def final_eval_iters(self, now: float) -> int:
+        """Batches per split the last evaluation can afford in what is left of the budget: eval_iters
+        when it fits, fewer (at least one) when the budget is nearly spent, so the run ends on time."""
+        per_batch = self.per_eval() / self.cfg.eval_iters
+        affordable = (self.cfg.max_time - (now - self.started)) / per_batch if per_batch > 0 else math.inf
+        return int(max(1, min(self.cfg.eval_iters, affordable)))
 
 
 def has_checkpoint(run: str | Path) -> bool:
