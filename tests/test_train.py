@@ -257,10 +257,10 @@ def test_a_time_budget_is_used_as_the_speed_changes(char_data, tmp_path, monkeyp
 
 
 def test_a_budget_shorter_than_an_evaluation_ends_on_time(char_data, tmp_path, monkeypatch):
-    # `train --preset stretch --max-time 15s` on a loaded 2-core machine: ~3.5 s steps, and 20 + 20
-    # evaluation batches at a third of a step each would take 47 s after the budget ran out (the run
-    # ended at 74 s). The last evaluation takes the batches the budget still affords instead.
-    clock = FakeMachine(monkeypatch, [(math.inf, 3.5)])
+    # `train --preset stretch --max-time 15s` on a loaded 2-core machine: 20 + 20 evaluation batches at
+    # a third of a step each cost more than the whole budget, and ran after it was spent (the run ended
+    # at 74 s). The last evaluation takes the batches the budget still affords instead.
+    clock = FakeMachine(monkeypatch, [(math.inf, 1.5)])
     c = cfg(max_iters=None, max_time=15, eval_interval=250, eval_iters=20, warmup=2, lr=1e-3)
     result = train(char_data, tmp_path / "run", MODEL, c, progress=False, clock=clock)
     assert result.stopped == "max_time" and result.step >= 1

@@ -772,8 +772,8 @@ def _train(
                 # here, and they agree on the shortest estimate of the steps left (clocks differ between them)
                 sigterm, sigint, requested, time_up, fewest = ctx.max([
                     stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(step)),
-                    # the budget is spent once what is left would not pay for the last evaluation
-                    cfg.max_time is not None and (now - started >= cfg.max_time or pace.time_left(now) <= 0),
+                    # the budget is spent once what is left would not buy half a step and the last evaluation
+                    cfg.max_time is not None and pace.time_left(now) < pace.per_step() / 2,
                     -math.inf if left is None else -left,
                 ])
                 if schedule is not None and fewest != -math.inf:
@@ -939,8 +939,9 @@ class _Pace:
         return self.per_step() * 2 * self.cfg.eval_iters / (3 * self.cfg.grad_accum)
 
     def time_left(self, now: float) -> float:
-        """Seconds of the budget left once the last evaluation is paid for."""
-        return self.cfg.max_time - (now - self.started) - self.per_eval()
+        """Seconds of the budget left once the last evaluation is paid for. It is given at most a
+        tenth of the budget: when a whole evaluation costs more, it takes fewer batches (final_eval_iters)."""
+        return self.cfg.max_time - (now - self.started) - min(self.per_eval(), self.cfg.max_time / 10)
 
     def steps_left(self, now: float) -> float | None:
         """Steps the rest of the budget buys, after the evaluations they bring and the last one
