@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tinygpt import GPT, GPTConfig
-from tinygpt.bench import Plan, bench_config, bytes_per_token, ratios, render, run
-from tinygpt.quantize import quantize
+from tinygpt.lab.bench import Plan, bench_config, bytes_per_token, ratios, render, run
+from tinygpt.interop.quantize import quantize
 
 pytest.importorskip("transformers")
 

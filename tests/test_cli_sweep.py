@@ -8,7 +8,7 @@ import pytest
 
 from tinygpt.cli import main
 from tinygpt.config import GPTConfig
-from tinygpt.train import sized_lr
+from tinygpt.sizing import sized_lr
 
 TINY = ["--batch-size", "4", "--block-size", "16", "--eval-iters", "2", "--device", "cpu", "--quiet"]
 
@@ -95,7 +95,7 @@ def test_train_with_a_time_budget_and_no_model_flags_says_what_it_chose(char_dat
 def test_train_sweep_flag_bad_combinations(char_data, tmp_path, capsys, flags, fragment):
     from test_sweep import LAW, isoflop_records
 
-    from tinygpt.sweep import fit_sweep
+    from tinygpt.lab.sweep import fit_sweep
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()
@@ -107,7 +107,7 @@ def test_train_sweep_flag_bad_combinations(char_data, tmp_path, capsys, flags, f
 
 def test_train_sized_by_a_sweep(char_data, tmp_path):
     from tinygpt.calc import PowerLaw
-    from tinygpt.sweep import fit_sweep
+    from tinygpt.lab.sweep import fit_sweep
 
     sweep = tmp_path / "sweep"
     sweep.mkdir()

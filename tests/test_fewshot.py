@@ -6,9 +6,10 @@ import re
 import pytest
 import torch
 
-from tinygpt import GPT, GPTConfig, fewshot
+from tinygpt import GPT, GPTConfig
+from tinygpt.lab import fewshot
 from tinygpt.errors import ConfigError
-from tinygpt.fewshot import Example
+from tinygpt.lab.fewshot import Example
 from tinygpt.tokenizer import CharTokenizer
 
 

@@ -13,8 +13,8 @@ from test_tokenizer import GPT2_TEXTS, reference_encoding, write_gpt2_files  # n
 
 from tinygpt import GPT, GPTConfig  # noqa: E402
 from tinygpt.errors import CheckpointError, TokenizerError  # noqa: E402
-from tinygpt.gguf import INERT_MERGE, export_gguf, gguf_notes  # noqa: E402
-from tinygpt.hf_gpt2 import _spell  # noqa: E402
+from tinygpt.interop.gguf import INERT_MERGE, export_gguf, gguf_notes  # noqa: E402
+from tinygpt.interop.hf_gpt2 import _spell  # noqa: E402
 from tinygpt.tokenizer import EOT, GPT2_PATTERN, BPETokenizer, CharTokenizer, GPT2Tokenizer  # noqa: E402
 
 CORPUS = make_text(300) + "un café à 3 € 😀, naïve\tcoöperation\r\n"

@@ -16,7 +16,7 @@ from test_tokenizer import GPT2_TEXTS, reference_encoding, write_gpt2_files  # n
 import tinygpt  # noqa: E402
 from tinygpt import GPT, GPTConfig, TrainConfig, generate  # noqa: E402
 from tinygpt.errors import CheckpointError, TokenizerError  # noqa: E402
-from tinygpt.hf_gpt2 import (  # noqa: E402
+from tinygpt.interop.hf_gpt2 import (  # noqa: E402
     TRANSPOSED,
     export_hf,
     hf_shapes,

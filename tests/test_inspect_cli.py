@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from tinygpt import cli, fewshot
+from tinygpt import cli
+from tinygpt.lab import fewshot
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.train import train
 

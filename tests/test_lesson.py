@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from lesson_reference import RefTinyGPT, ref_greedy, tinygpt_name
 
-from tinygpt import GPT, GPTConfig, generate, lesson
+from tinygpt import GPT, GPTConfig, generate
+from tinygpt.lab import lesson
 from tinygpt.model import attention
 
 

@@ -193,7 +193,7 @@ def test_adapter_state_dict_round_trip_and_refusals():
 @pytest.mark.parametrize("tie", [True, False])
 def test_merged_logits_equal_the_adapted_models(tmp_path, tie):
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from tinygpt.hf_gpt2 import export_hf
+    from tinygpt.interop.hf_gpt2 import export_hf
 
     model = apply_lora(tiny(tie_weights=tie), rank=4, alpha=8.0, targets="attn,mlp")
     adamw_steps(model, n=3)
@@ -257,7 +257,7 @@ def test_freeze_refusals():
 
 def test_checksum_is_of_the_tensors_not_the_files(tmp_path):
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from tinygpt.hf_gpt2 import export_hf
+    from tinygpt.interop.hf_gpt2 import export_hf
 
     model = tiny(tie_weights=False).eval()
     checksum = weights_checksum(model)

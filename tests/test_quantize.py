@@ -11,7 +11,7 @@ from conftest import make_text
 
 import tinygpt
 from tinygpt import GPT, CheckpointError, ConfigError, GPTConfig, cli, generate, quantize
-from tinygpt.quantize import INT8_KERNEL_ROWS, Int8Linear, weight_format
+from tinygpt.interop.quantize import INT8_KERNEL_ROWS, Int8Linear, weight_format
 
 
 def small_model(n_embd: int = 64) -> GPT:

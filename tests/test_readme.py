@@ -18,10 +18,11 @@ import pytest
 import torch
 
 import tinygpt
-from tinygpt import cli, fewshot, lesson
+from tinygpt import cli
+from tinygpt.lab import fewshot, lesson
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.errors import DataError, SweepError
-from tinygpt.sweep import load_fit
+from tinygpt.lab.sweep import load_fit
 from tinygpt.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

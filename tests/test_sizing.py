@@ -5,7 +5,7 @@ import pytest
 from tinygpt.calc import PowerLaw, ScalingLaw, compute_optimal, count_params, flops_per_token
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.errors import ConfigError
-from tinygpt.train import (
+from tinygpt.sizing import (
     MIN_SIZED_CONTEXT,
     MIN_SIZED_STEPS,
     SIZED_STEPS,

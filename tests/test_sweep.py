@@ -9,7 +9,7 @@ import pytest
 from tinygpt.calc import CHINCHILLA_FIT, LossFit, ScalingLaw, compute_optimal, count_params
 from tinygpt.config import GPTConfig
 from tinygpt.errors import ConfigError, SweepError
-from tinygpt.sweep import (
+from tinygpt.lab.sweep import (
     SweepSettings,
     fit_frontier,
     fit_isoflops,

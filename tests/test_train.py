@@ -9,7 +9,9 @@ from tinygpt import GPTConfig
 from tinygpt.checkpoint import load
 from tinygpt.config import DEFAULT_LR, TrainConfig
 from tinygpt.errors import ConfigError, NonFiniteError, TrainingError
-from tinygpt.train import ModelChoice, lr_at, train
+from tinygpt.optim import lr_at
+from tinygpt.sizing import ModelChoice
+from tinygpt.train import train
 
 MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from tinygpt import GPT, GPTConfig, viz
+from tinygpt import GPT, GPTConfig
+from tinygpt.lab import viz
 from tinygpt.errors import CheckpointError, ConfigError
 from tinygpt.tokenizer import CharTokenizer
 

@@ -51,7 +51,7 @@ _HOME = {
     "save": "checkpoint",
     "load": "checkpoint",
     "load_tokenizer": "tokenizer",
-    "quantize": "quantize",
+    "quantize": "interop.quantize",
     "TinyGPTError": "errors",
     "ConfigError": "errors",
     "DataError": "errors",
@@ -68,13 +68,13 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .generate import generate, generate_stream
     from .kv_cache import KVCache
     from .model import GPT
-    from .quantize import quantize
+    from .interop.quantize import quantize
     from .tokenizer import load_tokenizer
     from .train import train
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use; any other submodule (tinygpt.sweep, ...) likewise."""
+    """Import a public name's module on first use; any other submodule (tinygpt.lab.sweep, ...) likewise."""
     home = _HOME.get(name)
     if home is not None:
         value = getattr(importlib.import_module(f".{home}", __name__), name)
@@ -91,7 +91,7 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Keeps `tinygpt.generate`, `tinygpt.train` and `tinygpt.quantize` the functions of those names.
+    """Keeps `tinygpt.generate` and `tinygpt.train` the functions of those names.
 
     Importing a submodule sets it as an attribute of its package, which would hide the function of
     the same name (`import tinygpt.train` would turn `tinygpt.train(...)` into a module); the eager

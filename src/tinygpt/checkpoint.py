@@ -263,7 +263,7 @@ def load(
 
         return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge)
     if is_hf_folder(path):
-        from .hf_gpt2 import load_hf  # a peer module; imported here so run folders never need it
+        from .interop.hf_gpt2 import load_hf  # a peer module; imported here so run folders never need it
 
         return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
     config = load_config(path)
@@ -344,7 +344,7 @@ def load_run(
         device = resolve_device(device)
     model = load(path, device=device, allow_nonfinite=allow_nonfinite, merge=True)
     if is_hf_folder(path):
-        from .hf_gpt2 import load_hf_tokenizer
+        from .interop.hf_gpt2 import load_hf_tokenizer
 
         tokenizer = load_hf_tokenizer(path)
     else:

@@ -135,7 +135,7 @@ def _fmt(values, digits: int = 4) -> str:
 
 def cmd_lesson(args: argparse.Namespace) -> int:
     """Walk through the lesson's worked examples with tinygpt's own objects."""
-    from . import lesson
+    from .lab import lesson
 
     def section(title: str, why: str) -> None:
         print(f"\n== {title}\n   {why}\n")
@@ -258,7 +258,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .config import GPTConfig, TrainConfig, from_mapping
     from .data import load_data
     from .errors import NonFiniteError
-    from .train import choose_model, has_checkpoint, read_train_config, train
+    from .sizing import choose_model
+    from .train import has_checkpoint, read_train_config, train
 
     model_over, train_over, preset = _train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
@@ -290,7 +291,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # data; under torchrun the data's default, which every process computes alike
             sweep = None
             if args.sweep:
-                from .sweep import load_fit
+                from .lab.sweep import load_fit
 
                 sweep = load_fit(args.sweep)
             sizing = dataclasses.replace(train_cfg, max_time=None) if distributed else train_cfg
@@ -329,7 +330,7 @@ def _load_run(run: str, device: str, quantize: str | None = None, allow_nonfinit
     with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from .checkpoint import load_run
-    from .quantize import quantize as to_format
+    from .interop.quantize import quantize as to_format
 
     model, tokenizer = load_run(run, device, allow_nonfinite=allow_nonfinite)
     return to_format(model, quantize or "fp32"), tokenizer
@@ -455,7 +456,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
         --layer L (0): the block. --head H (0) or --all-heads: one heatmap, or every head of the
             layer in a grid. --out FILE: the picture (.png, .svg or .pdf).
     """
-    from . import viz
+    from .lab import viz
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text whose attention to draw")
@@ -487,7 +488,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
         --title TEXT: a title over the plot.
     """
-    from . import viz
+    from .lab import viz
 
     viz.check_picture(args.out)
     runs = [viz.read_metrics(run) for run in args.runs]
@@ -508,7 +509,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     """Few-shot accuracy: prompts of k worked examples plus a query, for each k in --shots.
 
     Args (flags):
-        RUN: a run folder. --task FILE.jsonl | synthetic: a task file (see tinygpt.fewshot) or the
+        RUN: a run folder. --task FILE.jsonl | synthetic: a task file (see tinygpt.lab.fewshot) or the
             built-in in-context-learning task. --shots 0,1,2,3: the k values.
         --scoring generate|likelihood: greedy answer compared exactly, or the best-scoring choice.
         --queries N: evaluate the first N examples. --seed S: the draw of the worked examples (and
@@ -517,12 +518,12 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     """
     import json
 
-    from . import fewshot
+    from .lab import fewshot
 
     shots = fewshot.parse_shots(args.shots)
     task = fewshot.load_task(args.task, seed=args.seed)
     if args.plot:
-        from .viz import check_picture
+        from .lab.viz import check_picture
 
         check_picture(args.plot)  # before the evaluation, not after it
     model, tokenizer = _load_run(args.run, args.device)
@@ -550,7 +551,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     if report.chance is not None:
         print(f"chance: {100 * report.chance:.1f}%")
     if args.plot:
-        from . import viz
+        from .lab import viz
 
         viz.plot_fewshot([r.shots for r in report.results], [r.accuracy for r in report.results], args.plot,
                          title=f"{report.task}: {args.run}", chance=report.chance,
@@ -571,7 +572,7 @@ def cmd_fewshot_data(args: argparse.Namespace) -> int:
     """
     from pathlib import Path
 
-    from . import fewshot
+    from .lab import fewshot
     from .fileio import atomic_write
 
     if args.episodes < 1:
@@ -690,7 +691,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     params = f"{format_count(model.num_params())} parameters"
     tok = f"{tokenizer.kind} tokenizer, {tokenizer.vocab_size:,} tokens" if tokenizer is not None else "no tokenizer"
     if args.format == "hf":
-        from .hf_gpt2 import export_hf
+        from .interop.hf_gpt2 import export_hf
 
         export_hf(model, tokenizer, out)
         print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
@@ -698,7 +699,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if tokenizer is None:
             print(f"  note: {src} has no tokenizer.json, so {out} holds the model alone")
     else:
-        from .gguf import export_gguf, gguf_notes
+        from .interop.gguf import export_gguf, gguf_notes
 
         export_gguf(model, tokenizer, out, dtype=args.dtype)
         size = out.stat().st_size
@@ -716,7 +717,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
     """
     from .calc import format_count
-    from .hf_gpt2 import import_hf
+    from .interop.hf_gpt2 import import_hf
 
     model, tokenizer = import_hf(args.dir, args.out)
     run, c = args.out, model.config
@@ -838,7 +839,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --no-peers: skip transformers even when it is installed.
     """
 
-    from . import bench
+    from .lab import bench
     from .fileio import write_json
 
     sections = tuple(args.only or ("limits", "train", "generate"))
@@ -883,7 +884,7 @@ def _params_config(args: argparse.Namespace):
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if isinstance(data, dict) and "model_type" in data:  # a Hugging Face GPT-2 folder
-            from .hf_gpt2 import config_from_hf
+            from .interop.hf_gpt2 import config_from_hf
 
             base, name = config_from_hf(data, str(args.run)).to_dict(), str(args.run)
         else:
@@ -984,7 +985,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
         raise ConfigError("give a budget: --flops C, --params N, --tokens D or --time T (e.g. --flops 5.76e23)")
     measured = None
     if args.time is not None:
-        from .throughput import measure_training_throughput
+        from .lab.throughput import measure_training_throughput
 
         seconds = parse_duration(args.time, "--time")
         measured = measure_training_throughput(dtype=args.dtype or "float32", device=args.device)
@@ -1042,7 +1043,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """
     import json
 
-    from . import sweep
+    from .lab import sweep
 
     budgets = _counts(args.budgets, "--budgets")
     sizes = _counts(args.sizes, "--sizes")

@@ -284,7 +284,7 @@ def _base_tokenizer(base: Path):
     from .tokenizer import load_tokenizer
 
     if is_hf_folder(base):
-        from .hf_gpt2 import load_hf_tokenizer
+        from .interop.hf_gpt2 import load_hf_tokenizer
 
         return load_hf_tokenizer(base)
     return load_tokenizer(base) if (base / TOKENIZER).exists() else None

@@ -22,27 +22,19 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed
-from .calc import (
-    ScalingLaw,
-    compute_optimal,
-    count_params,
-    flops_per_token,
-    format_count,
-    shape_for_params,
-    smallest_shape,
-)
-from .config import DEFAULT_LR, GPTConfig, TrainConfig, from_mapping
+from .config import DEFAULT_LR, GPTConfig, TrainConfig
 from .data import DataSet, check_same_tokenizer, get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
-    ConfigError,
     NonFiniteError,
     TinyGPTError,
     TrainingError,
 )
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
+from .optim import BudgetSchedule, lr_at, make_optimizer
+from .sizing import ModelChoice, choose_model
 
 DEFAULT_MAX_ITERS = 2000
 METRICS = "metrics.jsonl"
@@ -50,12 +42,6 @@ TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run first estimates its schedule's length
 SPEED_WINDOW = 20  # a time budget's step time: the median of this many most recent steps
 DEBUG_ENV = "TINYGPT_DEBUG_DIR"  # see _Trace
-SIZE_FIELDS = ("n_layer", "n_head", "n_embd")  # setting any of these turns budget sizing off
-MIN_SIZED_STEPS = 100  # a model sized for a time budget gets at least this many optimizer steps
-SIZED_STEPS = 2_000  # ... and a context short enough for this many, down to MIN_SIZED_CONTEXT
-MIN_SIZED_CONTEXT = 64
-
-
 @dataclass
 class TrainResult:
     run: Path
@@ -65,293 +51,6 @@ class TrainResult:
     stopped: str  # "max_iters", "max_time", "SIGINT", "SIGTERM" or "requested"
     tokens: int  # training tokens seen in total
     elapsed: float  # seconds of this invocation
-
-
-def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
-
-    `max_iters` is the schedule's length; for a time budget it is estimated once training has
-    been timed, and the warmup then takes at most a tenth of it.
-    """
-    warmup = cfg.warmup
-    if cfg.max_iters is None and max_iters is not None:
-        warmup = min(warmup, max(1, max_iters // 10))
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    if max_iters is None:  # a time budget whose length is not known yet
-        return cfg.lr
-    progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
-    return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
-
-
-class BudgetSchedule:
-    """The learning rate of a run with a time budget and no max_iters: linear warmup, then cosine decay
-    toward min_lr over a length that is re-estimated after every step from the speed measured so far.
-
-    Both phases are fractions that only grow. The warmup moves 1/W of the way each step, W being
-    cfg.warmup until the run is timed and then at most a tenth of the estimated length. The decay's
-    progress p moves (1 - p) / R each step, R the steps the time left is estimated to buy (this one
-    included): at a steady speed that is the plain cosine over the run, and when the estimate
-    changes the rest of the decay stretches or squeezes from where it is. So the rate never goes
-    back up after the warmup, and it reaches min_lr as the budget runs out.
-
-    Args:
-        cfg: the run's settings (lr, min_lr, warmup).
-        warm, progress: where a resumed run's schedule was (its train_state.pt "schedule").
-    """
-
-    def __init__(self, cfg: TrainConfig, warm: float = 0.0, progress: float = 0.0) -> None:
-        self.cfg, self.warm, self.progress = cfg, warm, progress
-        self.left: float | None = None  # steps the time left buys, the next one included (None: not timed yet)
-
-    def next_lr(self, step: int) -> float:
-        """The rate for optimizer step `step` (0-based), which is about to run; moves the schedule on."""
-        cfg = self.cfg
-        if self.warm < 1:
-            length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
-            self.warm = min(1.0, self.warm + 1 / max(1, length))
-            return cfg.lr * self.warm
-        if self.left is not None:
-            self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
-        return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * self.progress)) * (cfg.lr - cfg.final_lr)
-
-    def state(self) -> dict[str, float]:
-        return {"warm": self.warm, "progress": self.progress}
-
-    @classmethod
-    def resumed(cls, cfg: TrainConfig, state: dict[str, Any], step: int) -> BudgetSchedule:
-        """Where a saved run's schedule was; a state saved before this schedule existed gives its
-        fixed length (max_iters), from which lr_at's position follows."""
-        saved = state.get("schedule")
-        if saved is not None:
-            return cls(cfg, float(saved["warm"]), float(saved["progress"]))
-        length = state.get("max_iters")
-        warmup = cfg.warmup if length is None else min(cfg.warmup, max(1, length // 10))
-        if step < warmup:
-            return cls(cfg, step / warmup)
-        return cls(cfg, 1.0, 0.0 if length is None else min(1.0, (step - warmup) / max(1, length - warmup)))
-
-
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not on biases and LayerNorm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    # the fused kernel: one pass over each tensor instead of a dozen (on a CPU, GPT-2 small's
-    # update took 47 ms against 331 ms for the foreach loop, one thread)
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
-def default_model_config(vocab_size: int, train_tokens: int, val_tokens: int) -> GPTConfig:
-    """A model that suits the data when no model flags are given: the lesson's `stretch` model for a
-    corpus of a million tokens or more, a 4-layer, 128-wide model below that; the context is
-    shortened when a split is too small to hold one."""
-    if train_tokens >= 1_000_000:
-        cfg = GPTConfig.from_preset("stretch", vocab_size=vocab_size)
-    else:
-        cfg = GPTConfig(vocab_size=vocab_size, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    shortest = min(train_tokens, val_tokens) if val_tokens else train_tokens
-    block = cfg.block_size
-    while block > 8 and block + 1 > shortest:
-        block //= 2
-    cfg.block_size = block
-    return cfg
-
-
-@dataclass
-class ModelChoice:
-    """The model choose_model picked, and why.
-
-    Args:
-        config: the architecture.
-        rule: "given" (size fields were set), "data" (no time budget: sized for the data),
-            "chinchilla" or "sweep" (sized for a time budget by that rule).
-        reason: one line for the user.
-        plan: for a time budget: seconds, flops_per_second, flops, params, tokens, steps, epochs, lr.
-        lr: for a time budget, the peak learning rate that suits the model (sized_lr); train()
-            uses it when TrainConfig.lr is left None (`tinygpt train` without --lr).
-    """
-
-    config: GPTConfig
-    rule: str
-    reason: str
-    plan: dict[str, Any] | None = None
-    lr: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rule": self.rule, "reason": self.reason, "config": self.config.to_dict(), "plan": self.plan}
-
-
-def eval_overhead(cfg: TrainConfig) -> float:
-    """Evaluation time as a share of training time: an evaluation runs 2 x eval_iters forward passes
-    every eval_interval steps, and a forward pass is about a third of a training step."""
-    return (2 * cfg.eval_iters) / (3 * cfg.grad_accum * cfg.eval_interval)
-
-
-def _describe(cfg: GPTConfig) -> str:
-    layers, heads = ("layer" if cfg.n_layer == 1 else "layers"), ("head" if cfg.n_head == 1 else "heads")
-    return (f"{cfg.n_layer} {layers} x {cfg.n_embd} wide, {cfg.n_head} {heads} "
-            f"({format_count(count_params(cfg).total)} parameters)")
-
-
-def choose_model(
-    vocab_size: int,
-    train_tokens: int,
-    val_tokens: int,
-    train_config: TrainConfig | None = None,
-    *,
-    fixed: dict[str, Any] | None = None,
-    sweep: ScalingLaw | None = None,
-    flops_per_second: float | None = None,
-) -> ModelChoice:
-    """The model to train when none is given: sized for the time budget if there is one, else for the data.
-
-    With train_config.max_time set and none of n_layer, n_head, n_embd fixed, the model is sized
-    for the compute the budget buys here. The speed is measured with a few real training steps
-    at the run's batch size, context, device and dtype: once on a probe (about 1M parameters on a
-    CPU, GPT-2 small's size on a GPU), then again on the size that speed points to, since smaller
-    models run at fewer FLOP/s.
-    The compute C = FLOP/s x max_time, less the share evaluations take, gives N by the sweep's
-    frontier (`sweep`) or Chinchilla's rule N = sqrt(C / 120); calc.shape_for_params turns N into
-    a shape, no smaller than the smallest one and small enough to get MIN_SIZED_STEPS steps of
-    batch_size x grad_accum x block_size tokens. Unless block_size is fixed, the context is halved
-    (down to MIN_SIZED_CONTEXT) until the plan reaches SIZED_STEPS steps, and the choice carries a
-    learning rate for the model's width (sized_lr). Without a time budget it is default_model_config's
-    model. Fields in `fixed` are kept either way (block_size among them: it changes FLOPs per
-    token and speed, so the sizing uses it).
-
-    Args:
-        vocab_size, train_tokens, val_tokens: the data's, as its meta.json gives them.
-        train_config: batch_size, grad_accum, max_time, eval settings, device and dtype (TrainConfig()).
-        fixed: model fields set by the user (block_size, dropout, bias, ...).
-        sweep: a sweep's fit (tinygpt.sweep.load_fit) to size by, instead of Chinchilla's rule.
-        flops_per_second: a known training speed, instead of measuring it.
-
-    Raises:
-        ConfigError: a sweep without a time budget, or with size fields fixed; invalid fixed fields.
-    """
-    cfg = train_config or TrainConfig()
-    fixed = dict(fixed or {})
-    base = from_mapping(GPTConfig, {**default_model_config(vocab_size, train_tokens, val_tokens).to_dict(), **fixed})
-    sized_by_user = [f for f in SIZE_FIELDS if f in fixed]
-    if sweep is not None and (cfg.max_time is None or sized_by_user):
-        why = "a time budget (max_time)" if cfg.max_time is None else f"no size fields (got {', '.join(sized_by_user)})"
-        raise ConfigError(f"a sweep's fit sizes the model for a time budget: it needs {why}")
-    if sized_by_user:
-        return ModelChoice(base, "given", f"model: {_describe(base)}, as given")
-    if cfg.max_time is None:
-        return ModelChoice(base, "data", f"model: {_describe(base)}, the default for {train_tokens:,} training tokens")
-
-    seconds = cfg.max_time
-    share = 1 / (1 + eval_overhead(cfg))
-    sequences = cfg.batch_size * cfg.grad_accum  # per optimizer step
-    # a small budget trains better on more, shorter steps: halve the context (unless it is given)
-    # until the plan reaches SIZED_STEPS steps (measured on the budget's Chinchilla size: 44 s of
-    # Shakespeare reached val loss 1.76 with context 64 and 1.89 with 128 at lr 3e-3, 2.39 with 256
-    # at lr 5e-3)
-    contexts = [base.block_size]
-    while "block_size" not in fixed and contexts[-1] // 2 >= MIN_SIZED_CONTEXT:
-        contexts.append(contexts[-1] // 2)
-
-    def steps_of(model: GPTConfig, flops: float) -> int:
-        return int(flops / flops_per_token(model).training // (sequences * model.block_size))
-
-    def size_at(flops: float, T: int) -> tuple[GPTConfig, float, list[str]]:
-        at = dataclasses.replace(base, block_size=T)
-        smallest = smallest_shape(vocab_size=base.vocab_size, block_size=T, base=at)
-        target = sweep.optimal_params(flops) if sweep is not None else compute_optimal(flops=flops).params
-        notes = []
-        if target <= count_params(smallest).total:
-            model = smallest
-            notes.append("the smallest model: the budget buys less")
-        else:
-            model = shape_for_params(target, vocab_size=base.vocab_size, block_size=T, base=at)
-        # a model too big for the batch would take a handful of steps: shrink it until it gets enough
-        smaller = target
-        while model is not smallest and steps_of(model, flops) < MIN_SIZED_STEPS:
-            smaller *= 0.8
-            if smaller <= count_params(smallest).total:
-                model = smallest
-            else:
-                model = shape_for_params(smaller, vocab_size=base.vocab_size, block_size=T, base=at)
-            if not notes or "steps" not in notes[-1]:
-                notes.append(f"made smaller to get {MIN_SIZED_STEPS} steps of {sequences * T:,} tokens")
-        return model, target, notes
-
-    def size_for(flops: float) -> tuple[GPTConfig, float, list[str]]:
-        for T in contexts:
-            model, target, notes = size_at(flops, T)
-            if steps_of(model, flops) >= SIZED_STEPS:
-                break
-        return model, target, notes
-
-    measured = flops_per_second is None
-    if measured:
-        # the first guess at a size to time: what a laptop trains in minutes, or GPT-2 small on a GPU
-        # (where a small model would time kernel launches rather than compute)
-        guess = 124e6 if resolve_device(cfg.device).type == "cuda" else 1e6
-        smallest = smallest_shape(vocab_size=base.vocab_size, block_size=base.block_size, base=base)
-        guess = max(guess, 2 * count_params(smallest).total)  # a big vocabulary sets a floor
-        probe = shape_for_params(guess, vocab_size=base.vocab_size, block_size=base.block_size, base=base)
-        speed = _measure_speed(probe, cfg)
-    else:
-        speed = flops_per_second
-    model, target, notes = size_for(speed * seconds * share)
-    if measured:
-        # the probe's speed is not the chosen model's: small models do fewer FLOP/s; measure that one
-        speed = _measure_speed(model, cfg)
-        model, target, notes = size_for(speed * seconds * share)
-    flops = speed * seconds * share
-    tokens = flops / flops_per_token(model).training
-    T = model.block_size
-    tokens_per_step = sequences * T
-    steps = steps_of(model, flops)
-    lr = sized_lr(model)
-    epochs = tokens / max(1, train_tokens)
-    if sweep is not None:
-        rule = "sweep"
-        law = f"the sweep{' in ' + sweep.source if sweep.source else ''} ({sweep.rule})"
-        low, high = sweep.flops_range
-        if not low / 10 <= flops <= high * 10:
-            notes.append(f"extrapolated: the sweep spans {low:.2g}-{high:.2g} FLOP")
-    else:
-        rule, law = "chinchilla", "Chinchilla's rule N = sqrt(C/120)"
-    where = "measured here" if measured else "given"
-    batch = f"{cfg.batch_size} x {T}" if cfg.grad_accum == 1 else f"{cfg.batch_size} x {cfg.grad_accum} x {T}"
-    reason = (
-        f"model: {_describe(model)} for a {seconds:g} s budget: {speed / 1e9:.3g} GFLOP/s ({where}) x {seconds:g} s "
-        f"= {flops:.3g} FLOP after evaluations; {law} -> N = {format_count(target)}; "
-        f"about {format_count(tokens)} tokens, {steps:,} steps of {batch} tokens at lr {lr:.2g}"
-        + (f", {epochs:.1f} epochs of the data" if epochs >= 1 else "")
-        + "".join(f"; {n}" for n in notes)
-    )
-    plan = {"seconds": seconds, "flops_per_second": speed, "measured": measured, "flops": flops, "target_params": target,
-            "params": count_params(model).total, "tokens": tokens, "steps": steps, "epochs": epochs,
-            "tokens_per_step": tokens_per_step, "lr": lr}
-    return ModelChoice(model, rule, reason, plan, lr)
-
-
-def sized_lr(config: GPTConfig) -> float:
-    """The peak learning rate for a model sized for a time budget: 3e-3 up to 128 wide, then falling
-    as 1/width (1e-3 at 384, 5e-4 at 768: what char models and GPT-2 small train well at). Measured
-    here: 44 s of Shakespeare on a 72-wide model reached val loss 1.76 at 3e-3 against 1.98 at 1e-3."""
-    return 3e-3 * min(1.0, 128 / config.n_embd)
-
-
-def _measure_speed(model: GPTConfig, cfg: TrainConfig) -> float:
-    """Training FLOP/s of `model` here, with the run's batch size, device and dtype (a few real steps)."""
-    from .device import DTYPES
-    from .throughput import measure_training_throughput  # it builds on this module's optimizer
-
-    device = resolve_device(cfg.device)
-    dtype = {v: k for k, v in DTYPES.items()}[resolve_dtype(cfg.dtype, device)]
-    dtype = "bfloat16" if dtype == "float16" else dtype  # measured alike; float16 is not a measuring dtype
-    return measure_training_throughput(
-        model, batch_size=cfg.batch_size, steps=3, warmup=1, dtype=dtype, device=str(device), seed=cfg.seed
-    ).flops_per_second
 
 
 def sample_offsets(n_tokens: int, block_size: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:

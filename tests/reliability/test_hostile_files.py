@@ -354,7 +354,7 @@ def bases(char_data, tmp_path_factory):
     model = GPTConfig(vocab_size=vocab, block_size=16, n_layer=2, n_head=2, n_embd=16)
     cfg = TrainConfig(batch_size=2, max_iters=2, eval_interval=2, eval_iters=1, device="cpu", dtype="float32")
     train(char_data, root / "run", model, cfg, progress=False)
-    from tinygpt.hf_gpt2 import export_hf
+    from tinygpt.interop.hf_gpt2 import export_hf
 
     export_hf(*load_run(root / "run", "cpu"), root / "hf")
     return root
@@ -398,7 +398,7 @@ def library_call(case: Case, data: Path) -> None:
         cfg = TrainConfig(batch_size=2, max_iters=3, eval_interval=2, eval_iters=1, device="cpu", dtype="float32")
         train(data, case.folder, None, cfg, resume=True, progress=False)
     elif case.command == "import":
-        from tinygpt.hf_gpt2 import import_hf
+        from tinygpt.interop.hf_gpt2 import import_hf
 
         import_hf(case.folder, str(case.folder) + "-imported-lib")
     else:

@@ -1,6 +1,6 @@
 """Scaling laws as plain data: power laws N_opt = k·C^a and D_opt = k·C^b, and what a sweep fitted.
 
-`tinygpt sweep` measures them (the fitting lives in tinygpt.sweep, with numpy and scipy); this
+`tinygpt sweep` measures them (the fitting lives in tinygpt.lab.sweep, with numpy and scipy); this
 module only holds and evaluates them, so `tinygpt train --sweep DIR` can size a model from a
 sweep's fit.json without importing the fitting code.
 """

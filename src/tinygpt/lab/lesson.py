@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GPTConfig
-from .generate import generate_stream
-from .model import GPT, attention, lm_loss
+from ..config import GPTConfig
+from ..generate import generate_stream
+from ..model import GPT, attention, lm_loss
 
 LESSON_SEED = 42
 
@@ -138,8 +138,8 @@ def train_tiny(text: str, *, causal: bool = True, steps: int = 300, seed: int = 
     """
     import numpy as np
 
-    from .data import get_batch
-    from .tokenizer import CharTokenizer
+    from ..data import get_batch
+    from ..tokenizer import CharTokenizer
 
     tokenizer = CharTokenizer.from_text(text)
     tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)
@@ -169,7 +169,7 @@ def last_position_loss(run: TinyRun, text: str, windows: int = 64, seed: int = 0
     """
     import numpy as np
 
-    from .data import get_batch
+    from ..data import get_batch
 
     tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
     block = run.model.config.block_size
@@ -180,7 +180,7 @@ def last_position_loss(run: TinyRun, text: str, windows: int = 64, seed: int = 0
 
 def continue_text(run: TinyRun, prompt: str, n: int, seed: int = 0, **sampling) -> str:
     """`n` characters after `prompt`; plain loop (no KV cache), which a non-causal model needs."""
-    from .generate import generate
+    from ..generate import generate
 
     idx = torch.tensor([run.tokenizer.encode(prompt)])
     out = generate(run.model, idx, n, use_cache=False, generator=torch.Generator().manual_seed(seed),
@@ -246,7 +246,7 @@ def decoding_pitfall(run: TinyRun | None = None, prompt: str = "Beautiful is ", 
     """
     import numpy as np
 
-    from .train import evaluate
+    from ..train import evaluate
 
     out = []
     with _one_thread():

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .calc import flops_per_token
-from .config import GPTConfig, TrainConfig
-from .device import resolve_device
-from .generate import generate_stream
-from .hf_gpt2 import to_transformers
-from .model import GPT
-from .quantize import Int8Linear, PackedLinear, quantize
+from ..calc import flops_per_token
+from ..config import GPTConfig, TrainConfig
+from ..device import resolve_device
+from ..generate import generate_stream
+from ..interop.hf_gpt2 import to_transformers
+from ..model import GPT
+from ..interop.quantize import Int8Linear, PackedLinear, quantize
 
 FORMATS = ("fp32", "bf16", "int8")
 CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's reference figures do
@@ -183,7 +183,7 @@ def peers_available() -> bool:
 
 def _char_data(root: Path, vocab: int) -> Path:
     """A prepared character data folder over `vocab` symbols (random text: only speed is measured)."""
-    from .data import prepare
+    from ..data import prepare
 
     g = torch.Generator().manual_seed(0)
     alphabet = [chr(33 + i) for i in range(vocab)]
@@ -201,7 +201,7 @@ def train_tinygpt(
     """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones)."""
     import json
 
-    from .train import METRICS, train
+    from ..train import METRICS, train
 
     with tempfile.TemporaryDirectory() as tmp:
         tc = TrainConfig(
@@ -220,7 +220,7 @@ def train_transformers(
     cfg: GPTConfig, batch: int, steps: int, dtype: str, device: torch.device, *, warmup: int = 2
 ) -> dict[str, Any]:
     """Tokens/s of a plain transformers GPT2LMHeadModel loop: autocast, fused AdamW, clipping."""
-    from .device import DTYPES, autocast
+    from ..device import DTYPES, autocast
 
     torch.manual_seed(0)
     model = to_transformers(GPT(cfg)).to(device).train()

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .calc import (
+from ..calc import (
     ASPECT_RATIO,
     CHINCHILLA_EXPONENTS,
     LossFit,
@@ -42,11 +42,11 @@ from .calc import (
     format_count,
     shape_for_params,
 )
-from .config import GPTConfig, TrainConfig
-from .data import load_data
-from .errors import ConfigError, NonFiniteError, SweepError
-from .fileio import atomic_write, read_json, write_json
-from .train import has_checkpoint, train
+from ..config import GPTConfig, TrainConfig
+from ..data import load_data
+from ..errors import ConfigError, NonFiniteError, SweepError
+from ..fileio import atomic_write, read_json, write_json
+from ..train import has_checkpoint, train
 
 RESULTS = "results.json"
 RESULTS_CSV = "results.csv"

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .device import allow_fast_float32
-from .errors import ConfigError
+from ..device import allow_fast_float32
+from ..errors import ConfigError
 
 FORMATS = ("fp32", "bf16", "int8")
 INT8_KERNEL_ROWS = 8  # up to this many rows the int8 kernel beats dequantize + bf16 matmul (measured)

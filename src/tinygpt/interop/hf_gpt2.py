@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, check_layers, is_hf_folder, model_from_tensors
-from .config import GPTConfig
-from .errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
-from .fileio import atomic_write, read_json, write_json
-from .model import GPT
-from .tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_to_unicode
+from ..checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, check_layers, is_hf_folder, model_from_tensors
+from ..config import GPTConfig
+from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
+from ..fileio import atomic_write, read_json, write_json
+from ..model import GPT
+from ..tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_to_unicode
 
 MODEL_TYPE = "gpt2"
 INDEX = "model.safetensors.index.json"
@@ -545,7 +545,7 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     Returns:
         (the model, its tokenizer or None), as saved in `out`.
     """
-    from .checkpoint import save
+    from ..checkpoint import save
 
     src, out = Path(src), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

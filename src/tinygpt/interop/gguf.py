@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .config import GPTConfig
-from .errors import CheckpointError, ConfigError, MissingDependencyError
-from .fileio import atomic_write
+from ..config import GPTConfig
+from ..errors import CheckpointError, ConfigError, MissingDependencyError
+from ..fileio import atomic_write
 from .hf_gpt2 import byte_level_vocab, check_gpt2_computes, gpt2_shapes, gpt2_tensors
-from .model import GPT
-from .tokenizer import Tokenizer
+from ..model import GPT
+from ..tokenizer import Tokenizer
 
 ARCH = "gpt2"
 DTYPES = ("float32", "float16")

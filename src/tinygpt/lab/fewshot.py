@@ -50,9 +50,9 @@ from typing import Protocol
 
 import torch
 
-from .errors import ConfigError
-from .generate import StopText, generate_stream
-from .tokenizer import IncrementalDecoder
+from ..errors import ConfigError
+from ..generate import StopText, generate_stream
+from ..tokenizer import IncrementalDecoder
 
 DEFAULT_TEMPLATE = "{input} -> {output}"
 SETTINGS = ("template", "separator", "prefix", "name", "chance")
@@ -186,7 +186,7 @@ def _example(record: dict, where: str) -> Example:
 
 def write_task(task: Task, path: str | os.PathLike) -> None:
     """Write a task as a task file that `read_task` reads back."""
-    from .fileio import atomic_write
+    from ..fileio import atomic_write
 
     settings = {"name": task.name, "template": task.template, "separator": task.separator, "prefix": task.prefix}
     if task.chance is not None:

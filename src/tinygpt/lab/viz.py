@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, ConfigError, MissingDependencyError
-from .fileio import atomic_write
+from ..errors import CheckpointError, ConfigError, MissingDependencyError
+from ..fileio import atomic_write
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
@@ -498,7 +498,7 @@ def plot_scaling(records: list[dict[str, Any]], fit: dict[str, Any], out_dir: st
 
     Args:
         records: results.json's points (each with budget, params, tokens, flops, val_loss).
-        fit: fit.json's content (tinygpt.sweep.fit_sweep).
+        fit: fit.json's content (tinygpt.lab.sweep.fit_sweep).
         out_dir: where the files go.
 
     Returns:

@@ -1,0 +1,3 @@
+"""Experiments and measurements built on the library: the lesson's worked examples (lesson), few-shot
+prompting (fewshot), pictures (viz), scaling sweeps (sweep), training speed (throughput) and the
+benchmark (bench). Nothing in the core imports them."""

@@ -1,0 +1,91 @@
+"""The optimizer and the learning-rate schedules training uses: AdamW with weight decay on matrices
+only, linear warmup then cosine decay over a known length (lr_at), or over a time budget whose
+length is re-estimated as the run goes (BudgetSchedule)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+
+    `max_iters` is the schedule's length; for a time budget it is estimated once training has
+    been timed, and the warmup then takes at most a tenth of it.
+    """
+    warmup = cfg.warmup
+    if cfg.max_iters is None and max_iters is not None:
+        warmup = min(warmup, max(1, max_iters // 10))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if max_iters is None:  # a time budget whose length is not known yet
+        return cfg.lr
+    progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
+    return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+class BudgetSchedule:
+    """The learning rate of a run with a time budget and no max_iters: linear warmup, then cosine decay
+    toward min_lr over a length that is re-estimated after every step from the speed measured so far.
+
+    Both phases are fractions that only grow. The warmup moves 1/W of the way each step, W being
+    cfg.warmup until the run is timed and then at most a tenth of the estimated length. The decay's
+    progress p moves (1 - p) / R each step, R the steps the time left is estimated to buy (this one
+    included): at a steady speed that is the plain cosine over the run, and when the estimate
+    changes the rest of the decay stretches or squeezes from where it is. So the rate never goes
+    back up after the warmup, and it reaches min_lr as the budget runs out.
+
+    Args:
+        cfg: the run's settings (lr, min_lr, warmup).
+        warm, progress: where a resumed run's schedule was (its train_state.pt "schedule").
+    """
+
+    def __init__(self, cfg: TrainConfig, warm: float = 0.0, progress: float = 0.0) -> None:
+        self.cfg, self.warm, self.progress = cfg, warm, progress
+        self.left: float | None = None  # steps the time left buys, the next one included (None: not timed yet)
+
+    def next_lr(self, step: int) -> float:
+        """The rate for optimizer step `step` (0-based), which is about to run; moves the schedule on."""
+        cfg = self.cfg
+        if self.warm < 1:
+            length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
+            self.warm = min(1.0, self.warm + 1 / max(1, length))
+            return cfg.lr * self.warm
+        if self.left is not None:
+            self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
+        return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * self.progress)) * (cfg.lr - cfg.final_lr)
+
+    def state(self) -> dict[str, float]:
+        return {"warm": self.warm, "progress": self.progress}
+
+    @classmethod
+    def resumed(cls, cfg: TrainConfig, state: dict[str, Any], step: int) -> BudgetSchedule:
+        """Where a saved run's schedule was; a state saved before this schedule existed gives its
+        fixed length (max_iters), from which lr_at's position follows."""
+        saved = state.get("schedule")
+        if saved is not None:
+            return cls(cfg, float(saved["warm"]), float(saved["progress"]))
+        length = state.get("max_iters")
+        warmup = cfg.warmup if length is None else min(cfg.warmup, max(1, length // 10))
+        if step < warmup:
+            return cls(cfg, step / warmup)
+        return cls(cfg, 1.0, 0.0 if length is None else min(1.0, (step - warmup) / max(1, length - warmup)))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings only (not on biases and LayerNorm gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # the fused kernel: one pass over each tensor instead of a dozen (on a CPU, GPT-2 small's
+    # update took 47 ms against 331 ms for the foreach loop, one thread)
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
