@@ -643,7 +643,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Measure this machine's limits, training and generation speed, beside Hugging Face transformers.
+    """Measure this machine's limits, training and generation speed, beside transformers and llama.cpp.
 
     Prints tables and the target ratios, all measured in the same run (a shared machine's absolute
     figures move between runs; the ratios are what to compare).
@@ -652,7 +652,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --quick: a shorter run (under two minutes on a 2-core CPU).
         --json FILE: also write every figure as JSON.
         --only SECTION: limits, train or generate (repeatable; default all).
-        --no-peers: skip transformers even when it is installed.
+        --no-peers: skip transformers and llama.cpp even when they are installed.
     """
 
     from . import bench
@@ -1235,12 +1235,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="training and generation speed against transformers, in one run",
+    p = sub.add_parser("bench", help="training and generation speed against transformers and llama.cpp, in one run",
                        description=cmd_bench.__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a shorter run (under two minutes)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--only", action="append", choices=("limits", "train", "generate"), help="measure only this")
-    p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     p.set_defaults(func=cmd_bench)
     return parser
 
