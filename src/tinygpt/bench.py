@@ -47,9 +47,8 @@ from .device import cpu_has_native_bf16, resolve_device
 from .generate import generate_stream
 from .hf_gpt2 import to_transformers
 from .model import GPT
-from .quantize import Int8Linear, PackedLinear, quantize
+from .quantize import FORMATS, quantize
 
-FORMATS = ("fp32", "bf16", "int8")
 CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's reference figures do
 # The from-scratch peer's character model, as it builds it: 4 layers, 4 heads, 128 wide, context 64 (batch
 # 12), no biases, exact GELU.
@@ -426,11 +425,8 @@ def bytes_per_token(model, batch: int, context: float) -> float:
     the keys and values of `context` positions in every layer."""
     weights = 0
     for m in model.modules():
-        if isinstance(m, Int8Linear):
-            weights += m.weight.numel() + m.scales.numel() * m.scales.element_size()
-        elif isinstance(m, PackedLinear):
-            weights += m.in_features * m.out_features * m.dtype.itemsize
-            weights += m.bias.numel() * m.bias.element_size() if m.bias is not None else 0
+        if hasattr(m, "nbytes"):  # tinygpt.quantize's layers say what their forward reads
+            weights += m.nbytes
         elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
             weights += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     cfg = model.config
@@ -538,9 +534,10 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
     if llama_dir is not None:
         for fmt, path in llama_files(base, llama_dir, plan.llama_formats).items():
             engines.append(("llama.cpp", fmt, load_llama(path, cfg.block_size), [(True, 1)]))
-    copies = {fmt: copy.deepcopy(base) for fmt in FORMATS if fmt != "fp32"}  # before packing: no copies after
+    formats = [f for f in FORMATS if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
+    copies = {fmt: copy.deepcopy(base) for fmt in formats if fmt != "fp32"}  # before packing: no copies after
     copies["fp32"] = base
-    engines += [("tinygpt", fmt, quantize(copies[fmt], fmt), cases) for fmt in FORMATS]
+    engines += [("tinygpt", fmt, quantize(copies[fmt], fmt), cases) for fmt in formats]
     g = torch.Generator().manual_seed(1)
     prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
     runners = {"tinygpt": generate_tinygpt, "transformers": generate_transformers, "llama.cpp": generate_llama}
@@ -587,7 +584,7 @@ DECODE_TARGETS = [
     ("decode gpt2 b1: tinygpt fp32 / transformers fp32", 1.5, ("gpt2", "tinygpt", ["fp32"]), ("gpt2", "transformers", ["fp32"])),
     ("decode gpt2 b1: tinygpt int8 / transformers fp32", 3.0, ("gpt2", "tinygpt", ["int8"]), ("gpt2", "transformers", ["fp32"])),
     ("decode gpt2 b1: tinygpt best low-precision / transformers bf16", 2.0,
-     ("gpt2", "tinygpt", ["bf16", "int8"]), ("gpt2", "transformers", ["bf16"])),
+     ("gpt2", "tinygpt", ["bf16", "fp16", "int8"]), ("gpt2", "transformers", ["bf16"])),
     ("decode baby b1: tinygpt fp32 / transformers fp32", 2.0, ("baby", "tinygpt", ["fp32"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt int8 / transformers fp32", 5.0, ("baby", "tinygpt", ["int8"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt bf16 / transformers bf16", None, ("baby", "tinygpt", ["bf16"]), ("baby", "transformers", ["bf16"])),

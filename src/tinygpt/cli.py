@@ -211,7 +211,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _load_run(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
     """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
-    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
+    with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from .checkpoint import load_run
     from .quantize import quantize as to_format
@@ -968,8 +968,9 @@ def _progress_bars():
 
 
 def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=("int8", "bf16"),
-                   help="run with low-precision weights: int8 (weight-only, per-channel scales) or bf16")
+    p.add_argument("--quantize", choices=("int8", "int4", "fp16", "bf16"),
+                   help="run with low-precision weights: int8 (per-channel scales), int4 (a scale and offset per "
+                        "32 inputs; CPU), fp16 (the 16-bit format for CPUs without native bf16) or bf16")
 
 
 def build_parser() -> argparse.ArgumentParser:
