@@ -60,7 +60,7 @@ TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequenc
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a run measures; `quick` fits in under two minutes on a 2-core CPU."""
+    """How much a run measures; `quick` takes a few minutes on a 2-core CPU."""
 
     matmul_n: int
     memory_mib: int
@@ -76,6 +76,7 @@ class Plan:
     peer_formats: tuple[str, ...]
     llama_models: tuple[str, ...] = ()  # decoded at batch 1 by tinygpt and llama.cpp (when installed)
     llama_formats: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
+    formats: tuple[str, ...] = FORMATS  # tinygpt's weight formats (int4 only where the model is on a CPU)
 
 
 FULL = Plan(
@@ -88,7 +89,7 @@ QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
-    peer_formats=("fp32",), llama_models=("baby",),
+    peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"),
 )
 
 
@@ -444,7 +445,7 @@ def run(
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
     Args:
-        quick: the short plan (under two minutes on a 2-core CPU).
+        quick: the short plan (a few minutes on a 2-core CPU).
         plan: what to measure, instead of the full or quick plan.
         sections: any of "limits", "train", "generate".
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
@@ -534,7 +535,7 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
     if llama_dir is not None:
         for fmt, path in llama_files(base, llama_dir, plan.llama_formats).items():
             engines.append(("llama.cpp", fmt, load_llama(path, cfg.block_size), [(True, 1)]))
-    formats = [f for f in FORMATS if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
+    formats = [f for f in plan.formats if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
     copies = {fmt: copy.deepcopy(base) for fmt in formats if fmt != "fp32"}  # before packing: no copies after
     copies["fp32"] = base
     engines += [("tinygpt", fmt, quantize(copies[fmt], fmt), cases) for fmt in formats]

@@ -649,7 +649,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     figures move between runs; the ratios are what to compare).
 
     Args (flags):
-        --quick: a shorter run (under two minutes on a 2-core CPU).
+        --quick: a shorter run (a few minutes on a 2-core CPU).
         --json FILE: also write every figure as JSON.
         --only SECTION: limits, train or generate (repeatable; default all).
         --no-peers: skip transformers and llama.cpp even when they are installed.
@@ -1238,7 +1238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="training and generation speed against transformers and llama.cpp, in one run",
                        description=cmd_bench.__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a shorter run (under two minutes)")
+    p.add_argument("--quick", action="store_true", help="a shorter run (a few minutes)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--only", action="append", choices=("limits", "train", "generate"), help="measure only this")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
