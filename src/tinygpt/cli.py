@@ -327,7 +327,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _load_run(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
     """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
-    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
+    with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from .checkpoint import load_run
     from .interop.quantize import quantize as to_format
@@ -827,16 +827,16 @@ def _is_loopback(host: str) -> bool:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Measure this machine's limits, training and generation speed, beside Hugging Face transformers.
+    """Measure this machine's limits, training and generation speed, beside transformers and llama.cpp.
 
     Prints tables and the target ratios, all measured in the same run (a shared machine's absolute
     figures move between runs; the ratios are what to compare).
 
     Args (flags):
-        --quick: a shorter run (under two minutes on a 2-core CPU).
+        --quick: a shorter run (a few minutes on a 2-core CPU).
         --json FILE: also write every figure as JSON.
         --only SECTION: limits, train or generate (repeatable; default all).
-        --no-peers: skip transformers even when it is installed.
+        --no-peers: skip transformers and llama.cpp even when they are installed.
     """
 
     from .lab import bench
@@ -1186,8 +1186,9 @@ def _progress_bars():
 
 
 def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quantize", choices=("int8", "bf16"),
-                   help="run with low-precision weights: int8 (weight-only, per-channel scales) or bf16")
+    p.add_argument("--quantize", choices=("int8", "int4", "fp16", "bf16"),
+                   help="run with low-precision weights: int8 (per-channel scales), int4 (a scale and offset per "
+                        "32 inputs; CPU), fp16 (the 16-bit format for CPUs without native bf16) or bf16")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1496,12 +1497,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)
 
-    p = sub.add_parser("bench", help="training and generation speed against transformers, in one run",
+    p = sub.add_parser("bench", help="training and generation speed against transformers and llama.cpp, in one run",
                        description=cmd_bench.__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a shorter run (under two minutes)")
+    p.add_argument("--quick", action="store_true", help="a shorter run (a few minutes)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     p.add_argument("--only", action="append", choices=("limits", "train", "generate"), help="measure only this")
-    p.add_argument("--no-peers", action="store_true", help="skip transformers")
+    p.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     p.set_defaults(func=cmd_bench)
     return parser
 
