@@ -16,7 +16,7 @@ from tinygpt.tokenizer import (
     GPT2Tokenizer,
     IncrementalDecoder,
     Tokenizer,
-    _byte_to_unicode,
+    byte_to_unicode,
     load_tokenizer,
 )
 
@@ -192,14 +192,14 @@ MERGES = [
 def write_gpt2_files(folder, merges=MERGES):
     """A small vocabulary in GPT-2's file format: 256 byte tokens in GPT-2's order, a token per merge, <|endoftext|>."""
     folder.mkdir(parents=True, exist_ok=True)
-    byte_to_unicode = _byte_to_unicode()
-    vocab = {byte_to_unicode[b]: i for i, b in enumerate(byte_to_unicode)}
+    spelling = byte_to_unicode()
+    vocab = {spelling[b]: i for i, b in enumerate(spelling)}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     vocab[EOT] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    unicode_to_byte = {c: b for b, c in byte_to_unicode.items()}
+    unicode_to_byte = {c: b for b, c in spelling.items()}
     ranks = {bytes(unicode_to_byte[c] for c in t): i for t, i in vocab.items() if t != EOT}
     return vocab, ranks
 

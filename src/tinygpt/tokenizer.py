@@ -28,8 +28,9 @@ import json
 import operator
 import os
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -280,7 +281,7 @@ def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> s
 # Byte-level BPE trained with Hugging Face `tokenizers`
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte, as byte-level BPE vocabularies spell tokens.
 
     Bytes that are printable Latin-1 (except space) stand for themselves; the other 68 bytes are
@@ -296,7 +297,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
 
 
 def _token_bytes(token: str) -> bytes:
@@ -614,6 +615,16 @@ class GPT2Tokenizer(_TokenizerBase):
     def encoding(self) -> Any:
         """The underlying `tiktoken.Encoding`."""
         return self._enc
+
+    @property
+    def ranks(self) -> Mapping[bytes, int]:
+        """Token bytes -> rank (= token id), read-only: the merge order of byte-pair encoding."""
+        return MappingProxyType(self._ranks)
+
+    @property
+    def special_tokens(self) -> Mapping[str, int]:
+        """Text -> id of the tokens outside the merges (GPT-2's <|endoftext|>), read-only."""
+        return MappingProxyType(self._special)
 
     def to_dict(self) -> dict[str, Any]:
         by_rank = sorted(self._ranks.items(), key=lambda kv: kv[1])
