@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import GPTConfig
+from .config import MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
 
 
@@ -76,10 +76,6 @@ def _matmul_attention(
     scores = torch.baddbmm(bias, q.reshape(-1, t_q, d), k.reshape(-1, t_k, d).transpose(1, 2), alpha=d**-0.5)
     weights = F.dropout(F.softmax(scores, dim=-1), p=dropout)
     return (weights @ v.reshape(-1, t_k, d)).view(*lead, t_q, d)
-
-
-# B x heads x T_q x T_k scores up to which bf16 training on a CPU takes the matmul path (see below)
-MATH_ATTENTION_MAX_SCORES = 2**25
 
 
 def _sdpa_is_slow(q: torch.Tensor, k: torch.Tensor) -> bool:
