@@ -1,4 +1,6 @@
 import json
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -292,6 +294,37 @@ def test_gpt2_offline_without_cache_names_the_option(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(TokenizerError, match="--tokenizer-file PATH"):
         GPT2Tokenizer.from_tiktoken()
+
+
+def test_gpt2_from_tiktoken_leaves_the_process_socket_timeout_alone(tmp_path, monkeypatch):
+    # the download's timeout is its own: a process-wide socket timeout would reach a server's sockets too
+    _, ranks = write_gpt2_files(tmp_path)
+    seen = []
+
+    def get_encoding(name):
+        seen.append(socket.getdefaulttimeout())
+        return reference_encoding(ranks)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", get_encoding)
+    socket.setdefaulttimeout(None)
+    tok = GPT2Tokenizer.from_tiktoken()
+    assert seen == [None] and socket.getdefaulttimeout() is None
+    assert tok.encode(" the cat") == reference_encoding(ranks).encode_ordinary(" the cat")
+
+
+def test_gpt2_from_tiktoken_stops_waiting_for_a_download_that_hangs(monkeypatch):
+    release = threading.Event()
+
+    def hanging(name):  # a network that drops packets: tiktoken's own request never times out
+        release.wait(30)
+        raise ConnectionError("gave up")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", hanging)
+    try:
+        with pytest.raises(TokenizerError, match=r"TimeoutError.*--tokenizer-file PATH"):
+            GPT2Tokenizer.from_tiktoken(timeout=0.1)
+    finally:
+        release.set()
 
 
 # --- loading refuses what is not a tinygpt tokenizer ------------------------------------------
