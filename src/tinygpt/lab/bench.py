@@ -60,7 +60,7 @@ TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequenc
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a run measures; `quick` takes a few minutes on a 2-core CPU."""
+    """How much a run measures; `quick` takes fewer models, steps and repeats, for a first look."""
 
     matmul_n: int
     memory_mib: int
@@ -445,7 +445,7 @@ def run(
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
     Args:
-        quick: the short plan (a few minutes on a 2-core CPU).
+        quick: the short plan (fewer models, steps and repeats).
         plan: what to measure, instead of the full or quick plan.
         sections: any of "limits", "train", "generate".
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
@@ -491,8 +491,8 @@ def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]
             if peers:
                 impls += [("transformers", d) for d in ("float32", "bfloat16")]
             best: dict[tuple[str, str], float] = {}
-            # interleaved rounds, the best of each kept: this host has slow spells (the same run
-            # measured 25,000 and 34,000 tokens/s minutes apart) that should not decide a ratio
+            # interleaved rounds, the best of each kept: a shared host has slow spells (the README's
+            # Performance section has one) that should not decide a ratio
             for _ in range(plan.repeats_train):
                 for impl, dtype in impls:
                     if impl == "tinygpt":
