@@ -324,7 +324,8 @@ def _samples(model: GPT, val: np.ndarray, tokenizer, cfg: FinetuneConfig) -> lis
             continue
         g = torch.Generator().manual_seed(SAMPLE_SEED)
         new = max(1, min(cfg.sample_tokens, block - len(ids)))
-        out = generate(model, torch.tensor([ids]), new, temperature=0.8, top_k=40, generator=g)
+        out = generate(model, torch.tensor([ids]), new, temperature=0.8, top_k=40, generator=g,
+                       vocab_size=tokenizer.vocab_size)
         samples.append({"prompt": prompt, "text": tokenizer.decode(out[0, len(ids):].tolist())})
     return samples
 
