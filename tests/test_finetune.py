@@ -4,8 +4,13 @@ bitwise, keep best keeps the lowest validation loss, resume is bitwise, data pre
 tokenizer is refused with the prepare command to run; the learning-rate schedules; the settings."""
 
 import hashlib
+import json
 import math
+import os
 import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -155,8 +160,6 @@ def test_keep_best_keeps_the_lowest_validation_loss(world, tmp_path):
     cfg = FinetuneConfig(keep="best")
     tinygpt.finetune(world / "base", tmp_path / "mix", tmp_path / "best", cfg, quick(max_iters=30, eval_interval=5,
                                                                                     lr=3e-3))
-    import json
-
     evals = [r for r in map(json.loads, (tmp_path / "best" / "metrics.jsonl").read_text().splitlines())
              if "val_loss" in r]
     best = min(evals, key=lambda r: r["val_loss"])
@@ -254,3 +257,18 @@ def test_grad_checkpoint_gives_the_same_gradients():
 
     for a, b in zip(grads(False), grads(True)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures Linux's VmHWM")
+def test_measured_peak_memory_is_within_15_percent_of_the_estimate():
+    # full, LoRA r=8, frozen-but-the-last: each method's peak RSS in a fresh process against `params`' figure
+    methods = [{}, {"lora": {"rank": 8}}, {"freeze_embeddings": True, "freeze_layers": 3}]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.pathsep.join([str(Path(tinygpt.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("peak_rss.py")), *map(json.dumps, methods)],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    results = [json.loads(line) for line in out.splitlines()]
+    assert len(results) == 3
+    for method, r in zip(methods, results):
+        assert r["peak"] == pytest.approx(r["estimate"], rel=0.15), method
+    assert results[1]["estimate"] < 0.75 * results[0]["estimate"]  # LoRA's saving is real, and measured
