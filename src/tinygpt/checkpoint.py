@@ -218,8 +218,13 @@ def weights_step(path: str | Path) -> int:
     return int(step)
 
 
+def is_hf_config(data: Any) -> bool:
+    """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
+    return isinstance(data, dict) and "model_type" in data
+
+
 def is_hf_folder(path: str | Path) -> bool:
-    """True for a Hugging Face model folder: its config.json names a `model_type` (a run's never does)."""
+    """True for a Hugging Face model folder: its config.json is a Hugging Face one (is_hf_config)."""
     file = Path(path) / CONFIG
     if not file.is_file():
         return False
@@ -227,7 +232,7 @@ def is_hf_folder(path: str | Path) -> bool:
         data = read_json(file, CheckpointError)
     except CheckpointError:
         return False
-    return isinstance(data, dict) and "model_type" in data
+    return is_hf_config(data)
 
 
 def is_adapter_run(path: str | Path) -> bool:

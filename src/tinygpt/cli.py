@@ -129,79 +129,12 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
-def _fmt(values, digits: int = 4) -> str:
-    return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
-
-
 def cmd_lesson(args: argparse.Namespace) -> int:
     """Walk through the lesson's worked examples with tinygpt's own objects."""
     from .lab import lesson
 
-    def section(title: str, why: str) -> None:
-        print(f"\n== {title}\n   {why}\n")
-
-    section("1. The causal mask (T=5)", "Row t marks the positions token t may attend to: itself and the past.")
-    print(lesson.causal_mask(5))
-
-    section(
-        "2. Causal attention for token 0 (seed 7, d_k=4, T=4)",
-        "Scores Q K^T / sqrt(d_k); future positions get -inf, so after the softmax token 0 sees only itself.",
-    )
-    trace = lesson.attention_trace()
-    print("scores[0]:", _fmt(trace.scores[0]))
-    print("attn[0]:  ", _fmt(trace.weights[0]))
-    print("out[0]:   ", _fmt(trace.out[0]), " (= V[0], the only value token 0 can read)")
-
-    section(
-        "3. TinyGPT (vocab 50, d 64, 4 heads, 2 layers, context 8), seed 42",
-        "Token + position embeddings, 2 pre-norm blocks (attention, 4x GELU MLP), final LayerNorm, untied head.",
-    )
-    model = lesson.lesson_model()
-    import torch
-
-    print(f"parameters: {model.num_params():,}")
-    print("logits shape for a (2, 8) batch:", tuple(model(torch.randint(0, 50, (2, 8))).shape))
-
-    section(
-        "4. CLM training: 20 Adam steps (lr 1e-3) on 8 random sequences of 8 tokens",
-        f"Input x[:, :-1], target x[:, 1:]. Random tokens start near ln(50) = {math.log(50):.4f}.",
-    )
-    for step, loss in enumerate(lesson.clm_training(), start=1):
-        mark = "  <- printed by the lesson" if step in (1, 5, 10, 20) else ""
-        print(f"step {step:>2}: loss={loss:.4f}{mark}")
-
-    section(
-        "5. Greedy generation from [5, 12, 3], 5 new tokens",
-        "Each step: run the model on the last 8 tokens, take the argmax of the last position's logits, append.",
-    )
-    steps = lesson.greedy_steps()
-    for i, step in enumerate(steps, start=1):
-        print(f"step {i}: context {step.context} -> next {step.token}")
-    print("generated:", steps[0].context + [s.token for s in steps])
-
-    section(
-        "6. Pitfall: forgetting the causal mask",
-        "One tiny character model trained twice on the Zen of Python (300 Adam steps, same start, same batches),\n"
-        "   with the mask and without it. Without it, position t reads token t+1 - its own target.",
-    )
-    pit = lesson.causal_mask_pitfall()
-    print(f"{'':<44}{'with mask':>10}{'without':>10}")
-    print(f"{'training loss (last 20 steps)':<44}{pit.train_loss['masked']:>10.3f}{pit.train_loss['unmasked']:>10.3f}"
-          "   <- collapses without the mask")
-    print(f"{'loss where no future is visible (generation)':<44}{pit.last_loss['masked']:>10.3f}"
-          f"{pit.last_loss['unmasked']:>10.3f}   <- what generation really gets")
-    print(f"greedy continuation of {pit.prompt!r}:")
-    print(f"  with mask:    {pit.samples['masked']!r}")
-    print(f"  without mask: {pit.samples['unmasked']!r}")
-
-    section(
-        "7. Pitfalls: greedy decoding repeats itself, too high a temperature makes noise",
-        "The masked model above continues one prompt four ways. distinct-4: the share of 4-character pieces that\n"
-        "   are not repeats (1.0 = none repeats); model loss: how unlikely the model finds its own text (nats/char).",
-    )
-    for s in lesson.decoding_pitfall(pit.runs["masked"], prompt=pit.prompt):
-        print(f"{s.label:<16} distinct-4 {s.distinct4:.2f}   model loss {s.loss:.2f}")
-        print("\n".join("    | " + line for line in (pit.prompt + s.text).split("\n")))
+    for text in lesson.tour():
+        print(text)
     return 0
 
 
@@ -605,7 +538,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .data import load_data
     from .errors import TokenizerError
     from .tokenizer import encode_skipping_unknown
-    from .train import check_data_for_run, evaluate, read_train_config
+    from .train import TRAIN_CONFIG, check_data_for_run, eval_report, evaluate, read_train_config
 
     if args.unknown == "skip" and not args.text:
         raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
@@ -627,7 +560,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             chars, nbytes = len(kept.decode("utf-8")), len(kept)
     else:
         data = args.data
-        if data is None and (Path(args.run) / "train_config.json").exists():  # a Hugging Face folder has none
+        if data is None and (Path(args.run) / TRAIN_CONFIG).exists():  # a Hugging Face folder has none
             data = read_train_config(args.run)[1]
         if data is None:
             raise ConfigError(f"{args.run} holds a model but no data of its own (an imported or Hugging Face folder): "
@@ -644,15 +577,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if segments is not None:
             segments = [(a, min(b, len(tokens))) for a, b in segments if a < len(tokens)]
     result = evaluate(model, tokens, batch_size=args.batch_size, segments=segments)
-    # the first token is never predicted: count the characters of the predicted share only
-    share = result["tokens"] / max(1, len(tokens))
-    unit, per = ("char", chars) if tokenizer.kind == "char" else ("byte", nbytes)
-    report = {
-        "loss": result["loss"],
-        "perplexity": math.exp(result["loss"]),
-        f"bits_per_{unit}": result["nll"] / math.log(2) / (per * share),
-        "tokens": result["tokens"],
-    }
+    report = eval_report(result, len(tokens), chars=chars, nbytes=nbytes, kind=tokenizer.kind)
+    unit = "char" if "bits_per_char" in report else "byte"
     if skipped is not None:
         report.update(skipped_chars=skipped, skipped_share=skipped / max(1, len(text)))
     print(f"{where}: {result['tokens']:,} tokens")
@@ -867,6 +793,7 @@ def _params_config(args: argparse.Namespace):
     import json
     from pathlib import Path
 
+    from .checkpoint import CONFIG, is_hf_config
     from .config import GPTConfig
 
     if args.preset and args.run:
@@ -874,16 +801,16 @@ def _params_config(args: argparse.Namespace):
     if args.run:
         path = Path(args.run)
         if path.is_dir():
-            path = path / "config.json"
+            path = path / CONFIG
             if not path.is_file():
-                raise ConfigError(f"{args.run}: no config.json in this folder (is it a tinygpt run?)")
+                raise ConfigError(f"{args.run}: no {CONFIG} in this folder (is it a tinygpt run?)")
         elif not path.is_file():
-            raise ConfigError(f"{args.run}: no such run folder or config.json file")
+            raise ConfigError(f"{args.run}: no such run folder or {CONFIG} file")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
-        if isinstance(data, dict) and "model_type" in data:  # a Hugging Face GPT-2 folder
+        if is_hf_config(data):  # a Hugging Face GPT-2 folder
             from .interop.hf_gpt2 import config_from_hf
 
             base, name = config_from_hf(data, str(args.run)).to_dict(), str(args.run)
