@@ -9,7 +9,7 @@ import math
 import os
 import sys
 
-from .errors import ConfigError, TinyGPTError
+from ..errors import ConfigError, TinyGPTError
 
 EXIT_ERROR = 2
 MAX_INT = 2**63 - 1  # no count, size or seed is bigger than torch's int64: a larger one is a typo
@@ -68,11 +68,11 @@ class Number:
             elif self.kind == "float":
                 value = float(raw)
             elif self.kind == "count":
-                from .calc import parse_count
+                from ..calc import parse_count
 
                 value = parse_count(raw)
             else:
-                from .config import parse_duration
+                from ..config import parse_duration
 
                 value = parse_duration(raw)
         except (ValueError, ConfigError):
@@ -98,7 +98,7 @@ class Number:
 
 
 def _seed() -> Number:
-    from .config import MAX_SEED
+    from ..config import MAX_SEED
 
     return Number("int", 0, MAX_SEED)
 
@@ -108,7 +108,7 @@ def _device(text: str) -> str:
     one-line usage error; the name is kept as given ("auto" is resolved later, by the command)."""
     if text == "auto":
         return text
-    from .device import resolve_device
+    from ..device import resolve_device
 
     try:
         resolve_device(text)
@@ -131,7 +131,7 @@ class _Parser(argparse.ArgumentParser):
 
 def cmd_lesson(args: argparse.Namespace) -> int:
     """Walk through the lesson's worked examples with tinygpt's own objects."""
-    from .lab import lesson
+    from ..lab import lesson
 
     for text in lesson.tour():
         print(text)
@@ -149,7 +149,7 @@ def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
     import dataclasses
     import tomllib
 
-    from .config import TrainConfig, parse_duration
+    from ..config import TrainConfig, parse_duration
 
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values: dict = {}
@@ -188,11 +188,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     """
     import dataclasses
 
-    from .config import GPTConfig, TrainConfig, from_mapping
-    from .data import load_data
-    from .errors import NonFiniteError
-    from .sizing import choose_model
-    from .train import has_checkpoint, read_train_config, train
+    from ..config import GPTConfig, TrainConfig, from_mapping
+    from ..data import load_data
+    from ..errors import NonFiniteError
+    from ..sizing import choose_model
+    from ..train import has_checkpoint, read_train_config, train
 
     model_over, train_over, preset = _train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
@@ -208,7 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
         model_cfg = None
         if model_over or preset:
-            from .checkpoint import load_config
+            from ..checkpoint import load_config
 
             base = GPTConfig.from_preset(preset).to_dict() if preset else load_config(args.out).to_dict()
             model_cfg = from_mapping(GPTConfig, {**base, **model_over})
@@ -224,7 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             # data; under torchrun the data's default, which every process computes alike
             sweep = None
             if args.sweep:
-                from .lab.sweep import load_fit
+                from ..lab.sweep import load_fit
 
                 sweep = load_fit(args.sweep)
             sizing = dataclasses.replace(train_cfg, max_time=None) if distributed else train_cfg
@@ -233,8 +233,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             model_cfg = choice  # train() records it and trains at its learning rate unless --lr is given
             if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
                 print(choice.reason, file=sys.stderr, flush=True)
-    from .device import resolve_device
-    from .distributed import process_group
+    from ..device import resolve_device
+    from ..distributed import process_group
 
     # under torchrun the processes stay in one group until rank 0 has printed: torchrun ends the
     # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
@@ -262,8 +262,8 @@ def _load_run(run: str, device: str, quantize: str | None = None, allow_nonfinit
     """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
     with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
-    from .checkpoint import load_run
-    from .interop.quantize import quantize as to_format
+    from ..checkpoint import load_run
+    from ..interop.quantize import quantize as to_format
 
     model, tokenizer = load_run(run, device, allow_nonfinite=allow_nonfinite)
     return to_format(model, quantize or "fp32"), tokenizer
@@ -284,9 +284,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     """Generate text from a trained run, streaming it to the terminal as it is chosen."""
     import torch
 
-    from .config import SampleConfig
-    from .generate import StopText, generate_stream
-    from .tokenizer import IncrementalDecoder
+    from ..config import SampleConfig
+    from ..generate import StopText, generate_stream
+    from ..tokenizer import IncrementalDecoder
 
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ConfigError("--num-samples must be >= 1 and --max-new-tokens >= 0")
@@ -389,7 +389,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
         --layer L (0): the block. --head H (0) or --all-heads: one heatmap, or every head of the
             layer in a grid. --out FILE: the picture (.png, .svg or .pdf).
     """
-    from .lab import viz
+    from ..lab import viz
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text whose attention to draw")
@@ -421,7 +421,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
         --title TEXT: a title over the plot.
     """
-    from .lab import viz
+    from ..lab import viz
 
     viz.check_picture(args.out)
     runs = [viz.read_metrics(run) for run in args.runs]
@@ -451,12 +451,12 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     """
     import json
 
-    from .lab import fewshot
+    from ..lab import fewshot
 
     shots = fewshot.parse_shots(args.shots)
     task = fewshot.load_task(args.task, seed=args.seed)
     if args.plot:
-        from .lab.viz import check_picture
+        from ..lab.viz import check_picture
 
         check_picture(args.plot)  # before the evaluation, not after it
     model, tokenizer = _load_run(args.run, args.device)
@@ -484,7 +484,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     if report.chance is not None:
         print(f"chance: {100 * report.chance:.1f}%")
     if args.plot:
-        from .lab import viz
+        from ..lab import viz
 
         viz.plot_fewshot([r.shots for r in report.results], [r.accuracy for r in report.results], args.plot,
                          title=f"{report.task}: {args.run}", chance=report.chance,
@@ -505,8 +505,8 @@ def cmd_fewshot_data(args: argparse.Namespace) -> int:
     """
     from pathlib import Path
 
-    from .lab import fewshot
-    from .fileio import atomic_write
+    from ..lab import fewshot
+    from ..fileio import atomic_write
 
     if args.episodes < 1:
         raise ConfigError("--episodes must be >= 1")
@@ -535,10 +535,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from .data import load_data
-    from .errors import TokenizerError
-    from .tokenizer import encode_skipping_unknown
-    from .train import TRAIN_CONFIG, check_data_for_run, eval_report, evaluate, read_train_config
+    from ..data import load_data
+    from ..errors import TokenizerError
+    from ..tokenizer import encode_skipping_unknown
+    from ..train import TRAIN_CONFIG, check_data_for_run, eval_report, evaluate, read_train_config
 
     if args.unknown == "skip" and not args.text:
         raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
@@ -605,8 +605,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """
     from pathlib import Path
 
-    from .calc import format_count
-    from .checkpoint import load_run
+    from ..calc import format_count
+    from ..checkpoint import load_run
 
     src, out = Path(args.run), Path(args.out)
     if out.resolve() == src.resolve():
@@ -617,7 +617,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     params = f"{format_count(model.num_params())} parameters"
     tok = f"{tokenizer.kind} tokenizer, {tokenizer.vocab_size:,} tokens" if tokenizer is not None else "no tokenizer"
     if args.format == "hf":
-        from .interop.hf_gpt2 import export_hf
+        from ..interop.hf_gpt2 import export_hf
 
         export_hf(model, tokenizer, out)
         print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
@@ -625,7 +625,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if tokenizer is None:
             print(f"  note: {src} has no tokenizer.json, so {out} holds the model alone")
     else:
-        from .interop.gguf import export_gguf, gguf_notes
+        from ..interop.gguf import export_gguf, gguf_notes
 
         export_gguf(model, tokenizer, out, dtype=args.dtype)
         size = out.stat().st_size
@@ -642,8 +642,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     tokenizer.json holding a byte-level BPE or a one-token-per-character vocabulary. A folder with
     only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
     """
-    from .calc import format_count
-    from .interop.hf_gpt2 import import_hf
+    from ..calc import format_count
+    from ..interop.hf_gpt2 import import_hf
 
     model, tokenizer = import_hf(args.dir, args.out)
     run, c = args.out, model.config
@@ -665,8 +665,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
         --out MERGED: the run folder to create (model.safetensors, config.json, tokenizer.json):
             a model like any other, which needs neither the adapters nor the base any more.
     """
-    from .calc import format_count
-    from .lora import merge_run, read_adapter_config
+    from ..calc import format_count
+    from ..lora import merge_run, read_adapter_config
 
     model, tokenizer = merge_run(args.run, args.out)
     info = read_adapter_config(args.run)
@@ -703,7 +703,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     try:
-        from .server import create_app, listen, serve
+        from ..server import create_app, listen, serve
     except ImportError as e:
         if e.name in ("fastapi", "uvicorn", "starlette", "pydantic"):
             raise ConfigError("tinygpt serve needs FastAPI and uvicorn: pip install 'tinygpt[serve]'") from None
@@ -765,8 +765,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --no-peers: skip transformers even when it is installed.
     """
 
-    from .lab import bench
-    from .fileio import write_json
+    from ..lab import bench
+    from ..fileio import write_json
 
     sections = tuple(args.only or ("limits", "train", "generate"))
     result = bench.run(quick=args.quick, sections=sections, peers=not args.no_peers,
@@ -793,8 +793,8 @@ def _params_config(args: argparse.Namespace):
     import json
     from pathlib import Path
 
-    from .checkpoint import CONFIG, is_hf_config
-    from .config import GPTConfig
+    from ..checkpoint import CONFIG, is_hf_config
+    from ..config import GPTConfig
 
     if args.preset and args.run:
         raise ConfigError("give --preset or a RUN folder, not both")
@@ -811,7 +811,7 @@ def _params_config(args: argparse.Namespace):
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
         if is_hf_config(data):  # a Hugging Face GPT-2 folder
-            from .interop.hf_gpt2 import config_from_hf
+            from ..interop.hf_gpt2 import config_from_hf
 
             base, name = config_from_hf(data, str(args.run)).to_dict(), str(args.run)
         else:
@@ -835,7 +835,7 @@ def _params_config(args: argparse.Namespace):
 
 def _params_method(args: argparse.Namespace) -> dict:
     """The training method `tinygpt params` sizes: LoRA from any --lora-* flag, freezing from --freeze-*."""
-    from .config import LoraConfig
+    from ..config import LoraConfig
 
     lora = None
     if args.lora_rank is not None or args.lora_alpha is not None or args.lora_targets is not None:
@@ -861,7 +861,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     """
     import json
 
-    from .calc import report
+    from ..calc import report
 
     batch_size = _int_flag(args.batch_size, "--batch-size")
     seq_len = _int_flag(args.seq_len, "--seq-len")
@@ -898,8 +898,8 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
     """
     import json
 
-    from .calc import compute_optimal, format_count, parse_count, report
-    from .config import parse_duration
+    from ..calc import compute_optimal, format_count, parse_count, report
+    from ..config import parse_duration
 
     budgets = {flag: getattr(args, flag) for flag in ("flops", "params", "tokens")}
     given = {flag: parse_count(v, "--" + flag) for flag, v in budgets.items() if v is not None}
@@ -912,7 +912,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
         raise ConfigError("give a budget: --flops C, --params N, --tokens D or --time T (e.g. --flops 5.76e23)")
     measured = None
     if args.time is not None:
-        from .lab.throughput import measure_training_throughput
+        from ..lab.throughput import measure_training_throughput
 
         seconds = parse_duration(args.time, "--time")
         measured = measure_training_throughput(dtype=args.dtype or "float32", device=args.device)
@@ -944,7 +944,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
 
 def _counts(values: list[str] | None, flag: str) -> list[float] | None:
     """Numbers given as separate words or comma lists ("1e12 3e12" or "1e12,3e12"), each checked."""
-    from .calc import parse_count
+    from ..calc import parse_count
 
     if values is None:
         return None
@@ -970,7 +970,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """
     import json
 
-    from .lab import sweep
+    from ..lab import sweep
 
     budgets = _counts(args.budgets, "--budgets")
     sizes = _counts(args.sizes, "--sizes")
@@ -997,7 +997,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     settings = sweep.SweepSettings(**{**defaults.to_dict(), **{k: v for k, v in flags.items() if v is not None}})
 
     def report(i: int, n: int, record: dict, new: bool) -> None:
-        from .calc import format_count
+        from ..calc import format_count
 
         head = (f"[{i + 1}/{n}] C={record['budget']:.3g}  N={format_count(record['params'])} "
                 f"({record['n_layer']}x{record['n_embd']})  D={format_count(record['tokens'])}, {record['steps']:,} steps")
@@ -1037,7 +1037,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """
     import time
 
-    from .data import prepare
+    from ..data import prepare
 
     out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
@@ -1118,7 +1118,7 @@ def _add_quantize_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .tokenizer import BPE_MAX_VOCAB, BPE_MIN_VOCAB
+    from ..tokenizer import BPE_MAX_VOCAB, BPE_MIN_VOCAB
 
     # every numeric flag's range is here, in its type (Number); every --device is checked by _device
     positive, natural, seed = Number("int", 1), Number("int", 0), _seed()
@@ -1434,7 +1434,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
