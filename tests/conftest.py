@@ -39,6 +39,25 @@ def char_data(tmp_path_factory):
     return root / "data"
 
 
+# ---- the server tests' tiny model (test_server, test_server_scheduler, test_playground) ----------
+# A random 2-layer GPT over printable ASCII (server_util.tiny_model) and its char tokenizer, one per
+# test module. A module that needs another model defines its own `model` fixture, which wins.
+
+
+@pytest.fixture(scope="module")
+def model():
+    from server_util import tiny_model
+
+    return tiny_model(block_size=32)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from server_util import tiny_tokenizer
+
+    return tiny_tokenizer()
+
+
 # ---- figures: numbers a test measures for docs/RELIABILITY.md, listed at the end of the run ------
 
 _FIGURES: list[dict] = []

@@ -1,6 +1,8 @@
 """tinygpt bench: a tiny run yields every row and ratio the report needs, and greedy tokens agree
-with transformers on the same weights (speed itself is never asserted)."""
+with transformers on the same weights (speed itself is never asserted); llama.cpp's rows where it is
+installed; the CPU's flags at the top of every report."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,10 +11,12 @@ import pytest
 import torch
 
 from tinygpt import GPT, GPTConfig
-from tinygpt.lab.bench import Plan, bench_config, bytes_per_token, ratios, render, run
+from tinygpt.lab.bench import (
+    Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, machine, ratios, render, run,
+)
 from tinygpt.interop.quantize import quantize
 
-pytest.importorskip("transformers")
+needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers is not installed")
 
 TINY = Plan(
     matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
@@ -35,6 +39,7 @@ def test_bytes_per_token_count_each_format():
     assert fp32 > 4 * matrices and int8 < fp32 / 3
 
 
+@needs_transformers
 def test_a_tiny_run_measures_every_row_and_ratio():
     lines = []
     result = run(plan=TINY, log=lines.append)
@@ -63,6 +68,53 @@ def test_ratios_read_the_best_format_against_each_target():
     assert got["decode baby b1: tinygpt fp32 / transformers fp32"] == (2.5, True)
     assert got["decode baby b1: tinygpt int8 / transformers fp32"] == (4.0, False)
     assert got["train char 12x64: tinygpt best tokens/s / 32,000 (2x the peer's)"] == (1.25, True)
+
+
+def test_ratios_against_llama_cpp_pair_each_format_with_tinygpt_s_best():
+    row = dict(batch=1, kv_cache=True, model="baby")
+    speeds = {("tinygpt", "fp32"): 100.0, ("tinygpt", "bf16"): 150.0, ("tinygpt", "int8"): 200.0,
+              ("llama.cpp", "f32"): 100.0, ("llama.cpp", "f16"): 200.0, ("llama.cpp", "q8_0"): 100.0,
+              ("llama.cpp", "q4_0"): 300.0}
+    result = {"generation": [{**row, "impl": i, "format": f, "decode_tokens_per_s": v} for (i, f), v in speeds.items()]}
+    got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
+    assert got["decode baby b1: tinygpt fp32 / llama.cpp f32"] == (1.0, True)
+    assert got["decode baby b1: tinygpt bf16 / llama.cpp f16"] == (0.75, False)  # fp16 not measured: not named
+    assert got["decode baby b1: tinygpt int8 / llama.cpp q8_0"] == (2.0, True)
+    assert not any("q4_0" in name for name in got)  # no tinygpt int4 row to compare with
+
+
+def test_cpu_flags_and_torch_s_view_of_them_head_every_report():
+    cpuinfo = "processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni\n"
+    flags = cpu_flags(cpuinfo)
+    assert flags["AVX2"] and flags["AVX-512"] and flags["AVX-512 VNNI"]
+    assert not flags["AVX-512 BF16"] and not flags["AMX"]
+    assert cpu_flags("processor\t: 0\n") == {}  # nothing to read (not x86 Linux): no flags claimed
+    line = describe_cpu({"processor": "Some CPU", "cpu_flags": flags, "cpu_capability": "AVX512", "native_bf16": False})
+    assert "AVX-512 BF16 no" in line and "AVX-512 VNNI yes" in line and "torch kernels AVX512" in line
+    m = machine(torch.device("cpu"))  # this machine's own flags, whatever they are
+    assert m["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    result = {"quick": False, "seconds": 1.0, "machine": m,
+              "limits": {"matmul_float32_gflops": 1.0, "matmul_bfloat16_gflops": 1.0, "memory_read_gbs": 1.0}}
+    head = render(result).splitlines()[:2]
+    assert head[1] == describe_cpu(m) and head[1].startswith("cpu: ")
+
+
+@pytest.mark.skipif(not llama_available(), reason="llama-cpp-python (the llama extra) or gguf is not installed")
+def test_llama_cpp_decodes_tinygpt_s_gguf_export_beside_tinygpt():
+    plan = Plan(matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(), prompt=4,
+                new_tokens=3, no_cache_tokens=2, gen_models=(), gen_batches=(1,), peer_formats=(),
+                llama_models=("lesson",))
+    result = run(plan=plan, sections=("generate",), log=lambda line: None)
+    json.dumps(result)
+    assert result["llama"]
+    gen = {(r["impl"], r["format"], r["batch"], r["kv_cache"]) for r in result["generation"]}
+    # a model measured only against llama.cpp: batch 1 with the cache, every format of both
+    assert {("llama.cpp", f, 1, True) for f in ("f32", "f16", "q8_0", "q4_0")} <= gen
+    assert ("tinygpt", "int8", 1, True) in gen and not any(impl == "transformers" for impl, *_ in gen)
+    assert all(r["decode_tokens_per_s"] > 0 for r in result["generation"])
+    names = {r["name"] for r in result["ratios"]}
+    assert {"decode lesson b1: tinygpt fp32 / llama.cpp f32", "decode lesson b1: tinygpt int8 / llama.cpp q8_0"} <= names
+    assert "llama.cpp    q4_0" in render(result)
 
 
 def test_cli_refuses_an_unknown_section():

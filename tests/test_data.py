@@ -180,6 +180,33 @@ def test_invalid_utf8_replace_counts(tmp_path, small_reads):
     assert ds.tokenizer.decode(ds.train) == expected
 
 
+def test_replace_counts_only_substitutions_not_the_files_own_u_fffd(tmp_path, small_reads):
+    # U+FFFD written in the file (EF BF BD, cut across reads of 5 bytes) is text, not a substitution
+    content = "ok \ufffd then ".encode() + b"\xff" + " and \ufffd\ufffd at a seam".encode() + b"\xe6\x97"
+    (tmp_path / "mixed.txt").write_bytes(content)
+    meta = prepare([str(tmp_path / "mixed.txt")], tmp_path / "data", errors="replace", val_fraction=0)
+    expected = content.decode("utf-8", errors="replace")
+    assert expected.count("\ufffd") == 5 and meta["replacements"] == 2
+    ds = load_data(tmp_path / "data")
+    assert ds.tokenizer.decode(ds.train) == expected
+
+
+def test_replacements_are_counted_per_prepare_call(tmp_path):
+    # a prepare that runs while another is reading (here from its progress callback) must not add
+    # its substitutions to the other's count: the old process-wide counter did
+    (tmp_path / "clean.txt").write_text("clean text, nothing to replace\n", encoding="utf-8")
+    (tmp_path / "bad.txt").write_bytes(b"bad \xff bytes \xfe here")
+    inner = []
+
+    def progress(phase, done, total):
+        if not inner:
+            inner.append(prepare([str(tmp_path / "bad.txt")], tmp_path / "bad", errors="replace"))
+
+    meta = prepare([str(tmp_path / "clean.txt")], tmp_path / "clean", errors="replace", progress=progress)
+    assert inner[0]["replacements"] == 2
+    assert meta["replacements"] == 0
+
+
 def test_python_stdlib_corpus_resolution():
     (src,) = resolve_sources(["python-stdlib"])
     root = data.python_stdlib_root()

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tinygpt import cli
+from traced_train import trace_cli
 from tinygpt.checkpoint import load, load_training, weights_step
 from tinygpt.distributed import Dist, _state_by_index, _state_by_name, process_group
 
@@ -26,11 +27,16 @@ FLAT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16
         "--device", "cpu", "--quiet"]
 
 
-def torchrun(*args, env: dict | None = None, popen: bool = False):
-    """`torchrun --standalone --nproc_per_node=2 -m tinygpt ...` as a subprocess."""
+TRACED = Path(__file__).with_name("traced_train.py")
+
+
+def torchrun(*args, trace: Path | None = None, popen: bool = False):
+    """`torchrun --standalone --nproc_per_node=2 -m tinygpt ...` as a subprocess; with `trace`, each
+    process writes what it trained on there (tests/traced_train.py)."""
     exe = Path(sys.executable).with_name("torchrun")
-    cmd = [str(exe), "--standalone", "--nproc_per_node=2", "-m", "tinygpt", *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    entry = ["-m", "tinygpt"] if trace is None else [str(TRACED), str(trace)]
+    cmd = [str(exe), "--standalone", "--nproc_per_node=2", *entry, *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if popen:  # in a session of its own, so that the test can clean up everything it started
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
@@ -39,16 +45,13 @@ def torchrun(*args, env: dict | None = None, popen: bool = False):
     return r
 
 
-def single(*args, debug: Path | None = None, monkeypatch=None) -> None:
+def single(*args, trace: Path | None = None) -> None:
     """`tinygpt ...` in this process (one process, no torchrun; one thread, as conftest sets and as
-    torchrun's workers run)."""
-    if debug is not None:
-        monkeypatch.setenv("TINYGPT_DEBUG_DIR", str(debug))
-    try:
+    torchrun's workers run); with `trace`, what it trained on is written there (tests/traced_train.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        tracers = trace_cli(trace, mp.setattr) if trace is not None else None
         assert cli.main([*map(str, args)]) == 0
-    finally:
-        if debug is not None:
-            monkeypatch.delenv("TINYGPT_DEBUG_DIR")
+        assert tracers is None or len(tracers) == 1
 
 
 def steps(run: Path) -> dict[int, float]:
@@ -57,6 +60,7 @@ def steps(run: Path) -> dict[int, float]:
 
 
 def trace(debug: Path, rank: int) -> list[dict]:
+    """What process `rank` wrote: its pid first, then a line per step, then how it ended."""
     file = debug / f"rank{rank}.jsonl"
     return [json.loads(line) for line in file.read_text().splitlines()] if file.exists() else []
 
@@ -72,14 +76,12 @@ def runs(char_data, tmp_path_factory):
     """The runs the tests compare, made once: one process x batch 8 for 10 and 20 steps, and
     2 processes x batch 4 for 10 steps with DDP and with FSDP."""
     root = tmp_path_factory.mktemp("dist")
-    mp = pytest.MonkeyPatch()
     data = ["--data", char_data]
-    single("train", *data, "--out", root / "s10", "--batch-size", 8, "--max-iters", 10, *FLAT,
-           debug=root / "s10-debug", monkeypatch=mp)
+    single("train", *data, "--out", root / "s10", "--batch-size", 8, "--max-iters", 10, *FLAT, trace=root / "s10-debug")
     shutil.copytree(root / "s10", root / "s20")
     single("train", *data, "--out", root / "s20", "--resume", "--max-iters", 20, "--quiet")  # = a straight 20-step run
     torchrun("train", *data, "--out", root / "d10", "--batch-size", 4, "--max-iters", 10, *FLAT,
-             env={"TINYGPT_DEBUG_DIR": str(root / "d10-debug")})
+             trace=root / "d10-debug")
     torchrun("train", *data, "--out", root / "f10", "--batch-size", 4, "--max-iters", 10, "--fsdp", *FLAT)
     return root
 
@@ -160,8 +162,7 @@ def _job(char_data, run: Path, debug: Path, timeout: str = "30s"):
     """A long 2-process run, yielded once both processes have trained a few steps; whatever the
     test does, nothing it started is left running."""
     p = torchrun("train", "--data", char_data, "--out", run, *FLAT, "--batch-size", 4, "--max-iters", 100000,
-                 "--eval-interval", 100000, "--dist-timeout", timeout, env={"TINYGPT_DEBUG_DIR": str(debug)},
-                 popen=True)
+                 "--eval-interval", 100000, "--dist-timeout", timeout, trace=debug, popen=True)
     pids: list[int] = []
     try:
         deadline = time.time() + 120

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from tinygpt import GPT, ConfigError, GPTConfig, KVCache, generate, generate_stream
+from tinygpt import GPT, ConfigError, GPTConfig, KVCache, fastpath, generate, generate_stream, quantize
 from tinygpt.generate import decode_step, prefill
+from tinygpt.interop.quantize import FORMATS
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +179,44 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
     assert int(torch.stack(streamed).max()) < 28
     with pytest.raises(ValueError, match="vocab_size"):
         generate(model, idx, 2, vocab_size=0)
+
+
+@pytest.mark.parametrize("fmt", [None, *FORMATS])  # None: the plain float model, as training leaves it
+@pytest.mark.parametrize("arch", [dict(), dict(bias=False, activation="gelu", tie_weights=False)])
+def test_the_fast_decode_step_equals_the_model_s_own_path(fmt, arch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=64, init="torch", **arch)).eval()
+    if fmt is not None:
+        model = quantize(model, fmt)
+    idx = torch.randint(0, 32, (2, 5))
+    fast_cache, model_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
+    with torch.inference_mode():
+        prefill(model, idx, fast_cache)
+        prefill(model, idx, model_cache)
+        for pos in range(5, 8):
+            token = torch.randint(0, 32, (2,))
+            assert fastpath.applies(model, token, fast_cache, pos)
+            fast = fastpath.step(model, token, fast_cache, pos)
+            ours = model(token.view(-1, 1), model_cache, torch.tensor([pos]))[:, -1]
+            assert torch.equal(fast, ours)  # the same arithmetic, bit for bit
+            assert torch.equal(fast_cache.k, model_cache.k) and torch.equal(fast_cache.v, model_cache.v)
+
+
+def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatch):
+    calls = []
+    real = fastpath.step
+    monkeypatch.setattr(fastpath, "step", lambda *a: calls.append(a[3]) or real(*a))
+    idx = torch.randint(0, 29, (2, 4))
+    cache = KVCache.for_model(model, 2)
+    prefill(model, idx, cache)
+    decode_step(model, idx[:, 0], cache, 4)
+    decode_step(model, idx[:, 0], cache, torch.full((2,), 5))  # per-row positions: the model's forward
+    decode_step(model, idx[:1, 0], cache.slot(0), 6)  # a one-row view of the cache: fine
+    assert calls == [4, 6]
+    model.train()
+    try:
+        decode_step(model, idx[:, 0], cache, 7)  # training mode (dropout): the model's forward
+    finally:
+        model.eval()
+    assert calls == [4, 6]
+    assert not fastpath.applies(model, idx[:, 0], cache, 8)  # past block_size: the model raises its error

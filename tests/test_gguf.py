@@ -14,7 +14,7 @@ from test_tokenizer import GPT2_TEXTS, reference_encoding, write_gpt2_files  # n
 from tinygpt import GPT, GPTConfig  # noqa: E402
 from tinygpt.errors import CheckpointError, TokenizerError  # noqa: E402
 from tinygpt.interop.gguf import INERT_MERGE, export_gguf, gguf_notes  # noqa: E402
-from tinygpt.interop.hf_gpt2 import _spell  # noqa: E402
+from tinygpt.interop.hf_tokenizer import spell_bytes  # noqa: E402
 from tinygpt.tokenizer import EOT, GPT2_PATTERN, BPETokenizer, CharTokenizer, GPT2Tokenizer  # noqa: E402
 
 CORPUS = make_text(300) + "un café à 3 € 😀, naïve\tcoöperation\r\n"
@@ -35,7 +35,7 @@ def llama_cpp_encode(tokens, merges, text):
     ids = {t: i for i, t in enumerate(tokens)}
     out = []
     for piece in regex.findall(GPT2_PATTERN, text):
-        word = list(_spell(piece.encode("utf-8")))
+        word = list(spell_bytes(piece.encode("utf-8")))
         while len(word) > 1:
             candidates = [(ranks[pair], i) for i, pair in enumerate(zip(word, word[1:])) if pair in ranks]
             if not candidates:

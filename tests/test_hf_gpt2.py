@@ -16,15 +16,9 @@ from test_tokenizer import GPT2_TEXTS, reference_encoding, write_gpt2_files  # n
 import tinygpt  # noqa: E402
 from tinygpt import GPT, GPTConfig, TrainConfig, generate  # noqa: E402
 from tinygpt.errors import CheckpointError, TokenizerError  # noqa: E402
-from tinygpt.interop.hf_gpt2 import (  # noqa: E402
-    TRANSPOSED,
-    export_hf,
-    hf_shapes,
-    import_hf,
-    load_hf_tokenizer,
-    ranks_to_merges,
-    to_transformers,
-)
+from tinygpt.checkpoint import import_hf  # noqa: E402
+from tinygpt.interop.hf_gpt2 import TRANSPOSED, export_hf, hf_shapes, to_transformers  # noqa: E402
+from tinygpt.interop.hf_tokenizer import load_hf_tokenizer, ranks_to_merges  # noqa: E402
 from tinygpt.tokenizer import EOT, GPT2Tokenizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()

@@ -16,14 +16,13 @@ from tinygpt.calc import trainable_params
 from tinygpt.config import LoraConfig
 from tinygpt.data import load_data
 from tinygpt.finetune import freeze
+from tinygpt.checkpoint import read_adapter_config, save_adapter_run
 from tinygpt.lora import (
     LoRALinear,
     adapter_state_dict,
     apply_lora,
     load_adapter_state_dict,
     merge,
-    read_adapter_config,
-    save_adapter_run,
     weights_checksum,
 )
 from tinygpt.model import lm_loss

@@ -31,13 +31,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model(block_size=32)
-
-
-@pytest.fixture(scope="module")
-def url(model):
-    with running(create_app(model, tiny_tokenizer(), model_name=NAME, max_tokens=200)) as base:
+def url(model, tok):
+    with running(create_app(model, tok, model_name=NAME, max_tokens=200)) as base:
         yield base
 
 

@@ -1,7 +1,9 @@
-"""Low-precision weights: int8 layers against their dequantized product, generation on quantized
-models, and perplexity of a trained model through `tinygpt eval --quantize`."""
+"""Low-precision weights: int8, int4 and fp16 layers against the products they stand for, each
+format's kernel chosen from what the CPU can do, generation on quantized models, and perplexity of
+a trained model through `tinygpt eval --quantize`."""
 
 import copy
+import importlib
 import json
 import math
 
@@ -11,7 +13,13 @@ from conftest import make_text
 
 import tinygpt
 from tinygpt import GPT, CheckpointError, ConfigError, GPTConfig, cli, generate, quantize
-from tinygpt.interop.quantize import INT8_KERNEL_ROWS, Int8Linear, weight_format
+from tinygpt.interop.quantize import (
+    INT4_GROUP, INT8_KERNEL_ROWS, FORMATS, Fp16Linear, Int4Linear, Int8Linear, activation_dtype, fbgemm_works,
+    int4_quantize, weight_format,
+)
+
+quantize_module = importlib.import_module("tinygpt.interop.quantize")
+needs_fbgemm = pytest.mark.skipif(not fbgemm_works(), reason="this PyTorch has no fbgemm kernels (not x86)")
 
 
 def small_model(n_embd: int = 64) -> GPT:
@@ -39,7 +47,80 @@ def test_int8_linear_matches_its_dequantized_weights(in_features, rows):
     torch.testing.assert_close(got.float(), linear(x), atol=0.05, rtol=0.05)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bf16"])
+@needs_fbgemm
+@pytest.mark.parametrize("rows", [1, INT8_KERNEL_ROWS, 2 * INT8_KERNEL_ROWS])  # decoding rows, then a prompt's
+def test_int8_linear_with_float32_inputs_multiplies_int8_by_int8(rows):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 40)
+    q = Int8Linear(linear, torch.float32)
+    assert q.packed is not None and not q.use_kernel and q.scales.dtype == torch.float32
+    x = torch.randn(rows, 64)
+    got = q(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, 40)
+    # the inputs are quantized to 7 bits on the fly: close to the dequantized product, not equal
+    want = x @ q.dequantized().t() + linear.bias.detach()
+    torch.testing.assert_close(got, want, atol=0.03 * float(want.abs().max()), rtol=0)
+    if rows <= INT8_KERNEL_ROWS:  # a decoding row's result does not depend on the other rows of its batch
+        assert torch.equal(q(x[-1:]), got[-1:])
+
+
+@needs_fbgemm
+def test_fp16_linear_computes_with_float16_weights_in_float32():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 40)
+    layer = Fp16Linear(linear)
+    x = torch.randn(5, 3, 48)
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (5, 3, 40)
+    want = x @ linear.weight.detach().half().float().t() + linear.bias.detach()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    assert layer.nbytes == 48 * 40 * 2
+
+
+def test_int4_codes_and_layer_match_their_dequantized_weights():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2 * INT4_GROUP, 32)
+    q, scales_and_zeros = int4_quantize(linear.weight)
+    assert q.shape == (32, 64) and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert scales_and_zeros.shape == (2, 32, 2)
+    scale, zero = (scales_and_zeros[..., i].float().t().repeat_interleave(INT4_GROUP, dim=1) for i in (0, 1))
+    dequantized = (q - 8) * scale + zero
+    # asymmetric rounding: every weight within half a step (and bfloat16's rounding of the offset)
+    err = (dequantized - linear.weight).abs()
+    assert bool((err <= scale * 0.51 + zero.abs() / 128).all())
+    layer = Int4Linear(linear)
+    x = torch.randn(7, 64)
+    for inputs in (x, x.bfloat16()):  # outputs come back in the input's dtype
+        got = layer(inputs)
+        assert got.dtype == inputs.dtype
+        want = inputs.bfloat16().float() @ dequantized.t() + linear.bias.detach()
+        torch.testing.assert_close(got.float(), want, atol=0.02 * float(want.abs().max()), rtol=0)
+
+
+def test_int4_keeps_layers_its_kernel_cannot_take_in_int8():
+    torch.manual_seed(0)
+    model = quantize(GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64)), "int4")
+    assert weight_format(model) == "int4"
+    assert isinstance(model.h[0].mlp.c_fc, Int4Linear) and isinstance(model.h[0].attn.c_attn, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear)  # 37 output channels: not a multiple of 16
+    assert model(torch.randint(0, 37, (1, 5))).shape == (1, 5, 37)
+
+
+def test_each_format_computes_in_the_dtype_the_cpu_multiplies_fastest(monkeypatch):
+    monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: True)
+    assert activation_dtype("int8", "cpu") == torch.bfloat16 and activation_dtype("int4", "cpu") == torch.bfloat16
+    monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: False)
+    assert activation_dtype("int4", "cpu") == torch.float32  # bf16 arithmetic would be emulated
+    assert activation_dtype("int8", "cpu") == (torch.float32 if fbgemm_works() else torch.bfloat16)
+    monkeypatch.setattr(quantize_module, "fbgemm_works", lambda: False)
+    assert activation_dtype("int8", "cpu") == torch.bfloat16  # no fbgemm: the bf16 kernel is all there is
+    assert activation_dtype("fp16", "cpu") == torch.float16
+    assert activation_dtype("bf16", "cpu") == torch.bfloat16 and activation_dtype("int8", "cuda") == torch.bfloat16
+    model = quantize(small_model(), "int8")  # and the model follows it
+    assert model.wte.weight.dtype == torch.bfloat16 and model.h[0].attn.c_attn.packed is None
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "fp32"])
 def test_quantized_model_generates_with_and_without_cache_alike(fmt):
     model = quantize(small_model(), fmt)
     assert weight_format(model) == fmt
@@ -55,9 +136,9 @@ def test_quantized_logits_stay_close_to_float():
     model = small_model()
     idx = torch.randint(0, 37, (3, 16))
     ref = model(idx).detach()
-    for fmt, tol in (("bf16", 0.05), ("int8", 0.1)):
+    for fmt, tol in (("bf16", 0.05), ("fp16", 0.01), ("int8", 0.1), ("int4", 0.2)):
         out = quantize(copy.deepcopy(model), fmt)(idx)
-        assert out.dtype == torch.bfloat16
+        assert out.dtype == activation_dtype(fmt, "cpu")
         assert float((out.float() - ref).abs().max()) < tol * float(ref.abs().max())
 
 
@@ -65,13 +146,13 @@ def test_int8_unties_the_head_and_keeps_the_embedding_for_lookups():
     torch.manual_seed(0)
     model = quantize(GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=32)), "int8")
     assert isinstance(model.lm_head, Int8Linear)
-    assert model.wte.weight.dtype == torch.bfloat16
+    assert model.wte.weight.dtype == activation_dtype("int8", "cpu")
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 5  # c_attn, c_proj, c_fc, c_proj, lm_head
 
 
 def test_unknown_format_and_saving_an_int8_model(tmp_path):
-    with pytest.raises(ConfigError, match="fp32, bf16, int8"):
-        quantize(small_model(), "int4")
+    with pytest.raises(ConfigError, match="fp32, bf16, fp16, int8, int4"):
+        quantize(small_model(), "int3")
     with pytest.raises(CheckpointError, match="quantiz"):
         tinygpt.save(quantize(small_model(), "int8"), tmp_path / "run")
     assert not (tmp_path / "run" / "model.safetensors").exists()
@@ -99,10 +180,12 @@ def test_eval_and_sample_with_quantize_on_a_trained_model(tmp_path, capsys):
     assert fp32 < math.exp(1.5)  # the model learned something, so the comparison means something
     assert abs(bf16 / fp32 - 1) < 0.01
     assert abs(int8 / fp32 - 1) < 0.03
+    assert abs(perplexity("--quantize", "fp16") / fp32 - 1) < 0.01
+    assert abs(perplexity("--quantize", "int4") / fp32 - 1) < 0.05
     args = ["sample", str(root / "run"), "--quantize", "int8", "--prompt", "the cat", "--greedy",
             "--max-new-tokens", "30", "--device", "cpu"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat") and len(out) > 30
-    assert cli.main(["eval", str(root / "run"), "--quantize", "int4"]) == 2
+    assert cli.main(["eval", str(root / "run"), "--quantize", "int3"]) == 2
     assert "invalid choice" in capsys.readouterr().err

@@ -22,16 +22,6 @@ CAP = 64  # the module server's --max-tokens
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model(block_size=32)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def url(model, tok):
     with running(create_app(model, tok, model_name=NAME, max_tokens=CAP)) as base:
         yield base

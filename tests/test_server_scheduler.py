@@ -4,21 +4,11 @@ import threading
 
 import pytest
 import torch
-from server_util import POISON_TOP_K, poison_sampler, tiny_model, tiny_tokenizer
+from server_util import POISON_TOP_K, poison_sampler
 
 import tinygpt
 from tinygpt.config import SampleConfig
 from tinygpt.server.scheduler import Draining, ModelDown, QueueFull, Scheduler, Sequence
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model(block_size=32)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
 
 
 class Collector:

@@ -1,4 +1,6 @@
 import json
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from tinygpt.tokenizer import (
     GPT2Tokenizer,
     IncrementalDecoder,
     Tokenizer,
-    _byte_to_unicode,
+    byte_to_unicode,
     load_tokenizer,
 )
 
@@ -192,14 +194,14 @@ MERGES = [
 def write_gpt2_files(folder, merges=MERGES):
     """A small vocabulary in GPT-2's file format: 256 byte tokens in GPT-2's order, a token per merge, <|endoftext|>."""
     folder.mkdir(parents=True, exist_ok=True)
-    byte_to_unicode = _byte_to_unicode()
-    vocab = {byte_to_unicode[b]: i for i, b in enumerate(byte_to_unicode)}
+    spelling = byte_to_unicode()
+    vocab = {spelling[b]: i for i, b in enumerate(spelling)}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
     vocab[EOT] = len(vocab)
     (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (folder / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    unicode_to_byte = {c: b for b, c in byte_to_unicode.items()}
+    unicode_to_byte = {c: b for b, c in spelling.items()}
     ranks = {bytes(unicode_to_byte[c] for c in t): i for t, i in vocab.items() if t != EOT}
     return vocab, ranks
 
@@ -292,6 +294,37 @@ def test_gpt2_offline_without_cache_names_the_option(monkeypatch):
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     with pytest.raises(TokenizerError, match="--tokenizer-file PATH"):
         GPT2Tokenizer.from_tiktoken()
+
+
+def test_gpt2_from_tiktoken_leaves_the_process_socket_timeout_alone(tmp_path, monkeypatch):
+    # the download's timeout is its own: a process-wide socket timeout would reach a server's sockets too
+    _, ranks = write_gpt2_files(tmp_path)
+    seen = []
+
+    def get_encoding(name):
+        seen.append(socket.getdefaulttimeout())
+        return reference_encoding(ranks)
+
+    monkeypatch.setattr(tiktoken, "get_encoding", get_encoding)
+    socket.setdefaulttimeout(None)
+    tok = GPT2Tokenizer.from_tiktoken()
+    assert seen == [None] and socket.getdefaulttimeout() is None
+    assert tok.encode(" the cat") == reference_encoding(ranks).encode_ordinary(" the cat")
+
+
+def test_gpt2_from_tiktoken_stops_waiting_for_a_download_that_hangs(monkeypatch):
+    release = threading.Event()
+
+    def hanging(name):  # a network that drops packets: tiktoken's own request never times out
+        release.wait(30)
+        raise ConnectionError("gave up")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", hanging)
+    try:
+        with pytest.raises(TokenizerError, match=r"TimeoutError.*--tokenizer-file PATH"):
+            GPT2Tokenizer.from_tiktoken(timeout=0.1)
+    finally:
+        release.set()
 
 
 # --- loading refuses what is not a tinygpt tokenizer ------------------------------------------

@@ -11,7 +11,7 @@ from tinygpt.config import DEFAULT_LR, TrainConfig
 from tinygpt.errors import ConfigError, NonFiniteError, TrainingError
 from tinygpt.optim import lr_at
 from tinygpt.sizing import ModelChoice
-from tinygpt.train import train
+from tinygpt.train import TrainCallback, train
 
 MODEL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
 
@@ -309,3 +309,70 @@ def test_eval_report_is_bits_per_char_or_byte_of_the_predicted_share():
     byte = eval_report(result, 10, chars=20, nbytes=30, kind="bpe")
     assert set(byte) == {"loss", "perplexity", "tokens", "bits_per_byte"}
     assert byte["bits_per_byte"] == pytest.approx(18.0 / math.log(2) / (30 * 9 / 10))
+
+
+def test_a_new_run_needs_a_model(char_data, tmp_path, capsys):
+    # train() trains what it is given: choosing (and saying why) is the CLI's, or choose_model's
+    with pytest.raises(ConfigError, match="needs a model"):
+        train(char_data, tmp_path / "run", None, cfg(max_iters=2))
+    assert not (tmp_path / "run").exists()
+    train(char_data, tmp_path / "run", MODEL, cfg(max_iters=2, eval_interval=2))
+    assert capsys.readouterr() == ("", "")  # no progress unless asked for: the library prints nothing
+
+
+class Recorder(TrainCallback):
+    def __init__(self):
+        self.calls = []
+
+    def on_start(self, start):
+        self.calls.append(("start", start.rank, start.world_size, start.step, start.total))
+
+    def on_batch(self, offsets):
+        self.calls.append(("batch", len(offsets)))
+
+    def on_step(self, record, total):
+        self.calls.append(("step", record["step"], total, sorted(record)))
+
+    def on_eval(self, record):
+        self.calls.append(("eval", record["step"], round(record["val_loss"], 6)))
+
+    def on_end(self, result, model):
+        self.calls.append(("end", result.step, result.stopped, type(model).__name__))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_callbacks_see_every_batch_step_and_evaluation(char_data, tmp_path):
+    recorder = Recorder()
+    result = train(char_data, tmp_path / "run", MODEL, cfg(max_iters=4, eval_interval=3, grad_accum=2),
+                   callbacks=[recorder])
+    keys = sorted(["step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "time"])
+    step = [("batch", 4), ("batch", 4)]
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert recorder.calls == [
+        ("start", 0, 1, 0, 4),
+        *step, ("step", 1, 4, keys), *step, ("step", 2, 4, keys),
+        *step, ("eval", 3, round(evals[0]["val_loss"], 6)), ("step", 3, 4, keys),
+        *step, ("step", 4, 4, keys), ("eval", 4, round(evals[1]["val_loss"], 6)),  # the last evaluation
+        ("end", 4, "max_iters", "GPT"),
+        ("close",),
+    ]
+    assert result.val_loss == evals[1]["val_loss"]
+    # a resumed run starts where it was; a run that raises still closes its callbacks
+    resumed = Recorder()
+    train(char_data, tmp_path / "run", None, cfg(max_iters=6, eval_interval=3), resume=True, callbacks=[resumed])
+    assert resumed.calls[0] == ("start", 0, 1, 4, 6) and resumed.calls[-2][:2] == ("end", 6)
+    failing = Recorder()
+    with pytest.raises(TrainingError, match="already holds a run"):
+        train(char_data, tmp_path / "run", MODEL, cfg(), callbacks=[failing])
+    assert failing.calls == [("close",)]
+
+
+def test_the_progress_bar_shows_steps_and_evaluations(char_data, tmp_path, capsys):
+    train(char_data, tmp_path / "run", MODEL, cfg(max_iters=4, eval_interval=2), progress=True)
+    out, err = capsys.readouterr()
+    evals = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_loss" in x]
+    assert out == "".join(f"step {e['step']}: train loss {e['train_loss']:.4f}, val loss {e['val_loss']:.4f}\n"
+                          for e in evals)  # above the bar, as tqdm writes
+    assert "4/4" in err and "loss=" in err

@@ -1,55 +1,64 @@
-"""Run folders: weights in safetensors, config.json, the tokenizer, and the training state.
+"""Run folders: weights in safetensors, config.json, the tokenizer, the training state, adapters.
 
     RUN/config.json         the GPTConfig, as JSON
     RUN/model.safetensors   the weights (a tied head is stored once, as wte.weight)
     RUN/tokenizer.json      the tokenizer, when there is one
     RUN/train_state.pt      optimizer, schedule, RNG states, data position, step (training runs)
 
-An adapter run holds LoRA adapters instead of model.safetensors (adapter_config.json names the
-base model and a checksum of its weights; see tinygpt.lora): `load` reads it like any run.
+An adapter run holds LoRA adapters (tinygpt.lora) instead of model.safetensors and names the base
+model they belong to:
+
+    RUN/adapter_config.json   the LoRA settings, the base's path and a checksum of its weights
+    RUN/adapter.safetensors   the adapters (a few MB where the base is hundreds)
+    RUN/config.json           the base's GPTConfig, so load_config and `tinygpt params` read the run
+    RUN/tokenizer.json        the base's tokenizer, copied, so sample, eval and serve need nothing else
+
+The base's path is kept as given when absolute; a relative one is stored relative to the adapter
+run's folder (so the two folders can move together) and resolved against it. The checksum is
+tinygpt.lora.weights_checksum, the same whether the base is a tinygpt run or a Hugging Face folder.
+`load` reads every kind of folder: a run, an adapter run (its base, checked against the checksum,
+with the adapters applied) and a Hugging Face GPT-2 folder (tinygpt.interop.hf_gpt2).
 
 Every file is written atomically: to a temporary file in the same folder, fsync, rename. The
 weights and the training state are two files, so a save renames the weights first and the state
 last; a kill between the two renames leaves the new state complete as `train_state.pt.tmp`, and
 the next resume finishes the rename (both files carry the step, so the pair is checked).
-Nothing here unpickles: safetensors for tensors, torch.load(weights_only=True) for the state.
+Nothing here unpickles: safetensors for tensors (read through tinygpt.weights),
+torch.load(weights_only=True) for the state.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .config import GPTConfig
-from .errors import CheckpointError, ConfigError
+from .config import GPTConfig, LoraConfig
+from .device import resolve_device
+from .errors import CheckpointError, ConfigError, TokenizerError
 from .fileio import atomic_write, check_regular_file, fsync_dir, read_json, write_json
+from .interop.hf_gpt2 import is_hf_folder, load_hf
+from .interop.hf_tokenizer import load_hf_tokenizer
+from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
+from .lora import merge as merge_lora
 from .model import GPT
+from .tokenizer import Tokenizer, load_tokenizer
+from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 STATE = "train_state.pt"
-ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder an adapter run (tinygpt.lora)
+ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder an adapter run
 ADAPTER_WEIGHTS = "adapter.safetensors"
-TIED_KEY = "lm_head.weight"
-# A safetensors header is JSON naming every tensor: about 1 KB per layer (GPT-2 XL's is 64 KB).
-# safetensors itself allows 100 MB, but parsed JSON can take 25x its size in memory, so tinygpt
-# refuses a header over 8 MB before reading it, and one with more JSON objects and arrays than
-# MAX_TENSORS entries need (one object and two arrays each) before parsing it.
-MAX_HEADER_BYTES = 8 * 1024 * 1024
-MAX_TENSORS = 65536
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
-_LAYER = re.compile(r"(?:transformer\.)?h\.(\d+)\.")  # the block index in a parameter name
+ADAPTER_FORMAT = "tinygpt-lora"
+ADAPTER_VERSION = 1
 
 
 def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -57,7 +66,7 @@ def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[s
         raise CheckpointError("a model converted by tinygpt.quantize is for inference only: save it before quantizing")
     state = dict(model.state_dict() if state is None else state)
     if any(k.endswith((".lora_A", ".lora_B")) for k in state):
-        raise CheckpointError("the model has LoRA adapters: save them with tinygpt.lora.save_adapter_run, "
+        raise CheckpointError("the model has LoRA adapters: save them with tinygpt.checkpoint.save_adapter_run, "
                               "or fold them in first with tinygpt.lora.merge")
     if model.config.tie_weights:
         state.pop(TIED_KEY, None)  # the same tensor as wte.weight
@@ -104,111 +113,6 @@ def load_config(path: str | Path) -> GPTConfig:
         raise CheckpointError(f"{path / CONFIG}: {e}") from None
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
-    return dict(pairs)
-
-
-def _no_float(text: str) -> float:
-    raise ValueError(f"a number {text[:20]!r} that is not an integer")  # no field of a header holds one
-
-
-def read_header(file: str | Path) -> dict[str, dict[str, Any]]:
-    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets), checked strictly
-    before any tensor data is read.
-
-    The file must be a regular file whose 8-byte header length fits both the file and
-    MAX_HEADER_BYTES (checked before the header is read); the header must be a UTF-8 JSON object
-    without duplicate keys or fractions, and with no more objects and arrays than MAX_TENSORS
-    entries need (checked before it is parsed); each tensor's shape and dtype must give exactly its
-    byte span; and the spans must tile the data section from its start to the end of the file, with
-    no gap, overlap or trailing byte. The safetensors library checks most of this too, but keeps
-    the last of two duplicate keys and allows a 100 MB header.
-
-    Raises:
-        CheckpointError: naming the first problem found.
-    """
-    file = Path(file)
-    size = check_regular_file(file, CheckpointError)
-
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{file}: corrupt or truncated safetensors file: {why}")
-
-    if size < 8:
-        raise bad(f"{size} bytes, too short to hold the header length")
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > MAX_HEADER_BYTES:
-            raise bad(f"the header claims {n:,} bytes, more than tinygpt reads ({MAX_HEADER_BYTES:,})")
-        if n > size - 8:
-            raise bad(f"the header claims {n:,} bytes but only {size - 8:,} follow the length")
-        raw = f.read(n)
-    if raw.count(b"{") + raw.count(b"[") > 3 * MAX_TENSORS + 2:
-        raise bad(f"the header holds more JSON objects and arrays than {MAX_TENSORS:,} tensors need")
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_float=_no_float)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise bad(f"the header is not valid JSON ({why})") from None
-    del raw
-    if not isinstance(header, dict):
-        raise bad(f"the header is a JSON {type(header).__name__}, not an object")
-    meta = header.pop("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise bad("__metadata__ must map strings to strings")
-    spans = []
-    for name, info in header.items():
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
-            raise bad(f"tensor {name!r} lacks dtype, shape or data_offsets")
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_BYTES:
-            raise bad(f"tensor {name!r} has an unknown dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-        need = math.prod(shape) * DTYPE_BYTES[dtype]  # Python integers: a huge shape cannot overflow
-        if need != offsets[1] - offsets[0]:
-            raise bad(f"tensor {name!r}: shape {shape} of {dtype} needs {need:,} bytes but its offsets span "
-                      f"{offsets[1] - offsets[0]:,}")
-        spans.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, "
-                      f"{'overlapping the tensor before it' if begin < end else f'leaving a gap after byte {end:,}'}")
-        end = stop
-    data = size - 8 - n
-    if end != data:
-        raise bad(f"the tensors need {end:,} bytes of data but the file holds {data:,}"
-                  + (" (trailing bytes)" if end < data else " (truncated)"))
-    header["__metadata__"] = meta
-    return header
-
-
-def check_layers(config: GPTConfig, names: Any, where: str) -> None:
-    """Refuse weights whose block indices (h.N.) are not exactly 0..n_layer-1, before a model of
-    config's size is built: a config.json claiming a million layers must not cost a million blocks."""
-    layers = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
-    if len(layers) != config.n_layer or (layers and (min(layers) != 0 or max(layers) != config.n_layer - 1)):
-        raise CheckpointError(
-            f"{where}: config.json disagrees with the weights: n_layer={config.n_layer} but the weights hold "
-            f"{len(layers)} layers"
-        )
-
-
-def _read_weights(file: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    read_header(file)
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}, (f.metadata() or {})
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{file}: corrupt or truncated safetensors file ({e})") from None
-
-
 def weights_step(path: str | Path) -> int:
     """The training step stored with a run's weights (-1 when saved outside training)."""
     file = Path(path) / WEIGHTS
@@ -218,25 +122,8 @@ def weights_step(path: str | Path) -> int:
     return int(step)
 
 
-def is_hf_config(data: Any) -> bool:
-    """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
-    return isinstance(data, dict) and "model_type" in data
-
-
-def is_hf_folder(path: str | Path) -> bool:
-    """True for a Hugging Face model folder: its config.json is a Hugging Face one (is_hf_config)."""
-    file = Path(path) / CONFIG
-    if not file.is_file():
-        return False
-    try:
-        data = read_json(file, CheckpointError)
-    except CheckpointError:
-        return False
-    return is_hf_config(data)
-
-
 def is_adapter_run(path: str | Path) -> bool:
-    """True for an adapter run: a folder holding adapter_config.json (written by tinygpt.lora)."""
+    """True for an adapter run: a folder holding adapter_config.json (written by save_adapter_run)."""
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
@@ -264,64 +151,13 @@ def load(
     """
     path = Path(path)
     if is_adapter_run(path):
-        from .lora import load_adapter_run  # a peer module, as hf_gpt2 is
-
         return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge)
     if is_hf_folder(path):
-        from .interop.hf_gpt2 import load_hf  # a peer module; imported here so run folders never need it
-
         return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
     config = load_config(path)
-    tensors, _ = _read_weights(path / WEIGHTS)
+    tensors, _ = read_weights(path / WEIGHTS)
     check_layers(config, tensors, str(path))  # before a model of config's size is built
     return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
-
-
-def model_from_tensors(
-    config: GPTConfig,
-    tensors: dict[str, torch.Tensor],
-    where: str,
-    *,
-    device: str | torch.device = "cpu",
-    allow_nonfinite: bool = False,
-) -> GPT:
-    """Build a GPT in eval mode from tinygpt-named tensors, checking every name, shape and value.
-
-    Args:
-        config: the architecture the tensors must fit.
-        tensors: parameter name -> tensor; a tied head is given as wte.weight alone.
-        where: the folder they came from, for error messages.
-        device: where to put the weights.
-        allow_nonfinite: accept NaN or infinite weights.
-    """
-    with torch.device("meta"):
-        model = GPT(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if config.tie_weights:
-        expected.pop(TIED_KEY)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        detail = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
-        raise CheckpointError(f"{where}: config.json disagrees with the weights ({detail})")
-    for name, shape in expected.items():
-        t = tensors[name]
-        if t.shape != shape:
-            raise CheckpointError(
-                f"{where}: config.json disagrees with the weights: {name} has shape {tuple(t.shape)}, "
-                f"the config needs {tuple(shape)}"
-            )
-        if not t.is_floating_point():
-            raise CheckpointError(f"{where}: {name} has dtype {t.dtype}, expected a floating-point tensor")
-        if not allow_nonfinite and not bool(torch.isfinite(t).all()):
-            raise CheckpointError(f"{where}: {name} holds NaN or infinite values (--allow-nonfinite loads them)")
-    tensors = dict(tensors)
-    if config.tie_weights:
-        tensors[TIED_KEY] = tensors["wte.weight"]
-    model.load_state_dict(tensors, strict=True, assign=True)
-    if config.tie_weights:
-        model.lm_head.weight = model.wte.weight  # assign=True replaced the Parameter; tie again
-    return model.to(device).eval()
 
 
 def load_run(
@@ -341,16 +177,10 @@ def load_run(
         CheckpointError, TokenizerError: the folder cannot be used (a folder without a tokenizer
             included).
     """
-    from .device import resolve_device
-    from .errors import TokenizerError
-    from .tokenizer import load_tokenizer
-
     if not isinstance(device, torch.device):
         device = resolve_device(device)
     model = load(path, device=device, allow_nonfinite=allow_nonfinite, merge=True)
     if is_hf_folder(path):
-        from .interop.hf_gpt2 import load_hf_tokenizer
-
         tokenizer = load_hf_tokenizer(path)
     else:
         tokenizer = load_tokenizer(path) if (Path(path) / TOKENIZER).exists() else None
@@ -363,6 +193,229 @@ def load_run(
         raise TokenizerError(
             f"{path}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
         )
+    return model, tokenizer
+
+
+# ---- Hugging Face folders and adapter runs ---------------------------------------------------
+
+
+def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
+    """Turn a Hugging Face GPT-2 folder into a tinygpt run folder (config.json, model.safetensors,
+    tokenizer.json when the folder has a tokenizer).
+
+    Args:
+        src: the Hugging Face folder (safetensors; pickles are refused).
+        out: the run folder to create; it must not exist yet or be empty.
+
+    Returns:
+        (the model, its tokenizer or None), as saved in `out`.
+    """
+    src, out = Path(src), Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; import into a new folder")
+    model = load_hf(src)
+    tokenizer = load_hf_tokenizer(src)
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise TokenizerError(
+            f"{src}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
+        )
+    save(model, out, tokenizer)
+    return model, tokenizer
+
+
+def _stored_base(base: Path, out: Path) -> str:
+    """The base's path as adapter_config.json keeps it: absolute as given, else relative to `out`."""
+    if base.is_absolute():
+        return str(base)
+    return os.path.relpath(os.path.abspath(base), os.path.abspath(out))
+
+
+def _base_tokenizer(base: Path) -> Tokenizer | None:
+    if is_hf_folder(base):
+        return load_hf_tokenizer(base)
+    return load_tokenizer(base) if (base / TOKENIZER).exists() else None
+
+
+def save_adapter_run(
+    model: GPT,
+    out: str | Path,
+    base: str | Path,
+    tokenizer=None,
+    *,
+    base_checksum: str | None = None,
+    step: int | None = None,
+) -> Path:
+    """Write an adapter run: adapter.safetensors, adapter_config.json, config.json, tokenizer.json.
+
+    Args:
+        model: the adapted model (apply_lora), whose frozen weights are the base's.
+        out: the run folder; created if needed. Files already there are replaced atomically.
+        base: the base model's folder (a tinygpt run or a Hugging Face GPT-2 folder); kept as given
+            when absolute, else stored relative to `out`.
+        tokenizer: written as tokenizer.json; None copies the base's (when it has one).
+        base_checksum: weights_checksum of the base, when the caller has it (a training loop saving
+            every few hundred steps computes it once); default: computed from the model's frozen weights.
+        step: the training step the adapters belong to (stored in the safetensors metadata).
+
+    Returns:
+        The folder.
+
+    Raises:
+        ConfigError: the model has no adapters.
+        CheckpointError: the base is missing or is itself an adapter run, or `out` holds a full model.
+    """
+    config = lora_config_of(model)
+    tensors = adapter_state_dict(model)  # raises for a model without adapters
+    out, base = Path(out), Path(base)
+    if not base.is_dir():
+        raise CheckpointError(f"{base}: no such base model folder")
+    if is_adapter_run(base):
+        raise CheckpointError(f"{base} is an adapter run: the base of adapters must be a full model (merge it first)")
+    if (out / WEIGHTS).exists():
+        raise CheckpointError(f"{out} holds a full model ({WEIGHTS}); write the adapters to another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    info = {
+        "format": ADAPTER_FORMAT,
+        "version": ADAPTER_VERSION,
+        "lora": config.to_dict(),
+        "base": {"path": _stored_base(base, out), "checksum": base_checksum or weights_checksum(model)},
+    }
+    metadata = {"format": "pt", "step": str(step if step is not None else -1)}
+    state = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+    tokenizer = tokenizer if tokenizer is not None else _base_tokenizer(base)
+    if tokenizer is not None:
+        tokenizer.save(out / TOKENIZER)
+    write_json(out / CONFIG, model.config.to_dict())
+    write_json(out / ADAPTER_CONFIG, info)  # last: it is what makes the folder an adapter run
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterRun:
+    """What an adapter run's adapter_config.json says.
+
+    Args:
+        lora: the LoRA settings the adapters were trained with.
+        base: the base model's folder, resolved (a relative path is relative to the adapter run).
+        checksum: weights_checksum of the base the adapters were trained on.
+    """
+
+    lora: LoraConfig
+    base: Path
+    checksum: str
+
+    @property
+    def shown_base(self) -> str:
+        """The base's path for messages, ".." folded away lexically (lora/../base -> base); loading
+        follows the path as stored, which differs only where a symlink is in it."""
+        return os.path.normpath(self.base)
+
+
+def read_adapter_config(run: str | Path) -> AdapterRun:
+    """The settings and the base of an adapter run (its adapter_config.json, checked).
+
+    Raises:
+        CheckpointError: the file is missing, not JSON, or not a tinygpt adapter config.
+    """
+    run = Path(run)
+    file = run / ADAPTER_CONFIG
+    info = read_json(file, CheckpointError)
+    if not isinstance(info, dict) or info.get("format") != ADAPTER_FORMAT:
+        raise CheckpointError(f"{file}: not a tinygpt adapter config (no \"format\": \"{ADAPTER_FORMAT}\")")
+    if info.get("version") != ADAPTER_VERSION:
+        raise CheckpointError(f"{file}: version {info.get('version')!r}; this tinygpt reads version {ADAPTER_VERSION}")
+    base = info.get("base")
+    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
+            and isinstance(base.get("checksum"), str)):
+        raise CheckpointError(f"{file}: \"base\" must hold the base model's \"path\" and \"checksum\"")
+    try:
+        lora = LoraConfig.from_dict(info.get("lora"))
+    except ConfigError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return AdapterRun(lora=lora, base=run / base["path"], checksum=base["checksum"])  # an absolute path wins
+
+
+def _check_same_architecture(run: Path, base: str, model: GPT) -> None:
+    """The run's config.json must describe the base it loads (dropout aside: training may set its own)."""
+    if not (run / CONFIG).exists():
+        return
+    try:
+        saved = GPTConfig.from_dict(read_json(run / CONFIG, CheckpointError))
+    except ConfigError as e:
+        raise CheckpointError(f"{run / CONFIG}: {e}") from None
+    differ = [f.name for f in dataclasses.fields(GPTConfig)
+              if f.name != "dropout" and getattr(saved, f.name) != getattr(model.config, f.name)]
+    if differ:
+        raise CheckpointError(f"{run}: the base model {base} is not the architecture these adapters were trained on "
+                              f"({', '.join(differ)} differ from {run / CONFIG})")
+
+
+def load_adapter_run(
+    run: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
+    merge_adapters: bool = False,
+) -> GPT:
+    """The model of an adapter run, in eval mode: its base, checked, with the adapters applied.
+
+    Args:
+        run: the adapter run folder.
+        device: where to put the weights.
+        allow_nonfinite: accept NaN or infinite weights (base or adapters).
+        merge_adapters: fold the adapters into the weights (a plain GPT, as fast as the base).
+
+    Raises:
+        CheckpointError: a damaged adapter file, or a base that is missing, is not a full model, or
+            whose weights are not the ones the adapters were trained on (the message names its path).
+    """
+    run = Path(run)
+    info = read_adapter_config(run)
+    config, base = info.lora, info.base
+    shown = info.shown_base
+    if not base.is_dir():
+        raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_CONFIG} names it); "
+                              "put the base back there or edit base.path")
+    if is_adapter_run(base):
+        raise CheckpointError(f"{run}: its base model {shown} is itself an adapter run; the base must be a full model")
+    model = load(base, device="cpu", allow_nonfinite=allow_nonfinite)
+    checksum = weights_checksum(model)
+    if checksum != info.checksum:
+        raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
+                              f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_CONFIG} expects "
+                              f"{info.checksum[:19]}...)")
+    _check_same_architecture(run, shown, model)
+    tensors, _ = read_weights(run / ADAPTER_WEIGHTS)
+    apply_lora(model, config.rank, config.alpha, config.targets, config.dropout)
+    load_adapter_state_dict(model, tensors, str(run / ADAPTER_WEIGHTS), allow_nonfinite=allow_nonfinite)
+    if merge_adapters:
+        merge_lora(model)
+    return model.to(device).eval()
+
+
+def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
+    """Write an adapter run's model, adapters folded in, as a plain run (model.safetensors, config.json,
+    tokenizer.json): what `tinygpt merge` does.
+
+    Args:
+        run: the adapter run.
+        out: the plain run folder to create; it must not exist yet or be empty.
+
+    Returns:
+        (the merged model, its tokenizer or None).
+
+    Raises:
+        CheckpointError: `run` is not an adapter run or cannot be loaded, or `out` is taken.
+    """
+    run, out = Path(run), Path(out)
+    if not is_adapter_run(run):
+        raise CheckpointError(f"{run}: not an adapter run (no {ADAPTER_CONFIG}), so there is nothing to merge")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} already exists; merge into a new folder")
+    model = load_adapter_run(run, merge_adapters=True)
+    tokenizer = load_tokenizer(run) if (run / TOKENIZER).exists() else None
+    save(model, out, tokenizer)
     return model, tokenizer
 
 

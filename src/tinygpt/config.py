@@ -14,6 +14,10 @@ from .errors import ConfigError
 
 ACTIVATIONS = ("gelu", "gelu_tanh")
 INITS = ("gpt2", "torch")
+# B x heads x T_q x T_k attention scores up to which bf16 training on a CPU takes the model's matmul
+# attention path (tinygpt.model._sdpa_is_slow) rather than SDPA; calc.memory counts what that path
+# keeps for backward. Here, in the pure layer, so that both read the one number.
+MATH_ATTENTION_MAX_SCORES = 2**25
 
 
 def _check(ok: bool, field: str, message: str) -> None:

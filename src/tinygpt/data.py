@@ -274,26 +274,21 @@ def shakespeare_path(timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
 # Reading text
 
 
-# Substitutions made so far by errors="replace" (process-wide: the BPE trainer may pull text from
-# another thread, so a thread-local count would miss some). prepare() reads the difference.
-_replaced = [0]
+def _read_chunks(
+    doc: Document,
+    errors: str,
+    on_bytes: Callable[[int], None] | None = None,
+    on_replaced: Callable[[int], None] | None = None,
+) -> Iterator[str]:
+    """Decoded text of one file, chunk by chunk; a UTF-8 BOM is dropped.
 
-
-def _count_and_replace(e: UnicodeError) -> tuple[str, int]:
-    """errors="replace", counting: the same U+FFFD per bad sequence as Python's own "replace"."""
-    if not isinstance(e, UnicodeDecodeError):
-        raise e
-    _replaced[0] += 1
-    return "\ufffd", e.end
-
-
-codecs.register_error("tinygpt-count-replace", _count_and_replace)
-
-
-def _read_chunks(doc: Document, errors: str, on_bytes: Callable[[int], None] | None = None) -> Iterator[str]:
-    """Decoded text of one file, chunk by chunk; a UTF-8 BOM is dropped."""
-    handler = "tinygpt-count-replace" if errors == "replace" else "strict"
-    decoder = codecs.getincrementaldecoder(doc.encoding)(handler)
+    With errors="replace" each invalid sequence becomes one U+FFFD, as Python's own "replace" makes
+    it, and on_replaced(n) hears how many a chunk got: a chunk holding U+FFFD is decoded a second
+    time from the same state with errors="ignore", which resumes where "replace" does, so the U+FFFD
+    still there are the file's own and the difference is the substitutions.
+    """
+    decoder = codecs.getincrementaldecoder(doc.encoding)(errors)
+    genuine = codecs.getincrementaldecoder(doc.encoding)("ignore") if errors == "replace" else None
     offset = 0  # file position of the next byte to read
     with open(doc.path, "rb") as f:
         while True:
@@ -311,6 +306,11 @@ def _read_chunks(doc: Document, errors: str, on_bytes: Callable[[int], None] | N
                     f"{doc.path}: invalid {_codec_label(doc.encoding)} at byte {at:,} ({bad}); "
                     "use --errors replace to substitute U+FFFD"
                 ) from None
+            if genuine is not None and "\ufffd" in text:
+                genuine.setstate(state)
+                replaced = text.count("\ufffd") - genuine.decode(data, final=not data).count("\ufffd")
+                if replaced and on_replaced is not None:
+                    on_replaced(replaced)
             offset += len(data)
             if on_bytes is not None:
                 on_bytes(len(data))
@@ -507,115 +507,33 @@ def prepare(
             tokenizer.json / data or run folder to reuse its tokenizer (char, bpe).
         progress: called as progress(phase, bytes_done, bytes_total) while files are read.
     """
-    if (
-        not isinstance(val_fraction, (int, float))
-        or not 0 <= val_fraction <= MAX_VAL_FRACTION
-        or math.isnan(val_fraction)
-    ):
-        raise DataError(f"val fraction must be between 0 and {MAX_VAL_FRACTION}, got {val_fraction}")
-    if errors not in ("strict", "replace"):
-        raise DataError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    _check_prepare_args(val_fraction, errors)
     out = Path(out_dir).expanduser().resolve()
     _check_out_dir(out)
     _check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
     srcs = resolve_sources(sources, exclude=[out])
     tok_or_kind = _make_tokenizer(tokenizer, tokenizer_file)
-    docs = [d for s in srcs for d in s.documents]
-    total_bytes = sum(d.size for d in docs)
-
-    def pieces_of(doc: Document, phase: str, done: list[int]) -> Iterator[str]:
-        def on_bytes(n: int) -> None:
-            done[0] += n
-            if progress is not None:
-                progress(phase, done[0], total_bytes)
-
-        return _pieces(_read_chunks(doc, errors, on_bytes))
-
-    # Pass 1: count characters (for the split), check there is text, learn the vocabulary.
-    # the corpus alphabet: a char vocabulary to learn, or one to check a reused vocabulary against
-    seen = np.zeros(0x110000, dtype=bool) if tok_or_kind == "char" or isinstance(tok_or_kind, CharTokenizer) else None
-    chars_in = [0] * len(srcs)  # per source: characters, and whether any is not whitespace
-    has_text = [False] * len(srcs)
-    replaced_before = _replaced[0]
-
-    def first_pass() -> Iterator[str]:
-        done = [0]
-        for i, src in enumerate(srcs):
-            for doc in src.documents:
-                for piece in pieces_of(doc, "train bpe" if tok_or_kind == "bpe" else "read", done):
-                    chars_in[i] += len(piece)
-                    if seen is not None:
-                        seen[np.frombuffer(piece.encode("utf-32-le"), dtype=np.uint32)] = True
-                    if not has_text[i] and not piece.isspace():
-                        has_text[i] = True
-                    yield piece
-
-    if tok_or_kind == "bpe":
-        bpe_vocab = vocab_size or DEFAULT_BPE_VOCAB
-        tok = BPETokenizer.train(first_pass(), bpe_vocab, show_progress=progress is not None)
-    else:
-        for _ in first_pass():
-            pass
-    replacements = _replaced[0] - replaced_before
-    for i, src in enumerate(srcs):
-        if not has_text[i]:
-            raise DataError(
-                f"source {src.name} is empty" if chars_in[i] == 0 else f"source {src.name} holds only whitespace"
-            )
-    if tok_or_kind == "char":
-        tok = CharTokenizer(map(chr, np.flatnonzero(seen).tolist()))
-    elif tok_or_kind != "bpe":
-        tok = tok_or_kind
-    if isinstance(tok, CharTokenizer) and seen is not None and (tok.table[seen] < 0).any():
-        missing = [chr(c) for c in np.flatnonzero(seen & (tok.table < 0)).tolist()]
-        shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing[:8]) + (
-            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-        )
-        raise DataError(f"the corpus has {len(missing)} characters outside the reused tokenizer's vocabulary: {shown}")
-    total_chars = sum(chars_in)
-    n_val = round(val_fraction * total_chars)
-    if val_fraction > 0 and n_val == 0 and total_chars > 1:
-        n_val = 1
-    split_at = total_chars - n_val  # characters before the split go to train
-    dtype = token_dtype(tok.vocab_size)
-
-    # Pass 2: encode into a hidden temporary folder, then rename it into place.
+    reader = _Reader([d for s in srcs for d in s.documents], errors, progress)
+    bpe_vocab = vocab_size or DEFAULT_BPE_VOCAB
+    tok, scan = _first_pass(srcs, reader, tok_or_kind, bpe_vocab)
+    replacements = reader.replaced  # the second pass reads the same bytes again
+    split_at = _split_point(sum(scan.chars), val_fraction)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # renamed into place once complete
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        writer = _SplitWriter(tok, dtype, tmp)
-        try:
-            pos, done = 0, [0]
-            for k, doc in enumerate(docs):
-                if k and tok.eot_id is not None:
-                    writer.add_separator(tok.eot_id)  # between documents only
-                for piece in pieces_of(doc, "encode", done):
-                    if writer.split == "train" and pos + len(piece) > split_at:
-                        writer.add_text(piece[: split_at - pos])
-                        writer.switch_to_val()
-                        writer.add_text(piece[split_at - pos :])
-                    else:
-                        writer.add_text(piece)
-                    pos += len(piece)
-            writer.close()
-        except TokenizerError as e:  # text a reused tokenizer cannot take (checked above for char; a safety net)
-            writer.abort()
-            raise DataError(f"the tokenizer cannot encode this corpus: {e}") from None
-        except BaseException:
-            writer.abort()
-            raise
+        counts = _second_pass(reader, tok, split_at, tmp)
         meta = {
             "format": FORMAT,
             "version": VERSION,
             "tokenizer": tok.kind,
             "tokenizer_fingerprint": tok.fingerprint(),
             "vocab_size": tok.vocab_size,
-            "dtype": dtype.name,
-            **writer.counts,
+            "dtype": token_dtype(tok.vocab_size).name,
+            **counts,
             "val_fraction": val_fraction,
-            "documents": len(docs),
+            "documents": len(reader.docs),
             "eot_id": tok.eot_id,
             "sources": [s.to_meta() for s in srcs],
             "errors": errors,
@@ -631,6 +549,136 @@ def prepare(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _check_prepare_args(val_fraction: float, errors: str) -> None:
+    if (
+        not isinstance(val_fraction, (int, float))
+        or not 0 <= val_fraction <= MAX_VAL_FRACTION
+        or math.isnan(val_fraction)
+    ):
+        raise DataError(f"val fraction must be between 0 and {MAX_VAL_FRACTION}, got {val_fraction}")
+    if errors not in ("strict", "replace"):
+        raise DataError(f"errors must be 'strict' or 'replace', got {errors!r}")
+
+
+class _Reader:
+    """The documents of one prepare call, read as pieces: progress reported, substitutions counted.
+
+    The count belongs to this call alone; the BPE trainer may pull pieces from another thread, which
+    is why it is kept here and not per thread.
+    """
+
+    def __init__(self, docs: list[Document], errors: str, progress: ProgressFn | None) -> None:
+        self.docs = docs
+        self.errors = errors
+        self.progress = progress
+        self.total_bytes = sum(d.size for d in docs)
+        self.replaced = 0  # U+FFFD substituted so far (errors="replace")
+
+    def pieces(self, doc: Document, phase: str, done: list[int]) -> Iterator[str]:
+        """The document's text cut into pieces; done[0] counts the bytes read in this phase."""
+
+        def on_bytes(n: int) -> None:
+            done[0] += n
+            if self.progress is not None:
+                self.progress(phase, done[0], self.total_bytes)
+
+        return _pieces(_read_chunks(doc, self.errors, on_bytes, self._count_replaced))
+
+    def _count_replaced(self, n: int) -> None:
+        self.replaced += n
+
+
+@dataclass
+class _Scan:
+    """What the first pass finds in each source, and the corpus alphabet when a char vocabulary
+    is learned or checked (a flag per code point)."""
+
+    chars: list[int]
+    has_text: list[bool]  # a character that is not whitespace
+    seen: np.ndarray | None
+
+
+def _scanned(srcs: list[Source], reader: _Reader, phase: str, scan: _Scan) -> Iterator[str]:
+    """Every piece of every source, noted in `scan` as it goes by."""
+    done = [0]
+    for i, src in enumerate(srcs):
+        for doc in src.documents:
+            for piece in reader.pieces(doc, phase, done):
+                scan.chars[i] += len(piece)
+                if scan.seen is not None:
+                    scan.seen[np.frombuffer(piece.encode("utf-32-le"), dtype=np.uint32)] = True
+                if not scan.has_text[i] and not piece.isspace():
+                    scan.has_text[i] = True
+                yield piece
+
+
+def _first_pass(
+    srcs: list[Source], reader: _Reader, tok_or_kind: Tokenizer | str, bpe_vocab: int
+) -> tuple[Tokenizer, _Scan]:
+    """Pass 1: count characters (for the split), check there is text, and learn the vocabulary (char,
+    or BPE trained on the pieces as they stream by) or check a reused char vocabulary against it."""
+    checks_alphabet = tok_or_kind == "char" or isinstance(tok_or_kind, CharTokenizer)
+    scan = _Scan([0] * len(srcs), [False] * len(srcs), np.zeros(0x110000, dtype=bool) if checks_alphabet else None)
+    pieces = _scanned(srcs, reader, "train bpe" if tok_or_kind == "bpe" else "read", scan)
+    if tok_or_kind == "bpe":
+        tok = BPETokenizer.train(pieces, bpe_vocab, show_progress=reader.progress is not None)
+    else:
+        for _ in pieces:
+            pass
+    for i, src in enumerate(srcs):
+        if not scan.has_text[i]:
+            raise DataError(
+                f"source {src.name} is empty" if scan.chars[i] == 0 else f"source {src.name} holds only whitespace"
+            )
+    if tok_or_kind == "char":
+        tok = CharTokenizer(map(chr, np.flatnonzero(scan.seen).tolist()))
+    elif tok_or_kind != "bpe":
+        tok = tok_or_kind
+    if isinstance(tok, CharTokenizer) and scan.seen is not None and (tok.table[scan.seen] < 0).any():
+        missing = [chr(c) for c in np.flatnonzero(scan.seen & (tok.table < 0)).tolist()]
+        shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise DataError(f"the corpus has {len(missing)} characters outside the reused tokenizer's vocabulary: {shown}")
+    return tok, scan
+
+
+def _split_point(total_chars: int, val_fraction: float) -> int:
+    """How many characters, from the start, go to train: the rest is the validation split (at least
+    one character when val_fraction > 0 and there are two)."""
+    n_val = round(val_fraction * total_chars)
+    if val_fraction > 0 and n_val == 0 and total_chars > 1:
+        n_val = 1
+    return total_chars - n_val
+
+
+def _second_pass(reader: _Reader, tok: Tokenizer, split_at: int, folder: Path) -> dict[str, int]:
+    """Pass 2: encode every document into folder/train.bin, then val.bin from character split_at on,
+    with eot_id between documents. Returns the tokens, characters and bytes of each split."""
+    writer = _SplitWriter(tok, token_dtype(tok.vocab_size), folder)
+    try:
+        pos, done = 0, [0]
+        for k, doc in enumerate(reader.docs):
+            if k and tok.eot_id is not None:
+                writer.add_separator(tok.eot_id)  # between documents only
+            for piece in reader.pieces(doc, "encode", done):
+                if writer.split == "train" and pos + len(piece) > split_at:
+                    writer.add_text(piece[: split_at - pos])
+                    writer.switch_to_val()
+                    writer.add_text(piece[split_at - pos :])
+                else:
+                    writer.add_text(piece)
+                pos += len(piece)
+        writer.close()
+    except TokenizerError as e:  # text a reused tokenizer cannot take (checked in pass 1 for char; a safety net)
+        writer.abort()
+        raise DataError(f"the tokenizer cannot encode this corpus: {e}") from None
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.counts
 
 
 def _check_out_dir(out: Path) -> None:

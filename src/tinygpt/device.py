@@ -58,9 +58,9 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The compute dtype for training or inference. "auto": bfloat16 where the hardware computes it
-    natively (CUDA GPUs that support it; CPUs with AVX-512 BF16 or AMX, where autocast trained
-    GPT-2 small 1.8x faster than float32 and a char model's loss after 200 steps moved by 0.01%),
-    else float32 (MPS included)."""
+    natively (CUDA GPUs that support it; CPUs with AVX-512 BF16 or AMX, where autocast trains
+    faster than float32 for the same loss: the README's Performance section), else float32 (MPS
+    included)."""
     if name == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16

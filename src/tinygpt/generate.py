@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fastpath
 from .config import SampleConfig
 from .kv_cache import KVCache
 from .sampling import choose, process_logits
@@ -25,7 +26,12 @@ def prefill(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
 
 
 def decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> torch.Tensor:
-    """Run one new token per row, token (B,), at position `pos` (an int or a (B,) tensor). Returns logits (B, V)."""
+    """Run one new token per row, token (B,), at position `pos` (an int or a (B,) tensor). Returns logits (B, V).
+
+    Rows at one position on a CPU take `fastpath.step`, the same arithmetic in fewer operators.
+    """
+    if isinstance(pos, int) and fastpath.applies(model, token, kv_cache, pos):
+        return fastpath.step(model, token, kv_cache, pos)
     if isinstance(pos, int):
         positions = torch.tensor([pos], device=token.device)
     else:

@@ -10,53 +10,28 @@ An adapted projection computes W x + b + (alpha / rank) B A dropout(x) with W an
 base layer's own tensors, untouched), A (rank, in) Kaiming-uniform and B (out, rank) zero, as PEFT
 and the LoRA paper initialize them: the adapted model starts out computing exactly the base.
 
-An adapter run stores the adapters and names the base model they belong to:
-
-    RUN/adapter_config.json   the LoRA settings, the base's path and a checksum of its weights
-    RUN/adapter.safetensors   the adapters (a few MB where the base is hundreds)
-    RUN/config.json           the base's GPTConfig, so load_config and `tinygpt params` read the run
-    RUN/tokenizer.json        the base's tokenizer, copied, so sample, eval and serve need nothing else
-
-The base's path is kept as given when absolute; a relative one is stored relative to the adapter
-run's folder (so the two folders can move together) and resolved against it. The checksum is
-SHA-256 over the base model's tensors themselves, in name order (name, dtype, shape, bytes), so it
-is the same whether the base is a tinygpt run or a Hugging Face folder, sharded or not, and any
-edit to any weight changes it. `tinygpt.load` reads an adapter run like any run: it loads the
-base, checks the checksum, applies and fills the adapters.
+weights_checksum(model) is SHA-256 over the base model's tensors themselves, in name order (name,
+dtype, shape, bytes), so it is the same whether the base is a tinygpt run or a Hugging Face folder,
+sharded or not, and any edit to any weight changes it: an adapter run keeps it to know its base.
+Adapter runs (the adapters in a folder that names their base) are run folders, written and read by
+tinygpt.checkpoint: save_adapter_run, read_adapter_config, merge_run, and `tinygpt.load`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
-import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from .checkpoint import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    CONFIG,
-    TIED_KEY,
-    TOKENIZER,
-    WEIGHTS,
-    _read_weights,
-    is_adapter_run,
-    is_hf_folder,
-)
-from .config import GPTConfig, LoraConfig
+from .config import LoraConfig
 from .errors import CheckpointError, ConfigError
-from .fileio import atomic_write, read_json, write_json
 from .model import GPT
+from .weights import TIED_KEY
 
-ADAPTER_FORMAT = "tinygpt-lora"
-ADAPTER_VERSION = 1
 ADAPTER_KEYS = (".lora_A", ".lora_B")
 
 
@@ -268,211 +243,3 @@ def weights_checksum(model: nn.Module) -> str:
         digest.update((json.dumps([name, str(t.dtype).removeprefix("torch."), list(t.shape)]) + "\n").encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy())
     return "sha256:" + digest.hexdigest()
-
-
-# ---- adapter runs -----------------------------------------------------------------------------
-
-
-def _stored_base(base: Path, out: Path) -> str:
-    """The base's path as adapter_config.json keeps it: absolute as given, else relative to `out`."""
-    if base.is_absolute():
-        return str(base)
-    return os.path.relpath(os.path.abspath(base), os.path.abspath(out))
-
-
-def _base_tokenizer(base: Path):
-    from .tokenizer import load_tokenizer
-
-    if is_hf_folder(base):
-        from .interop.hf_gpt2 import load_hf_tokenizer
-
-        return load_hf_tokenizer(base)
-    return load_tokenizer(base) if (base / TOKENIZER).exists() else None
-
-
-def save_adapter_run(
-    model: GPT,
-    out: str | Path,
-    base: str | Path,
-    tokenizer=None,
-    *,
-    base_checksum: str | None = None,
-    step: int | None = None,
-) -> Path:
-    """Write an adapter run: adapter.safetensors, adapter_config.json, config.json, tokenizer.json.
-
-    Args:
-        model: the adapted model (apply_lora), whose frozen weights are the base's.
-        out: the run folder; created if needed. Files already there are replaced atomically.
-        base: the base model's folder (a tinygpt run or a Hugging Face GPT-2 folder); kept as given
-            when absolute, else stored relative to `out`.
-        tokenizer: written as tokenizer.json; None copies the base's (when it has one).
-        base_checksum: weights_checksum of the base, when the caller has it (a training loop saving
-            every few hundred steps computes it once); default: computed from the model's frozen weights.
-        step: the training step the adapters belong to (stored in the safetensors metadata).
-
-    Returns:
-        The folder.
-
-    Raises:
-        ConfigError: the model has no adapters.
-        CheckpointError: the base is missing or is itself an adapter run, or `out` holds a full model.
-    """
-    config = lora_config_of(model)
-    tensors = adapter_state_dict(model)  # raises for a model without adapters
-    out, base = Path(out), Path(base)
-    if not base.is_dir():
-        raise CheckpointError(f"{base}: no such base model folder")
-    if is_adapter_run(base):
-        raise CheckpointError(f"{base} is an adapter run: the base of adapters must be a full model (merge it first)")
-    if (out / WEIGHTS).exists():
-        raise CheckpointError(f"{out} holds a full model ({WEIGHTS}); write the adapters to another folder")
-    out.mkdir(parents=True, exist_ok=True)
-    info = {
-        "format": ADAPTER_FORMAT,
-        "version": ADAPTER_VERSION,
-        "lora": config.to_dict(),
-        "base": {"path": _stored_base(base, out), "checksum": base_checksum or weights_checksum(model)},
-    }
-    metadata = {"format": "pt", "step": str(step if step is not None else -1)}
-    state = {k: v.contiguous().cpu() for k, v in tensors.items()}
-    atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=metadata))
-    tokenizer = tokenizer if tokenizer is not None else _base_tokenizer(base)
-    if tokenizer is not None:
-        tokenizer.save(out / TOKENIZER)
-    write_json(out / CONFIG, model.config.to_dict())
-    write_json(out / ADAPTER_CONFIG, info)  # last: it is what makes the folder an adapter run
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterRun:
-    """What an adapter run's adapter_config.json says.
-
-    Args:
-        lora: the LoRA settings the adapters were trained with.
-        base: the base model's folder, resolved (a relative path is relative to the adapter run).
-        checksum: weights_checksum of the base the adapters were trained on.
-    """
-
-    lora: LoraConfig
-    base: Path
-    checksum: str
-
-    @property
-    def shown_base(self) -> str:
-        """The base's path for messages, ".." folded away lexically (lora/../base -> base); loading
-        follows the path as stored, which differs only where a symlink is in it."""
-        return os.path.normpath(self.base)
-
-
-def read_adapter_config(run: str | Path) -> AdapterRun:
-    """The settings and the base of an adapter run (its adapter_config.json, checked).
-
-    Raises:
-        CheckpointError: the file is missing, not JSON, or not a tinygpt adapter config.
-    """
-    run = Path(run)
-    file = run / ADAPTER_CONFIG
-    info = read_json(file, CheckpointError)
-    if not isinstance(info, dict) or info.get("format") != ADAPTER_FORMAT:
-        raise CheckpointError(f"{file}: not a tinygpt adapter config (no \"format\": \"{ADAPTER_FORMAT}\")")
-    if info.get("version") != ADAPTER_VERSION:
-        raise CheckpointError(f"{file}: version {info.get('version')!r}; this tinygpt reads version {ADAPTER_VERSION}")
-    base = info.get("base")
-    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
-            and isinstance(base.get("checksum"), str)):
-        raise CheckpointError(f"{file}: \"base\" must hold the base model's \"path\" and \"checksum\"")
-    try:
-        lora = LoraConfig.from_dict(info.get("lora"))
-    except ConfigError as e:
-        raise CheckpointError(f"{file}: {e}") from None
-    return AdapterRun(lora=lora, base=run / base["path"], checksum=base["checksum"])  # an absolute path wins
-
-
-def _check_same_architecture(run: Path, base: str, model: GPT) -> None:
-    """The run's config.json must describe the base it loads (dropout aside: training may set its own)."""
-    if not (run / CONFIG).exists():
-        return
-    try:
-        saved = GPTConfig.from_dict(read_json(run / CONFIG, CheckpointError))
-    except ConfigError as e:
-        raise CheckpointError(f"{run / CONFIG}: {e}") from None
-    differ = [f.name for f in dataclasses.fields(GPTConfig)
-              if f.name != "dropout" and getattr(saved, f.name) != getattr(model.config, f.name)]
-    if differ:
-        raise CheckpointError(f"{run}: the base model {base} is not the architecture these adapters were trained on "
-                              f"({', '.join(differ)} differ from {run / CONFIG})")
-
-
-def load_adapter_run(
-    run: str | Path,
-    *,
-    device: str | torch.device = "cpu",
-    allow_nonfinite: bool = False,
-    merge_adapters: bool = False,
-) -> GPT:
-    """The model of an adapter run, in eval mode: its base, checked, with the adapters applied.
-
-    Args:
-        run: the adapter run folder.
-        device: where to put the weights.
-        allow_nonfinite: accept NaN or infinite weights (base or adapters).
-        merge_adapters: fold the adapters into the weights (a plain GPT, as fast as the base).
-
-    Raises:
-        CheckpointError: a damaged adapter file, or a base that is missing, is not a full model, or
-            whose weights are not the ones the adapters were trained on (the message names its path).
-    """
-    from .checkpoint import load
-
-    run = Path(run)
-    info = read_adapter_config(run)
-    config, base = info.lora, info.base
-    shown = info.shown_base
-    if not base.is_dir():
-        raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_CONFIG} names it); "
-                              "put the base back there or edit base.path")
-    if is_adapter_run(base):
-        raise CheckpointError(f"{run}: its base model {shown} is itself an adapter run; the base must be a full model")
-    model = load(base, device="cpu", allow_nonfinite=allow_nonfinite)
-    checksum = weights_checksum(model)
-    if checksum != info.checksum:
-        raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
-                              f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_CONFIG} expects "
-                              f"{info.checksum[:19]}...)")
-    _check_same_architecture(run, shown, model)
-    tensors, _ = _read_weights(run / ADAPTER_WEIGHTS)
-    apply_lora(model, config.rank, config.alpha, config.targets, config.dropout)
-    load_adapter_state_dict(model, tensors, str(run / ADAPTER_WEIGHTS), allow_nonfinite=allow_nonfinite)
-    if merge_adapters:
-        merge(model)
-    return model.to(device).eval()
-
-
-def merge_run(run: str | Path, out: str | Path):
-    """Write an adapter run's model, adapters folded in, as a plain run (model.safetensors, config.json,
-    tokenizer.json): what `tinygpt merge` does.
-
-    Args:
-        run: the adapter run.
-        out: the plain run folder to create; it must not exist yet or be empty.
-
-    Returns:
-        (the merged model, its tokenizer or None).
-
-    Raises:
-        CheckpointError: `run` is not an adapter run or cannot be loaded, or `out` is taken.
-    """
-    from .checkpoint import save
-    from .tokenizer import load_tokenizer
-
-    run, out = Path(run), Path(out)
-    if not is_adapter_run(run):
-        raise CheckpointError(f"{run}: not an adapter run (no {ADAPTER_CONFIG}), so there is nothing to merge")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; merge into a new folder")
-    model = load_adapter_run(run, merge_adapters=True)
-    tokenizer = load_tokenizer(run) if (run / TOKENIZER).exists() else None
-    save(model, out, tokenizer)
-    return model, tokenizer

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import GPTConfig
+from .config import MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
 
 
@@ -65,9 +65,9 @@ def _matmul_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float
 ) -> torch.Tensor:
     # The explicit path's arithmetic in fewer passes over the T x T scores: the mask becomes an
-    # additive bias (0 or -inf) that one baddbmm adds while it computes q k^T / sqrt(d). For bf16
-    # training on a CPU, forward + backward of a 4 x 12-head x 256 batch took 16 ms against the
-    # explicit path's 24 ms (no separate scale, mask fill or copy of the scores).
+    # additive bias (0 or -inf) that one baddbmm adds while it computes q k^T / sqrt(d), so there is
+    # no separate scale, mask fill or copy of the scores to make (the README's Performance section
+    # has what that saves).
     *lead, t_q, d = q.shape
     t_k = k.shape[-2]
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -78,16 +78,11 @@ def _matmul_attention(
     return (weights @ v.reshape(-1, t_k, d)).view(*lead, t_q, d)
 
 
-# B x heads x T_q x T_k scores up to which bf16 training on a CPU takes the matmul path (see below)
-MATH_ATTENTION_MAX_SCORES = 2**25
-
-
 def _sdpa_is_slow(q: torch.Tensor, k: torch.Tensor) -> bool:
-    # PyTorch's CPU flash-attention backward is slow in bfloat16: for a 4 x 12-head x 256 batch
-    # the matmul path above ran forward + backward in 16 ms against SDPA's 23-26 ms, and for the
-    # 4-head, 64-long char model 1.2 ms against 4.4-5.6 ms. So bf16 training on a CPU takes the matmul
-    # path, as long as its T x T scores (kept for backward, 2 bytes each) stay small; inference
-    # and float32 keep SDPA, which is as fast or faster there.
+    # PyTorch's CPU flash-attention backward is slow in bfloat16, slower than the matmul path above
+    # at every size tinygpt trains on a CPU (figures in the README's Performance section). So bf16
+    # training on a CPU takes the matmul path, as long as its T x T scores (kept for backward, 2 bytes
+    # each) stay small; inference and float32 keep SDPA, which is as fast or faster there.
     if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not q.requires_grad:
         return False
     return q.shape[:-1].numel() * k.shape[-2] <= MATH_ATTENTION_MAX_SCORES

@@ -84,8 +84,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    # the fused kernel: one pass over each tensor instead of a dozen (on a CPU, GPT-2 small's
-    # update took 47 ms against 331 ms for the foreach loop, one thread)
+    # the fused kernel reads and writes each parameter and its two moments once, where the foreach
+    # loop makes a pass per elementwise operation: the update is memory-bound, so that is most of its
+    # time (the README's Performance section has the figure)
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
 

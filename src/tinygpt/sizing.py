@@ -48,8 +48,6 @@ def default_model_config(vocab_size: int, train_tokens: int, val_tokens: int) ->
 
 
 @dataclass
-
-
 class ModelChoice:
     """The model choose_model picked, and why.
 
@@ -132,73 +130,101 @@ def choose_model(
         return ModelChoice(base, "given", f"model: {_describe(base)}, as given")
     if cfg.max_time is None:
         return ModelChoice(base, "data", f"model: {_describe(base)}, the default for {train_tokens:,} training tokens")
+    return _size_for_budget(base, cfg, train_tokens, "block_size" in fixed, sweep, flops_per_second)
 
-    seconds = cfg.max_time
-    share = 1 / (1 + eval_overhead(cfg))
-    sequences = cfg.batch_size * cfg.grad_accum  # per optimizer step
-    # a small budget trains better on more, shorter steps: halve the context (unless it is given)
-    # until the plan reaches SIZED_STEPS steps (measured on the budget's Chinchilla size: 44 s of
-    # Shakespeare reached val loss 1.76 with context 64 and 1.89 with 128 at lr 3e-3, 2.39 with 256
-    # at lr 5e-3)
-    contexts = [base.block_size]
-    while "block_size" not in fixed and contexts[-1] // 2 >= MIN_SIZED_CONTEXT:
-        contexts.append(contexts[-1] // 2)
 
-    def steps_of(model: GPTConfig, flops: float) -> int:
-        return int(flops / flops_per_token(model).training // (sequences * model.block_size))
+@dataclass
+class _Sizer:
+    """Turns a compute budget into a model: the rule's parameter count, made into a shape that gets
+    enough optimizer steps of `sequences` sequences, at the longest of `contexts` that gets SIZED_STEPS.
 
-    def size_at(flops: float, T: int) -> tuple[GPTConfig, float, list[str]]:
-        at = dataclasses.replace(base, block_size=T)
-        smallest = smallest_shape(vocab_size=base.vocab_size, block_size=T, base=at)
-        target = sweep.optimal_params(flops) if sweep is not None else compute_optimal(flops=flops).params
+    Args:
+        base: the data's default with the user's fixed fields (everything but the size).
+        sequences: sequences per optimizer step (batch_size x grad_accum).
+        contexts: the block sizes to try, longest first.
+        sweep: a sweep's fit, else Chinchilla's rule.
+    """
+
+    base: GPTConfig
+    sequences: int
+    contexts: list[int]
+    sweep: ScalingLaw | None
+
+    def steps(self, model: GPTConfig, flops: float) -> int:
+        return int(flops / flops_per_token(model).training // (self.sequences * model.block_size))
+
+    def size(self, flops: float) -> tuple[GPTConfig, float, list[str]]:
+        """(model, the rule's parameter count, notes for the user) for `flops` of training."""
+        for T in self.contexts:
+            model, target, notes = self.size_at(flops, T)
+            if self.steps(model, flops) >= SIZED_STEPS:
+                break
+        return model, target, notes
+
+    def size_at(self, flops: float, T: int) -> tuple[GPTConfig, float, list[str]]:
+        vocab = self.base.vocab_size
+        at = dataclasses.replace(self.base, block_size=T)
+        smallest = smallest_shape(vocab_size=vocab, block_size=T, base=at)
+        target = self.sweep.optimal_params(flops) if self.sweep is not None else compute_optimal(flops=flops).params
         notes = []
         if target <= count_params(smallest).total:
             model = smallest
             notes.append("the smallest model: the budget buys less")
         else:
-            model = shape_for_params(target, vocab_size=base.vocab_size, block_size=T, base=at)
+            model = shape_for_params(target, vocab_size=vocab, block_size=T, base=at)
         # a model too big for the batch would take a handful of steps: shrink it until it gets enough
         smaller = target
-        while model is not smallest and steps_of(model, flops) < MIN_SIZED_STEPS:
+        while model is not smallest and self.steps(model, flops) < MIN_SIZED_STEPS:
             smaller *= 0.8
             if smaller <= count_params(smallest).total:
                 model = smallest
             else:
-                model = shape_for_params(smaller, vocab_size=base.vocab_size, block_size=T, base=at)
+                model = shape_for_params(smaller, vocab_size=vocab, block_size=T, base=at)
             if not notes or "steps" not in notes[-1]:
-                notes.append(f"made smaller to get {MIN_SIZED_STEPS} steps of {sequences * T:,} tokens")
+                notes.append(f"made smaller to get {MIN_SIZED_STEPS} steps of {self.sequences * T:,} tokens")
         return model, target, notes
 
-    def size_for(flops: float) -> tuple[GPTConfig, float, list[str]]:
-        for T in contexts:
-            model, target, notes = size_at(flops, T)
-            if steps_of(model, flops) >= SIZED_STEPS:
-                break
-        return model, target, notes
 
+def _contexts(base: GPTConfig, block_fixed: bool) -> list[int]:
+    """The contexts a budget may train at, longest first. A small budget trains better on more,
+    shorter steps, so the context is halved (unless it is given) down to MIN_SIZED_CONTEXT: see the
+    README's Performance section (time to quality) for the runs that showed it."""
+    contexts = [base.block_size]
+    while not block_fixed and contexts[-1] // 2 >= MIN_SIZED_CONTEXT:
+        contexts.append(contexts[-1] // 2)
+    return contexts
+
+
+def _probe(base: GPTConfig, cfg: TrainConfig) -> GPTConfig:
+    """The first model to time: what a laptop trains in minutes, or GPT-2 small on a GPU (where a
+    small model would time kernel launches rather than compute)."""
+    guess = 124e6 if resolve_device(cfg.device).type == "cuda" else 1e6
+    smallest = smallest_shape(vocab_size=base.vocab_size, block_size=base.block_size, base=base)
+    guess = max(guess, 2 * count_params(smallest).total)  # a big vocabulary sets a floor
+    return shape_for_params(guess, vocab_size=base.vocab_size, block_size=base.block_size, base=base)
+
+
+def _size_for_budget(
+    base: GPTConfig, cfg: TrainConfig, train_tokens: int, block_fixed: bool, sweep: ScalingLaw | None,
+    flops_per_second: float | None,
+) -> ModelChoice:
+    """choose_model for a time budget: the speed (measured here unless given), the model it buys, the plan."""
+    seconds = cfg.max_time
+    share = 1 / (1 + eval_overhead(cfg))
+    sizer = _Sizer(base, cfg.batch_size * cfg.grad_accum, _contexts(base, block_fixed), sweep)
     measured = flops_per_second is None
-    if measured:
-        # the first guess at a size to time: what a laptop trains in minutes, or GPT-2 small on a GPU
-        # (where a small model would time kernel launches rather than compute)
-        guess = 124e6 if resolve_device(cfg.device).type == "cuda" else 1e6
-        smallest = smallest_shape(vocab_size=base.vocab_size, block_size=base.block_size, base=base)
-        guess = max(guess, 2 * count_params(smallest).total)  # a big vocabulary sets a floor
-        probe = shape_for_params(guess, vocab_size=base.vocab_size, block_size=base.block_size, base=base)
-        speed = _measure_speed(probe, cfg)
-    else:
-        speed = flops_per_second
-    model, target, notes = size_for(speed * seconds * share)
+    speed = _measure_speed(_probe(base, cfg), cfg) if measured else flops_per_second
+    model, target, notes = sizer.size(speed * seconds * share)
     if measured:
         # the probe's speed is not the chosen model's: small models do fewer FLOP/s; measure that one
         speed = _measure_speed(model, cfg)
-        model, target, notes = size_for(speed * seconds * share)
+        model, target, notes = sizer.size(speed * seconds * share)
     flops = speed * seconds * share
     tokens = flops / flops_per_token(model).training
-    T = model.block_size
-    tokens_per_step = sequences * T
-    steps = steps_of(model, flops)
-    lr = sized_lr(model)
-    epochs = tokens / max(1, train_tokens)
+    plan = {"seconds": seconds, "flops_per_second": speed, "measured": measured, "flops": flops, "target_params": target,
+            "params": count_params(model).total, "tokens": tokens, "steps": sizer.steps(model, flops),
+            "epochs": tokens / max(1, train_tokens), "tokens_per_step": sizer.sequences * model.block_size,
+            "lr": sized_lr(model)}
     if sweep is not None:
         rule = "sweep"
         law = f"the sweep{' in ' + sweep.source if sweep.source else ''} ({sweep.rule})"
@@ -207,25 +233,29 @@ def choose_model(
             notes.append(f"extrapolated: the sweep spans {low:.2g}-{high:.2g} FLOP")
     else:
         rule, law = "chinchilla", "Chinchilla's rule N = sqrt(C/120)"
-    where = "measured here" if measured else "given"
+    return ModelChoice(model, rule, _budget_reason(model, cfg, plan, law, notes), plan, plan["lr"])
+
+
+def _budget_reason(model: GPTConfig, cfg: TrainConfig, plan: dict[str, Any], law: str, notes: list[str]) -> str:
+    """The one line that says what a time budget bought and why."""
+    seconds, T = plan["seconds"], model.block_size
+    where = "measured here" if plan["measured"] else "given"
     batch = f"{cfg.batch_size} x {T}" if cfg.grad_accum == 1 else f"{cfg.batch_size} x {cfg.grad_accum} x {T}"
-    reason = (
-        f"model: {_describe(model)} for a {seconds:g} s budget: {speed / 1e9:.3g} GFLOP/s ({where}) x {seconds:g} s "
-        f"= {flops:.3g} FLOP after evaluations; {law} -> N = {format_count(target)}; "
-        f"about {format_count(tokens)} tokens, {steps:,} steps of {batch} tokens at lr {lr:.2g}"
-        + (f", {epochs:.1f} epochs of the data" if epochs >= 1 else "")
+    return (
+        f"model: {_describe(model)} for a {seconds:g} s budget: {plan['flops_per_second'] / 1e9:.3g} GFLOP/s "
+        f"({where}) x {seconds:g} s = {plan['flops']:.3g} FLOP after evaluations; {law} -> "
+        f"N = {format_count(plan['target_params'])}; about {format_count(plan['tokens'])} tokens, "
+        f"{plan['steps']:,} steps of {batch} tokens at lr {plan['lr']:.2g}"
+        + (f", {plan['epochs']:.1f} epochs of the data" if plan["epochs"] >= 1 else "")
         + "".join(f"; {n}" for n in notes)
     )
-    plan = {"seconds": seconds, "flops_per_second": speed, "measured": measured, "flops": flops, "target_params": target,
-            "params": count_params(model).total, "tokens": tokens, "steps": steps, "epochs": epochs,
-            "tokens_per_step": tokens_per_step, "lr": lr}
-    return ModelChoice(model, rule, reason, plan, lr)
 
 
 def sized_lr(config: GPTConfig) -> float:
     """The peak learning rate for a model sized for a time budget: 3e-3 up to 128 wide, then falling
-    as 1/width (1e-3 at 384, 5e-4 at 768: what char models and GPT-2 small train well at). Measured
-    here: 44 s of Shakespeare on a 72-wide model reached val loss 1.76 at 3e-3 against 1.98 at 1e-3."""
+    as 1/width (1e-3 at 384, 5e-4 at 768: what char models and GPT-2 small train well at). A model
+    sized for a small budget is narrow and trains few steps, so it takes the higher rate; the runs
+    behind it are in the README's Performance section (time to quality)."""
     return 3e-3 * min(1.0, 128 / config.n_embd)
 
 

@@ -27,9 +27,10 @@ import itertools
 import json
 import operator
 import os
-import socket
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -280,7 +281,7 @@ def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> s
 # Byte-level BPE trained with Hugging Face `tokenizers`
 
 
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte, as byte-level BPE vocabularies spell tokens.
 
     Bytes that are printable Latin-1 (except space) stand for themselves; the other 68 bytes are
@@ -296,7 +297,7 @@ def _byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
-_UNICODE_TO_BYTE = {c: b for b, c in _byte_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
 
 
 def _token_bytes(token: str) -> bytes:
@@ -491,20 +492,20 @@ class GPT2Tokenizer(_TokenizerBase):
 
     @classmethod
     def from_tiktoken(cls, name: str = "gpt2", timeout: float = 10.0) -> GPT2Tokenizer:
-        """tiktoken's own encoding: from its cache, else downloaded (with a short network timeout)."""
-        import tiktoken
+        """tiktoken's own encoding: from its cache, else downloaded.
 
-        old = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(timeout)  # tiktoken's download sets no timeout of its own
+        Args:
+            name: the tiktoken encoding ("gpt2").
+            timeout: seconds to wait for it: tiktoken's download has no timeout of its own, so a
+                machine whose network drops packets would otherwise wait forever.
+        """
         try:
-            enc = tiktoken.get_encoding(name)
+            enc = _get_encoding_within(name, timeout)
         except Exception as e:
             raise TokenizerError(
                 f"GPT-2's BPE files are not in tiktoken's cache and could not be downloaded ({type(e).__name__}); "
                 "pass --tokenizer-file PATH with a local GPT-2 vocab.json + merges.txt or gpt2.tiktoken"
             ) from None
-        finally:
-            socket.setdefaulttimeout(old)
         ranks = {b: enc.encode_single_token(b) for b in enc.token_byte_values()}
         special = {t: enc.encode_single_token(t) for t in enc.special_tokens_set}
         return cls(ranks, special, pat_str=enc._pat_str, name=enc.name)
@@ -615,6 +616,16 @@ class GPT2Tokenizer(_TokenizerBase):
         """The underlying `tiktoken.Encoding`."""
         return self._enc
 
+    @property
+    def ranks(self) -> Mapping[bytes, int]:
+        """Token bytes -> rank (= token id), read-only: the merge order of byte-pair encoding."""
+        return MappingProxyType(self._ranks)
+
+    @property
+    def special_tokens(self) -> Mapping[str, int]:
+        """Text -> id of the tokens outside the merges (GPT-2's <|endoftext|>), read-only."""
+        return MappingProxyType(self._special)
+
     def to_dict(self) -> dict[str, Any]:
         by_rank = sorted(self._ranks.items(), key=lambda kv: kv[1])
         return {
@@ -640,6 +651,36 @@ class GPT2Tokenizer(_TokenizerBase):
         if len(ranks) != len(ranks_b64):
             raise TokenizerError('"ranks" holds duplicate tokens')
         return cls(ranks, special, pat_str=pat)
+
+
+def _get_encoding_within(name: str, timeout: float) -> Any:
+    """tiktoken.get_encoding(name), waited for at most `timeout` seconds.
+
+    It runs in a daemon thread that the caller stops waiting for, so nothing process-wide changes
+    (socket.setdefaulttimeout would reach every socket of the process, a server's included); a
+    download that finishes later still lands in tiktoken's cache.
+
+    Raises:
+        TimeoutError: no encoding after `timeout` seconds; else whatever tiktoken raised.
+    """
+    import tiktoken
+
+    outcome: dict[str, Any] = {}
+
+    def fetch() -> None:
+        try:
+            outcome["encoding"] = tiktoken.get_encoding(name)
+        except BaseException as e:  # handed to the caller's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=fetch, name=f"tiktoken-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimeoutError(f"tiktoken's {name} encoding did not arrive within {timeout:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["encoding"]
 
 
 def short_fingerprint(fingerprint: str) -> str:

@@ -1,18 +1,22 @@
 """The one training loop: AdamW, warmup + cosine, clipping, accumulation, mixed precision,
 evaluation, checkpoints and exact resume, on one process or several (torchrun: DDP or FSDP2).
-It returns a TrainResult or raises; it never exits."""
+It trains the model it is given, returns a TrainResult or raises, and never prints or exits:
+what a caller shows as a run goes (a progress bar, a trace) hangs on its TrainCallback hooks.
+
+A run goes through named phases: _settings (what to train, checked before anything is written),
+_Run (the model, its optimizer and the state a checkpoint keeps; restored on resume), then
+_Run.train_step, _Run.evaluate and _Run.save as the loop in _steps goes, with _Run.decide to stop."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,7 @@ from .data import DataSet, check_same_tokenizer, get_batch, load_data
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
+    ConfigError,
     NonFiniteError,
     TinyGPTError,
     TrainingError,
@@ -34,14 +39,15 @@ from .errors import (
 from .fileio import atomic_write, read_json, write_json
 from .model import GPT, lm_loss
 from .optim import BudgetSchedule, lr_at, make_optimizer
-from .sizing import ModelChoice, choose_model
+from .sizing import ModelChoice
 
 DEFAULT_MAX_ITERS = 2000
 METRICS = "metrics.jsonl"
 TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run first estimates its schedule's length
 SPEED_WINDOW = 20  # a time budget's step time: the median of this many most recent steps
-DEBUG_ENV = "TINYGPT_DEBUG_DIR"  # see _Trace
+
+
 @dataclass
 class TrainResult:
     run: Path
@@ -51,6 +57,111 @@ class TrainResult:
     stopped: str  # "max_iters", "max_time", "SIGINT", "SIGTERM" or "requested"
     tokens: int  # training tokens seen in total
     elapsed: float  # seconds of this invocation
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What a TrainCallback learns as a run starts.
+
+    Args:
+        run: the run folder.
+        rank, world_size: this process and how many train together (0 and 1 without torchrun).
+        step: optimizer steps already done (a resumed run's).
+        total: the run's length in steps, None while a time budget's is not estimated yet.
+    """
+
+    run: Path
+    rank: int
+    world_size: int
+    step: int
+    total: int | None
+
+
+class TrainCallback:
+    """Hooks train() calls as a run goes; each does nothing here: subclass and override what you need.
+    Under torchrun every process calls them at the same points, so a hook may run a collective
+    (tinygpt.distributed.full_parameters, say) in on_end. An exception in a hook ends the run."""
+
+    def on_start(self, start: RunStart) -> None:
+        """Before the first step."""
+
+    def on_batch(self, offsets: torch.Tensor) -> None:
+        """Every micro-step's batch as it is drawn: this process's window start positions in the train split."""
+
+    def on_step(self, record: dict[str, Any], total: int | None) -> None:
+        """After every optimizer step (and its evaluation, when one was due) with the step's metrics line
+        (step, tokens, loss, lr, grad_norm, tokens_per_s, time) and the run's length as now estimated."""
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        """After every evaluation, with its metrics line (step, tokens, train_loss, val_loss)."""
+
+    def on_end(self, result: TrainResult, model: torch.nn.Module) -> None:
+        """Once the run has stopped and its last checkpoint is on disk, with the trained model."""
+
+    def close(self) -> None:
+        """Last, whether the run ended or raised."""
+
+
+class ProgressBar(TrainCallback):
+    """A progress bar on stderr (steps, loss, tokens/s) and a line per evaluation on stdout (written
+    above the bar), shown by rank 0: what `tinygpt train` shows, and what train(progress=True) installs."""
+
+    def __init__(self) -> None:
+        self.bar, self.show = None, False
+
+    def on_start(self, start: RunStart) -> None:
+        from tqdm.auto import tqdm
+
+        self.show = start.rank == 0
+        self.bar = tqdm(total=start.total, initial=start.step, unit="step", disable=not self.show,
+                        file=sys.stderr, dynamic_ncols=True)
+
+    def on_step(self, record: dict[str, Any], total: int | None) -> None:
+        self.bar.total = total
+        self.bar.update(1)
+        rate = record["tokens_per_s"]
+        tok_s = f"{rate:,.0f}" if rate is not None else "-"
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=tok_s, refresh=False)
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        if self.show:
+            self.bar.write(f"step {record['step']}: train loss {record['train_loss']:.4f}, "
+                           f"val loss {record['val_loss']:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _AllOf(TrainCallback):
+    """Several callbacks as one, called in order."""
+
+    def __init__(self, callbacks: Sequence[TrainCallback]) -> None:
+        self.callbacks = list(callbacks)
+
+    def on_start(self, start: RunStart) -> None:
+        for c in self.callbacks:
+            c.on_start(start)
+
+    def on_batch(self, offsets: torch.Tensor) -> None:
+        for c in self.callbacks:
+            c.on_batch(offsets)
+
+    def on_step(self, record: dict[str, Any], total: int | None) -> None:
+        for c in self.callbacks:
+            c.on_step(record, total)
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        for c in self.callbacks:
+            c.on_eval(record)
+
+    def on_end(self, result: TrainResult, model: torch.nn.Module) -> None:
+        for c in self.callbacks:
+            c.on_end(result, model)
+
+    def close(self) -> None:
+        for c in self.callbacks:
+            c.close()
 
 
 def sample_offsets(n_tokens: int, block_size: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -139,6 +250,393 @@ def _group_by_length(windows: list[tuple[int, int]]):
     return groups.items()
 
 
+def train(
+    data: str | Path,
+    out: str | Path,
+    model_config: GPTConfig | ModelChoice | None = None,
+    train_config: TrainConfig | None = None,
+    *,
+    resume: bool = False,
+    progress: bool = False,
+    callbacks: Sequence[TrainCallback] = (),
+    should_stop: Callable[[int], bool] | None = None,
+    notes: dict[str, Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TrainResult:
+    """Train a GPT on a prepared data folder and keep it in a run folder.
+
+    Args:
+        data: a folder written by `tinygpt prepare`.
+        out: the run folder (created; refused if it already holds a run unless resuming).
+        model_config: the architecture, or a ModelChoice (tinygpt.sizing.choose_model picks one
+            for the data or a time budget; the choice is recorded in train_config.json under
+            notes.model_choice). Required for a new run; on resume None means the run's own, and
+            a config that differs from it is refused. A vocab_size smaller than the data's
+            vocabulary is refused.
+        train_config: the optimization settings (TrainConfig()). Its lr left None is filled in:
+            a ModelChoice's learning rate (a model sized for a time budget carries one), the run's
+            own on resume, else DEFAULT_LR.
+        resume: continue the run in `out` from its last checkpoint; with the same settings the
+            result is bitwise equal to an uninterrupted run (CPU, float32).
+        progress: show a progress bar on stderr and a line per evaluation on stdout (ProgressBar).
+        callbacks: TrainCallback hooks called as the run goes, after the progress bar's.
+        should_stop: called after every optimizer step with the step number; True stops
+            training there (saving first), as a signal would.
+        notes: JSON-ready facts about how the run was set up (how its size was chosen, a sweep's
+            grid point), kept in train_config.json under "notes" (merged on resume).
+        clock: seconds, for max_time and the step times its schedule is estimated from
+            (time.perf_counter; tests pass a fake one to play a machine that speeds up or slows down).
+
+    With max_time and no max_iters the run uses its budget: the schedule's length is re-estimated
+    after every step from the measured speed (BudgetSchedule), and it stops ("max_time") when the
+    time left would not buy another step and the last evaluation.
+
+    Several processes: launched by torchrun (WORLD_SIZE > 1), every process calls train() with the
+    same arguments. They join one process group (gloo on CPU, NCCL with one GPU per process),
+    train one model on global batches of batch_size x processes sequences (DDP, or FSDP2 with
+    train_config.fsdp), and agree every step on whether to stop, so a signal to any of them stops
+    all at the same step. Only rank 0 writes the run folder and shows progress; each returns the
+    same result. A group the caller already created is used and left open.
+
+    Raises:
+        ConfigError: a new run without a model config.
+        TrainingError: bad data or settings, or (several processes) another process died or
+        stopped answering within train_config.dist_timeout; NonFiniteError when the loss or the
+        gradient norm is not finite (nothing is saved then, the last checkpoint stays as it was).
+    """
+    if model_config is None and not resume:
+        raise ConfigError("a new run needs a model: pass a GPTConfig, or a ModelChoice from "
+                          "tinygpt.sizing.choose_model (sized for the data or a time budget)")
+    cfg = train_config or TrainConfig()
+    hooks = _AllOf([*([ProgressBar()] if progress else []), *callbacks])
+    with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
+        try:
+            setup = _settings(ctx, Path(out), load_data(data), model_config, cfg, resume, notes)
+            run = _Run(ctx, Path(out), setup)
+            run.record_settings(data, setup.notes, fresh=setup.state is None)
+            return _steps(run, hooks, should_stop, clock)
+        except Exception as e:
+            if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
+                raise
+            kept = "its last checkpoint is kept" if has_checkpoint(out) else "no checkpoint yet"
+            raise TrainingError(
+                f"process {ctx.rank}: lost contact with the other processes ({distributed.describe_failure(e)}); "
+                f"{out}: {kept}"
+            ) from e
+        finally:
+            hooks.close()
+
+
+@dataclass
+class _Setup:
+    """What a run trains and how, settled before anything is built or written."""
+
+    dataset: DataSet
+    model_config: GPTConfig
+    cfg: TrainConfig  # with its lr filled in
+    state: dict[str, Any] | None  # the checkpoint's training state, when resuming
+    notes: dict[str, Any] | None  # to record in train_config.json
+
+
+def _settings(
+    ctx: distributed.Dist, run: Path, dataset: DataSet, model_config: GPTConfig | ModelChoice | None,
+    cfg: TrainConfig, resume: bool, notes: dict[str, Any] | None,
+) -> _Setup:
+    """Phase 1: the model's settings (the run's own on resume), its training state, the learning rate
+    left to choose; everything refused here leaves the run folder as it was."""
+    choice = model_config if isinstance(model_config, ModelChoice) else None
+    model_config = choice.config if choice is not None else model_config
+    state = None
+    if resume:
+        saved = checkpoint.load_config(run)
+        if model_config is not None and model_config != saved:
+            raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
+        model_config = saved
+        check_data_for_run(run, dataset)  # before anything in the run is touched
+        state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
+        _check_state(state, run)
+    else:
+        if has_checkpoint(run):
+            raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
+        if choice is not None:
+            notes = {**(notes or {}), "model_choice": choice.to_dict()}
+    if cfg.lr is None:
+        if resume:
+            lr = read_train_config(run)[0].lr if (run / TRAIN_CONFIG).exists() else None
+        else:  # a model sized for a time budget trains at the rate for its width
+            lr = choice.lr if choice is not None else None
+        cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
+    _check_fits(model_config, dataset)
+    return _Setup(dataset, model_config, cfg, state, notes)
+
+
+def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
+    """The model must cover the data's vocabulary, and each split must hold one window of its context."""
+    vocab = int(dataset.meta["vocab_size"])
+    if model_config.vocab_size < vocab:
+        raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
+    block = model_config.block_size
+    for split in ("train", "val"):
+        n = len(getattr(dataset, split))
+        if n < block + 1:
+            raise TrainingError(
+                f"the {split} split has {n} tokens, fewer than block_size + 1 = {block + 1}; "
+                "use more text or a smaller --block-size"
+            )
+
+
+class _Run:
+    """One run as it trains: the model, its optimizer and what a checkpoint keeps (step, tokens seen,
+    the schedule, the random streams), with the phases of the loop as methods: train_step (the loss
+    is `loss`), evaluate, save, decide. Phase 2, setting up, is the constructor (and restore, on resume)."""
+
+    def __init__(self, ctx: distributed.Dist, folder: Path, setup: _Setup) -> None:
+        cfg = self.cfg = setup.cfg
+        self.ctx, self.folder, self.dataset = ctx, folder, setup.dataset
+        self.device, self.dtype = ctx.device, resolve_dtype(cfg.dtype, ctx.device)
+        allow_fast_float32(self.device)
+        fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
+        if fsdp and self.dtype is torch.float16:
+            raise TrainingError("--fsdp trains in float32 or bfloat16: float16 needs loss scaling across the shards")
+        torch.manual_seed(cfg.seed)
+        home = torch.device("cpu") if fsdp else self.device  # fully_shard moves each process's shard to the device
+        self.model = _build_model(setup, folder, home)
+        self.model.train()
+        self.wrapped = distributed.wrap(self.model, ctx, fsdp=fsdp)
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
+        if ctx.rank > 0:  # each process draws its own dropout masks
+            torch.manual_seed(cfg.seed + ctx.rank)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
+        self.data_rng = torch.Generator().manual_seed(cfg.seed)
+        self.block = setup.model_config.block_size
+        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.block * ctx.world_size
+        self.step, self.tokens, self.horizon = 0, 0, cfg.max_iters
+        self.budget = cfg.max_iters is None and cfg.max_time is not None  # a time budget alone: its length is estimated
+        if self.horizon is None and cfg.max_time is None:
+            self.horizon = DEFAULT_MAX_ITERS
+        self.schedule = BudgetSchedule(cfg) if self.budget else None
+        if setup.state is not None:
+            self.restore(setup.state)
+        self.step_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put a checkpoint's training state back: where the run was, its optimizer, its random streams."""
+        cfg, ctx, run = self.cfg, self.ctx, self.folder
+        self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        if self.budget:
+            self.schedule = BudgetSchedule.resumed(cfg, state, self.step)
+        elif cfg.max_iters is None and state["max_iters"] is not None:
+            self.horizon = int(state["max_iters"])
+        _check_optimizer_state(state["optimizer"], self.optimizer, run)
+        try:
+            distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+            if state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
+            _restore_rng(state["rng"], ctx, self.device, cfg.seed + ctx.rank + 1_000_003 * self.step)
+            self.data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            raise CheckpointError(f"{run / checkpoint.STATE}: does not fit this run ({why})") from None
+        if ctx.is_main:
+            _metrics_upto(run, self.step)
+
+    def record_settings(self, data: str | Path, notes: dict[str, Any] | None, *, fresh: bool) -> None:
+        """Rank 0 writes train_config.json (the data, its tokenizer's fingerprint, the settings, the notes
+        merged with a resumed run's) and, for a new run, an empty metrics.jsonl."""
+        run = self.folder
+        if not self.ctx.is_main:
+            return
+        run.mkdir(parents=True, exist_ok=True)
+        if not fresh and (run / TRAIN_CONFIG).exists():
+            saved = read_json(run / TRAIN_CONFIG, TrainingError)
+            previous = saved.get("notes") if isinstance(saved, dict) else None
+            notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
+        record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": self.dataset.fingerprint,
+                  "train": self.cfg.to_dict()}
+        write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
+        if fresh:
+            (run / METRICS).write_text("")
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of one micro-batch (inputs x, targets y), under autocast."""
+        with autocast(self.device, self.dtype):
+            return lm_loss(self.step_model(x.to(self.device)), y.to(self.device))
+
+    def train_step(self, hooks: TrainCallback) -> dict[str, Any]:
+        """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
+        cfg, ctx = self.cfg, self.ctx
+        lr = self.schedule.next_lr(self.step) if self.schedule is not None else lr_at(self.step, cfg, self.horizon)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            # every process draws the whole global batch from the same generator and takes its slice
+            offsets = sample_offsets(len(self.dataset.train), self.block, cfg.batch_size * ctx.world_size, self.data_rng)
+            offsets = share(offsets, ctx.rank, cfg.batch_size)
+            hooks.on_batch(offsets)
+            x, y = get_batch(self.dataset.train, offsets, self.block)
+            # gradients are reduced across processes once, in the last micro-step's backward
+            with distributed.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
+                loss = self.loss(x, y) / cfg.grad_accum
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        loss_value = ctx.mean(loss_sum)  # the global batch's loss, the same in every process
+        if not math.isfinite(loss_value):
+            raise NonFiniteError(f"step {self.step + 1}: the loss is {loss_value}; stopped before the update", self.step + 1)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
+        grad_norm = distributed.full_value(grad_norm).item()  # over all shards under FSDP
+        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
+            raise NonFiniteError(
+                f"step {self.step + 1}: the gradient norm is {grad_norm}; stopped before the update", self.step + 1
+            )
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens += self.tokens_per_step
+        return {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+
+    def evaluate(self, iters: int | None = None) -> dict[str, Any]:
+        """Phase 4a: the loss on both splits (eval_iters batches, or the first `iters`); its metrics line."""
+        self.model.eval()
+        losses = {
+            s: self.ctx.mean(estimate_loss(self.model, getattr(self.dataset, s), self.cfg, self.device, self.dtype,
+                                           rank=self.ctx.rank, world_size=self.ctx.world_size, iters=iters))
+            for s in ("train", "val")
+        }
+        self.model.train()
+        record = {"step": self.step, "tokens": self.tokens, "train_loss": losses["train"], "val_loss": losses["val"]}
+        return {**record, "eval_iters": iters} if iters is not None and iters < self.cfg.eval_iters else record
+
+    def save(self) -> None:
+        """Phase 4b: a checkpoint of the weights and the training state (every process takes part; rank 0 writes)."""
+        ctx, device = self.ctx, self.device
+        rng = {"torch": torch.get_rng_state(), "data": self.data_rng.get_state()}
+        if device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(device)
+        if ctx.enabled:  # every process's dropout stream, so a resume on as many processes is exact
+            rng["torch_ranks"] = ctx.gather(torch.get_rng_state())
+            if device.type == "cuda":
+                rng["cuda_ranks"] = ctx.gather(torch.cuda.get_rng_state(device))
+        weights, optimizer_state = distributed.full_state(self.model, self.optimizer, ctx)  # gathered under FSDP
+        if not ctx.is_main:
+            return
+        train_state = {
+            "step": self.step, "tokens": self.tokens, "max_iters": self.horizon, "optimizer": optimizer_state,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
+            "schedule": self.schedule.state() if self.schedule is not None else None,
+        }
+        checkpoint.save_training(self.folder, self.model, train_state, self.dataset.tokenizer, state_dict=weights)
+
+    def decide(self, stop: _Stop, should_stop: Callable[[int], bool] | None, pace: _Pace, now: float) -> str | None:
+        """Phase 5: whether to stop after this step, the same in every process: why, or None to go on."""
+        cfg, schedule = self.cfg, self.schedule
+        left = pace.steps_left(now) if self.budget else None
+        # one small all-reduce a step: a signal or a time limit seen by any process stops all of them
+        # here, and they agree on the shortest estimate of the steps left (clocks differ between them)
+        sigterm, sigint, requested, time_up, fewest = self.ctx.max([
+            stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(self.step)),
+            # the budget is spent once what is left would not buy half a step and the last evaluation
+            cfg.max_time is not None and pace.time_left(now) < pace.per_step() / 2,
+            -math.inf if left is None else -left,
+        ])
+        if schedule is not None and fewest != -math.inf:
+            schedule.left = -fewest
+        if sigterm or sigint or requested:
+            return "SIGTERM" if sigterm else "SIGINT" if sigint else "requested"
+        # a time budget alone also ends when what is left would not buy half a step and the
+        # last evaluation: it was used
+        if time_up or (schedule is not None and schedule.left is not None and schedule.left < 0.5):
+            return "max_time"
+        return None
+
+    def total(self) -> int | None:
+        """The run's length in steps as now known: its horizon, or the steps a time budget is estimated to buy."""
+        if self.schedule is not None and self.schedule.left is not None:
+            return self.step + max(0, round(self.schedule.left))
+        return self.horizon
+
+
+def _build_model(setup: _Setup, folder: Path, home: torch.device) -> GPT:
+    """The model a run starts from: new from the seed (the same in every process), or the checkpoint's."""
+    if setup.state is None:
+        return GPT(setup.model_config).to(home)
+    return checkpoint.load(folder, device=home)
+
+
+def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | None,
+           clock: Callable[[], float]) -> TrainResult:
+    """The loop: steps until a stop, evaluating and saving every eval_interval steps and at the end."""
+    cfg = run.cfg
+    metrics = _Metrics(run.folder / METRICS if run.ctx.is_main else None)
+    stop = _Stop()
+    loss: float | None = None
+    val_loss: float | None = None
+    stopped = "max_iters"
+    try:
+        hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total()))
+        started = clock()
+        pace = _Pace(cfg, started)
+        with _signals(stop):
+            while run.horizon is None or run.step < run.horizon:
+                t0 = clock()
+                record = run.train_step(hooks)
+                now = clock()
+                dt = now - t0
+                pace.step(dt)
+                loss = record["loss"]
+                record.update(tokens_per_s=run.tokens_per_step / dt if dt > 0 else None, time=now - started)
+                metrics.log(record)
+                if run.step % cfg.eval_interval == 0:
+                    t_eval = clock()
+                    val_loss = _evaluate_and_save(run, metrics, hooks)
+                    pace.evaluation(clock() - t_eval)
+                why = run.decide(stop, should_stop, pace, clock())
+                hooks.on_step(record, run.total())
+                if why is not None:
+                    stopped = why
+                    break
+            if run.step % cfg.eval_interval != 0 or run.step == 0:
+                # a time budget's last evaluation takes what the budget still affords (the processes agree)
+                iters = int(run.ctx.min(pace.final_eval_iters(clock()))) if cfg.max_time is not None else None
+                val_loss = _evaluate_and_save(run, metrics, hooks, iters)
+            run.ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
+        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, clock() - started)
+        hooks.on_end(result, run.model)
+        return result
+    finally:
+        metrics.close()
+
+
+def _evaluate_and_save(run: _Run, metrics: _Metrics, hooks: TrainCallback, iters: int | None = None) -> float:
+    """Phase 4: evaluate, log it, save a checkpoint; the validation loss."""
+    record = run.evaluate(iters)
+    metrics.log(record)
+    hooks.on_eval(record)
+    run.save()
+    return record["val_loss"]
+
+
+class _Metrics:
+    """metrics.jsonl, one JSON line per step and per evaluation (rank 0 only: `file` None elsewhere)."""
+
+    def __init__(self, file: Path | None) -> None:
+        self.path, self.file = file, open(file, "a") if file is not None else None
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk: say which file
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
 class _Stop:
     """SIGINT/SIGTERM set a flag; the loop finishes its step, saves and returns."""
 
@@ -181,324 +679,6 @@ def _metrics_upto(run: Path, step: int) -> None:
     lines = file.read_text(errors="replace").splitlines()
     kept = [line for line in lines if (s := logged_step(line)) is not None and s <= step]
     atomic_write(file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-
-
-def train(
-    data: str | Path,
-    out: str | Path,
-    model_config: GPTConfig | ModelChoice | None = None,
-    train_config: TrainConfig | None = None,
-    *,
-    resume: bool = False,
-    progress: bool = True,
-    should_stop: Callable[[int], bool] | None = None,
-    notes: dict[str, Any] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> TrainResult:
-    """Train a GPT on a prepared data folder and keep it in a run folder.
-
-    Args:
-        data: a folder written by `tinygpt prepare`.
-        out: the run folder (created; refused if it already holds a run unless resuming).
-        model_config: the architecture; None lets choose_model pick one: sized for
-            train_config.max_time on this machine when it is set, else for the data; or a
-            ModelChoice made beforehand (the choice is recorded in train_config.json under
-            notes.model_choice). A vocab_size smaller than the data's vocabulary is refused.
-        train_config: the optimization settings (TrainConfig()). Its lr left None is filled in:
-            the choice's learning rate for a model sized for a time budget, the run's own on
-            resume, else DEFAULT_LR.
-        resume: continue the run in `out` from its last checkpoint; with the same settings the
-            result is bitwise equal to an uninterrupted run (CPU, float32).
-        progress: show a progress bar and evaluation lines on stderr.
-        should_stop: called after every optimizer step with the step number; True stops
-            training there (saving first), as a signal would.
-        notes: JSON-ready facts about how the run was set up (how its size was chosen, a sweep's
-            grid point), kept in train_config.json under "notes" (merged on resume).
-        clock: seconds, for max_time and the step times its schedule is estimated from
-            (time.perf_counter; tests pass a fake one to play a machine that speeds up or slows down).
-
-    With max_time and no max_iters the run uses its budget: the schedule's length is re-estimated
-    after every step from the measured speed (BudgetSchedule), and it stops ("max_time") when the
-    time left would not buy another step and the last evaluation.
-
-    Several processes: launched by torchrun (WORLD_SIZE > 1), every process calls train() with the
-    same arguments. They join one process group (gloo on CPU, NCCL with one GPU per process),
-    train one model on global batches of batch_size x processes sequences (DDP, or FSDP2 with
-    train_config.fsdp), and agree every step on whether to stop, so a signal to any of them stops
-    all at the same step. Only rank 0 writes the run folder and shows progress; each returns the
-    same result. A group the caller already created is used and left open.
-
-    Raises:
-        TrainingError: bad data or settings, or (several processes) another process died or
-        stopped answering within train_config.dist_timeout; NonFiniteError when the loss or the
-        gradient norm is not finite (nothing is saved then, the last checkpoint stays as it was).
-    """
-    cfg = train_config or TrainConfig()
-    with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
-        try:
-            return _train(ctx, data, out, model_config, cfg, resume, progress, should_stop, notes, clock)
-        except Exception as e:
-            if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
-                raise
-            kept = "its last checkpoint is kept" if has_checkpoint(out) else "no checkpoint yet"
-            raise TrainingError(
-                f"process {ctx.rank}: lost contact with the other processes ({distributed.describe_failure(e)}); "
-                f"{out}: {kept}"
-            ) from e
-
-
-def _train(
-    ctx: distributed.Dist,
-    data: str | Path,
-    out: str | Path,
-    model_config: GPTConfig | ModelChoice | None,
-    cfg: TrainConfig,
-    resume: bool,
-    progress: bool,
-    should_stop: Callable[[int], bool] | None,
-    notes: dict[str, Any] | None,
-    clock: Callable[[], float] = time.perf_counter,
-) -> TrainResult:
-    run = Path(out)
-    dataset = load_data(data)
-    vocab = int(dataset.meta["vocab_size"])
-    state: dict[str, Any] | None = None
-    choice = None
-    if isinstance(model_config, ModelChoice):
-        choice, model_config = model_config, model_config.config
-    if resume:
-        saved = checkpoint.load_config(run)
-        if model_config is not None and model_config != saved:
-            raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
-        model_config = saved
-        check_data_for_run(run, dataset)  # before anything in the run is touched
-        state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
-        _check_state(state, run)
-    else:
-        if has_checkpoint(run):
-            raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
-        if model_config is None:
-            # several processes would each time themselves and could size differently: they take
-            # the data's default, which every process computes alike
-            sizing = dataclasses.replace(cfg, max_time=None) if ctx.enabled else cfg
-            choice = choose_model(vocab, len(dataset.train), len(dataset.val), sizing)
-            model_config = choice.config
-            if progress and choice.plan is not None:
-                print(choice.reason, file=sys.stderr)
-        if choice is not None:
-            notes = {**(notes or {}), "model_choice": choice.to_dict()}
-    if cfg.lr is None:
-        if resume:
-            lr = read_train_config(run)[0].lr if (run / TRAIN_CONFIG).exists() else None
-        else:  # a model sized for a time budget trains at the rate for its width
-            lr = choice.lr if choice is not None else None
-        cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
-    if model_config.vocab_size < vocab:
-        raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
-    block = model_config.block_size
-    for split in ("train", "val"):
-        n = len(getattr(dataset, split))
-        if n < block + 1:
-            raise TrainingError(
-                f"the {split} split has {n} tokens, fewer than block_size + 1 = {block + 1}; "
-                "use more text or a smaller --block-size"
-            )
-
-    device = ctx.device
-    dtype = resolve_dtype(cfg.dtype, device)
-    allow_fast_float32(device)
-    fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
-    if fsdp and dtype is torch.float16:
-        raise TrainingError("--fsdp trains in float32 or bfloat16: float16 needs loss scaling across the shards")
-    torch.manual_seed(cfg.seed)
-    home = torch.device("cpu") if fsdp else device  # fully_shard moves each process's shard to the device
-    if state is None:
-        model = GPT(model_config).to(home)  # the same seed builds the same model in every process
-    else:
-        model = checkpoint.load(run, device=home)
-    model.train()
-    wrapped = distributed.wrap(model, ctx, fsdp=fsdp)
-    optimizer = make_optimizer(model, cfg, device)
-    if ctx.rank > 0:  # each process draws its own dropout masks
-        torch.manual_seed(cfg.seed + ctx.rank)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
-    data_rng = torch.Generator().manual_seed(cfg.seed)
-
-    step, tokens_seen, horizon = 0, 0, cfg.max_iters
-    budget = cfg.max_iters is None and cfg.max_time is not None  # a time budget alone: its length is estimated
-    if horizon is None and cfg.max_time is None:
-        horizon = DEFAULT_MAX_ITERS
-    schedule = BudgetSchedule(cfg) if budget else None
-    if state is not None:
-        step, tokens_seen = int(state["step"]), int(state["tokens"])
-        if budget:
-            schedule = BudgetSchedule.resumed(cfg, state, step)
-        elif cfg.max_iters is None and state["max_iters"] is not None:
-            horizon = int(state["max_iters"])
-        _check_optimizer_state(state["optimizer"], optimizer, run)
-        try:
-            distributed.load_optimizer_state(model, optimizer, state["optimizer"])
-            if state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            _restore_rng(state["rng"], ctx, device, cfg.seed + ctx.rank + 1_000_003 * step)
-            data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            why = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise CheckpointError(f"{run / checkpoint.STATE}: does not fit this run ({why})") from None
-        if ctx.is_main:
-            _metrics_upto(run, step)
-    if ctx.is_main:
-        run.mkdir(parents=True, exist_ok=True)
-        if resume and (run / TRAIN_CONFIG).exists():
-            saved = read_json(run / TRAIN_CONFIG, TrainingError)
-            previous = saved.get("notes") if isinstance(saved, dict) else None
-            notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
-        record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": dataset.fingerprint,
-                  "train": cfg.to_dict()}
-        write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
-        if state is None:
-            (run / METRICS).write_text("")
-
-    step_model = torch.compile(wrapped) if cfg.compile else wrapped
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * block * ctx.world_size
-    no_clip = math.inf
-    show = progress and ctx.is_main
-    trace = _Trace(os.environ.get(DEBUG_ENV), ctx)
-
-    def save() -> None:
-        rng = {"torch": torch.get_rng_state(), "data": data_rng.get_state()}
-        if device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(device)
-        if ctx.enabled:  # every process's dropout stream, so a resume on as many processes is exact
-            rng["torch_ranks"] = ctx.gather(torch.get_rng_state())
-            if device.type == "cuda":
-                rng["cuda_ranks"] = ctx.gather(torch.cuda.get_rng_state(device))
-        weights, optimizer_state = distributed.full_state(model, optimizer, ctx)  # gathered under FSDP
-        if not ctx.is_main:
-            return
-        train_state = {
-            "step": step, "tokens": tokens_seen, "max_iters": horizon, "optimizer": optimizer_state,
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None, "rng": rng,
-            "schedule": schedule.state() if schedule is not None else None,
-        }
-        checkpoint.save_training(run, model, train_state, dataset.tokenizer, state_dict=weights)
-
-    def evaluate_now(iters: int | None = None) -> float:
-        model.eval()
-        losses = {
-            s: ctx.mean(estimate_loss(model, getattr(dataset, s), cfg, device, dtype, rank=ctx.rank,
-                                      world_size=ctx.world_size, iters=iters))
-            for s in ("train", "val")
-        }
-        model.train()
-        record = {"step": step, "tokens": tokens_seen, "train_loss": losses["train"], "val_loss": losses["val"]}
-        log({**record, "eval_iters": iters} if iters is not None and iters < cfg.eval_iters else record)
-        if show:
-            bar.write(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        return losses["val"]
-
-    metrics = open(run / METRICS, "a") if ctx.is_main else None
-
-    def log(record: dict) -> None:
-        if metrics is not None:
-            try:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            except OSError as e:  # a full disk: say which file
-                raise OSError(e.errno, e.strerror, str(run / METRICS)) from e
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=horizon, initial=step, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True)
-    stop = _Stop()
-    started = clock()
-    loss_value: float | None = None
-    val_loss: float | None = None
-    stopped = "max_iters"
-    pace = _Pace(cfg, started)
-    try:
-        with _signals(stop):
-            while horizon is None or step < horizon:
-                t0 = clock()
-                lr = schedule.next_lr(step) if schedule is not None else lr_at(step, cfg, horizon)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(cfg.grad_accum):
-                    # every process draws the whole global batch from the same generator and takes its slice
-                    offsets = sample_offsets(len(dataset.train), block, cfg.batch_size * ctx.world_size, data_rng)
-                    offsets = share(offsets, ctx.rank, cfg.batch_size)
-                    trace.batch(offsets)
-                    x, y = get_batch(dataset.train, offsets, block)
-                    # gradients are reduced across processes once, in the last micro-step's backward
-                    with distributed.gradient_sync(wrapped, micro == cfg.grad_accum - 1):
-                        with autocast(device, dtype):
-                            loss = lm_loss(step_model(x.to(device)), y.to(device)) / cfg.grad_accum
-                        scaler.scale(loss).backward()
-                    loss_sum += loss.detach()
-                loss_value = ctx.mean(loss_sum)  # the global batch's loss, the same in every process
-                if not math.isfinite(loss_value):
-                    raise NonFiniteError(f"step {step + 1}: the loss is {loss_value}; stopped before the update", step + 1)
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or no_clip)
-                grad_norm = distributed.full_value(grad_norm).item()  # over all shards under FSDP
-                if not math.isfinite(grad_norm) and not scaler.is_enabled():
-                    raise NonFiniteError(
-                        f"step {step + 1}: the gradient norm is {grad_norm}; stopped before the update", step + 1
-                    )
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                tokens_seen += tokens_per_step
-                trace.step(step)
-                now = clock()
-                dt = now - t0
-                pace.step(dt)
-                log({"step": step, "tokens": tokens_seen, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                     "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "time": now - started})
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tokens_per_step / max(dt, 1e-9):,.0f}", refresh=False)
-
-                if step % cfg.eval_interval == 0:
-                    t_eval = clock()
-                    val_loss = evaluate_now()
-                    save()
-                    pace.evaluation(clock() - t_eval)
-                now = clock()
-                left = pace.steps_left(now) if budget else None
-                # one small all-reduce a step: a signal or a time limit seen by any process stops all of them
-                # here, and they agree on the shortest estimate of the steps left (clocks differ between them)
-                sigterm, sigint, requested, time_up, fewest = ctx.max([
-                    stop.signal == "SIGTERM", stop.signal == "SIGINT", bool(should_stop and should_stop(step)),
-                    # the budget is spent once what is left would not buy half a step and the last evaluation
-                    cfg.max_time is not None and pace.time_left(now) < pace.per_step() / 2,
-                    -math.inf if left is None else -left,
-                ])
-                if schedule is not None and fewest != -math.inf:
-                    schedule.left = -fewest
-                    bar.total = step + max(0, round(schedule.left))
-                if sigterm or sigint or requested:
-                    stopped = "SIGTERM" if sigterm else "SIGINT" if sigint else "requested"
-                    break
-                # a time budget alone also ends when what is left would not buy half a step and the
-                # last evaluation: it was used
-                if time_up or (schedule is not None and schedule.left is not None and schedule.left < 0.5):
-                    stopped = "max_time"
-                    break
-            if step % cfg.eval_interval != 0 or step == 0:
-                # a time budget's last evaluation takes what the budget still affords (the processes agree)
-                iters = int(ctx.min(pace.final_eval_iters(clock()))) if cfg.max_time is not None else None
-                val_loss = evaluate_now(iters)
-                save()
-            trace.end(step, stopped, model)
-            ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
-    finally:
-        bar.close()
-        if metrics is not None:
-            metrics.close()
-        trace.close()
-    return TrainResult(run, step, loss_value, val_loss, stopped, tokens_seen, clock() - started)
 
 
 def _check_state(state: dict[str, Any], run: Path) -> None:
@@ -565,44 +745,6 @@ def _restore_rng(rng: dict[str, Any], ctx: distributed.Dist, device: torch.devic
             torch.cuda.set_rng_state(rng["cuda"], device)
     else:
         torch.manual_seed(fresh_seed)
-
-
-class _Trace:
-    """What each process trained on, for tests and debugging: with TINYGPT_DEBUG_DIR=DIR, process R
-    writes DIR/rank{R}.jsonl (its pid, the batch offsets of every micro-step by step, how it ended)
-    and DIR/rank{R}.safetensors (its parameters at the end, in full)."""
-
-    def __init__(self, folder: str | None, ctx: distributed.Dist) -> None:
-        self.ctx, self.folder, self.file, self.offsets = ctx, folder, None, []
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-            self.file = open(Path(folder) / f"rank{ctx.rank}.jsonl", "a")
-            self._write({"rank": ctx.rank, "world_size": ctx.world_size, "pid": os.getpid()})
-
-    def _write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-
-    def batch(self, offsets: torch.Tensor) -> None:
-        if self.file:
-            self.offsets.append(offsets.tolist())
-
-    def step(self, step: int) -> None:
-        if self.file:
-            self._write({"step": step, "offsets": self.offsets})
-            self.offsets = []
-
-    def end(self, step: int, stopped: str, model: torch.nn.Module) -> None:
-        if self.file:
-            from safetensors.torch import save_file
-
-            params = distributed.full_parameters(model)  # a collective under FSDP: every process is here
-            save_file(params, str(Path(self.folder) / f"rank{self.ctx.rank}.safetensors"))
-            self._write({"end": step, "stopped": stopped})
-
-    def close(self) -> None:
-        if self.file:
-            self.file.close()
 
 
 class _Pace:

@@ -27,10 +27,11 @@ import torch
 from safetensors.torch import save_file
 
 import tinygpt
-from tinygpt.checkpoint import MAX_HEADER_BYTES, load_run
+from tinygpt.checkpoint import load_run
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.errors import TinyGPTError
 from tinygpt.train import train
+from tinygpt.weights import MAX_HEADER_BYTES
 
 pytestmark = pytest.mark.reliability
 
@@ -398,7 +399,7 @@ def library_call(case: Case, data: Path) -> None:
         cfg = TrainConfig(batch_size=2, max_iters=3, eval_interval=2, eval_iters=1, device="cpu", dtype="float32")
         train(data, case.folder, None, cfg, resume=True, progress=False)
     elif case.command == "import":
-        from tinygpt.interop.hf_gpt2 import import_hf
+        from tinygpt.checkpoint import import_hf
 
         import_hf(case.folder, str(case.folder) + "-imported-lib")
     else:

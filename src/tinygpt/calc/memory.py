@@ -49,10 +49,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import GPTConfig, LoraConfig
-
-# mirrors model.MATH_ATTENTION_MAX_SCORES (calc imports no torch): the tests hold the two together
-MATH_ATTENTION_MAX_SCORES = 2**25
+from ..config import MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
 from .flops import tokens_in_view
 from .params import count_params, trainable_params
 from .units import check_int, dtype_bytes, dtype_name

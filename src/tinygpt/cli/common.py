@@ -138,8 +138,9 @@ def add_device_flag(p: argparse.ArgumentParser, default: str | None = "auto", **
 
 def add_quantize_flag(p: argparse.ArgumentParser) -> None:
     """--quantize, for the commands that run a model for inference (sample, eval, serve)."""
-    p.add_argument("--quantize", choices=("int8", "bf16"),
-                   help="run with low-precision weights: int8 (weight-only, per-channel scales) or bf16")
+    p.add_argument("--quantize", choices=("int8", "int4", "fp16", "bf16"),
+                   help="run with low-precision weights: int8 (per-channel scales), int4 (a scale and offset per "
+                        "32 inputs; CPU), fp16 (the 16-bit format for CPUs without native bf16) or bf16")
 
 
 def add_nonfinite_flag(p: argparse.ArgumentParser) -> None:
@@ -150,7 +151,7 @@ def add_nonfinite_flag(p: argparse.ArgumentParser) -> None:
 
 def load_model(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
     """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
-    with weights for inference: int8 or bf16 with --quantize, else float32 laid out for fast kernels.
+    with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from ..checkpoint import load_run
     from ..interop.quantize import quantize as to_format

@@ -64,7 +64,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
     """
     from ..calc import format_count
-    from ..interop.hf_gpt2 import import_hf
+    from ..checkpoint import import_hf
 
     model, tokenizer = import_hf(args.dir, args.out)
     run, c = args.out, model.config
@@ -87,7 +87,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             a model like any other, which needs neither the adapters nor the base any more.
     """
     from ..calc import format_count
-    from ..lora import merge_run, read_adapter_config
+    from ..checkpoint import merge_run, read_adapter_config
 
     model, tokenizer = merge_run(args.run, args.out)
     info = read_adapter_config(args.run)

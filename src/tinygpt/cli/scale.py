@@ -14,7 +14,8 @@ def _run_config(run: str) -> tuple[dict, str]:
     import json
     from pathlib import Path
 
-    from ..checkpoint import CONFIG, is_hf_config
+    from ..checkpoint import CONFIG
+    from ..interop.hf_gpt2 import is_hf_config
     from ..config import GPTConfig
 
     path = Path(run)

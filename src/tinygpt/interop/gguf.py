@@ -22,7 +22,8 @@ import torch
 from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError
 from ..fileio import atomic_write
-from .hf_gpt2 import byte_level_vocab, check_gpt2_computes, gpt2_shapes, gpt2_tensors
+from .hf_gpt2 import check_gpt2_computes, gpt2_shapes, gpt2_tensors
+from .hf_tokenizer import byte_level_vocab
 from ..model import GPT
 from ..tokenizer import Tokenizer
 

@@ -1,4 +1,6 @@
-"""Hugging Face GPT-2 folders in and out: config.json, model.safetensors and the tokenizer.
+"""Hugging Face GPT-2 folders in and out: config.json and model.safetensors (the tokenizer's files
+are tinygpt.interop.hf_tokenizer's; tinygpt.checkpoint opens these folders like runs, and its
+import_hf turns one into a run folder).
 
 tinygpt keeps GPT-2's parameter names, so interchange is a key map plus one list of transposed
 weights, every shape asserted:
@@ -20,25 +22,27 @@ imported lazily by `to_transformers` only. Pickled checkpoints (`pytorch_model.b
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import CONFIG, TIED_KEY, WEIGHTS, _read_weights, check_layers, is_hf_folder, model_from_tensors
 from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 from ..fileio import atomic_write, read_json, write_json
 from ..model import GPT
-from ..tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, _byte_to_unicode
+from ..tokenizer import Tokenizer
+from ..weights import TIED_KEY, check_layers, model_from_tensors, read_weights
+from .hf_tokenizer import save_hf_tokenizer
 
 MODEL_TYPE = "gpt2"
+# Hugging Face's names; a tinygpt run folder uses the same two (tinygpt.checkpoint), which is why a
+# Hugging Face folder is told apart by the model_type in its config.json (is_hf_folder)
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 GENERATION_CONFIG = "generation_config.json"
-HF_TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # The four projections GPT-2 stores as Conv1D (in, out); tinygpt's nn.Linear holds (out, in).
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -49,8 +53,6 @@ ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu"}
 ACTIVATION_FROM_HF = {
     "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu": "gelu",
 }
-# The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
-CHAR_SPLIT = r"[\s\S]"
 
 
 # ---- names and shapes -------------------------------------------------------------------------
@@ -245,9 +247,26 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
 # ---- loading a Hugging Face folder ------------------------------------------------------------
 
 
+def is_hf_config(data: Any) -> bool:
+    """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
+    return isinstance(data, dict) and "model_type" in data
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """True for a Hugging Face model folder: its config.json is a Hugging Face one (is_hf_config)."""
+    file = Path(path) / CONFIG
+    if not file.is_file():
+        return False
+    try:
+        data = read_json(file, CheckpointError)
+    except CheckpointError:
+        return False
+    return is_hf_config(data)
+
+
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHTS).is_file():
-        return _read_weights(path / WEIGHTS)[0]
+        return read_weights(path / WEIGHTS)[0]
     if (path / INDEX).is_file():  # sharded: the index maps each tensor to its file
         index = read_json(path / INDEX, CheckpointError)
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
@@ -258,7 +277,7 @@ def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
             file = path / shard
             if not file.is_file() or file.parent != path:
                 raise CheckpointError(f"{path / INDEX}: names a shard {shard!r} that is not in the folder")
-            tensors.update(_read_weights(file)[0])
+            tensors.update(read_weights(file)[0])
         return tensors
     pickles = [name for name in PICKLES if (path / name).exists()]
     if pickles:
@@ -292,196 +311,7 @@ def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfi
     return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
 
 
-# ---- tokenizers -------------------------------------------------------------------------------
-
-
-def _spell(data: bytes) -> str:
-    """Bytes in GPT-2's byte-level alphabet, as byte-level BPE vocabularies write tokens."""
-    table = _byte_to_unicode()
-    return "".join(table[b] for b in data)
-
-
-def _bpe_split(ranks: dict[bytes, int], token: bytes) -> list[bytes]:
-    """Byte-pair encode `token` using only tokens ranked below it: the two parts it was merged from."""
-    limit = ranks[token]
-    parts = [bytes([b]) for b in token]
-    while True:
-        best = None
-        for i in range(len(parts) - 1):
-            rank = ranks.get(parts[i] + parts[i + 1])
-            if rank is not None and rank < limit and (best is None or rank < best[0]):
-                best = (rank, i)
-        if best is None:
-            return parts
-        i = best[1]
-        parts[i : i + 2] = [parts[i] + parts[i + 1]]
-
-
-def ranks_to_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merge list of a rank-ordered BPE (tiktoken's form), in rank order: the pair each token of
-    two or more bytes is made from.
-
-    That pair is how byte-pair encoding builds the token from its own bytes with lower-ranked
-    tokens only. In vocabularies not made by BPE training a token may not be built that way; it
-    then gets the split into two tokens whose later rank is earliest, and a token that splits into
-    no two tokens gets no merge (tiktoken cannot produce it either).
-    """
-    merges = []
-    for token, _ in sorted(ranks.items(), key=lambda kv: kv[1]):
-        if len(token) < 2:
-            continue
-        parts = _bpe_split(ranks, token)
-        if len(parts) != 2:
-            splits = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-            if not splits:
-                continue
-            parts = min(splits, key=lambda pq: max(ranks[pq[0]], ranks[pq[1]]))
-        merges.append((parts[0], parts[1]))
-    return merges
-
-
-def _char_merges(chars: list[str]) -> list[tuple[str, str]]:
-    """Merges that rebuild each multi-byte character from its bytes, left to right.
-
-    Every pair starts with a UTF-8 lead byte and adds one continuation byte, so no merge can join
-    two characters: a byte-level BPE with these merges splits text exactly into characters.
-    """
-    merges: dict[tuple[str, str], None] = {}
-    for c in chars:
-        data = c.encode("utf-8")
-        for n in range(2, len(data) + 1):
-            merges[(_spell(data[: n - 1]), _spell(data[n - 1 : n]))] = None
-    return list(merges)
-
-
-def byte_level_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[tuple[str, str]], set[int]]:
-    """The tokenizer as a byte-level BPE (GPT-2's scheme, as llama.cpp reads it): tokens by id, spelled
-    in GPT-2's byte alphabet; merges in rank order; the ids of special tokens.
-
-    A char tokenizer becomes a BPE whose tokens are its characters and whose merges only assemble
-    multi-byte characters, so it still encodes one id per character.
-    """
-    if isinstance(tokenizer, CharTokenizer):
-        return [_spell(c.encode("utf-8")) for c in tokenizer.chars], _char_merges(tokenizer.chars), set()
-    if isinstance(tokenizer, GPT2Tokenizer):
-        tokens = [""] * tokenizer.vocab_size
-        for token, rank in tokenizer._ranks.items():
-            tokens[rank] = _spell(token)
-        for text, i in tokenizer._special.items():
-            tokens[i] = text
-        merges = [(_spell(a), _spell(b)) for a, b in ranks_to_merges(tokenizer._ranks)]
-        return tokens, merges, set(tokenizer._special.values())
-    if isinstance(tokenizer, BPETokenizer):
-        data = json.loads(tokenizer.hf_tokenizer.to_str())
-        vocab = tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True)
-        tokens = [""] * tokenizer.vocab_size
-        for token, i in vocab.items():
-            tokens[i] = token
-        # `tokenizers` writes merges as [a, b] pairs (0.20+) or "a b" strings (before)
-        merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in data["model"]["merges"]]
-        special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
-        return tokens, merges, special
-    raise TokenizerError(f"cannot convert a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer")
-
-
-def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
-    """The tokenizer as a Hugging Face `tokenizers.Tokenizer` that encodes and decodes exactly like it.
-
-    char: a WordLevel vocabulary of single characters behind a pre-tokenizer that isolates every
-    character, and a decoder that joins tokens without spaces. bpe: the tokenizer itself. gpt2: a
-    byte-level BPE built from tiktoken's ranks, with <|endoftext|> as a special token.
-    """
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    if isinstance(tokenizer, CharTokenizer):
-        vocab = {c: i for i, c in enumerate(tokenizer.chars)}
-        # "<unk>" is not in the vocabulary, so an unknown character is an error, as in tinygpt
-        tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
-        tok.decoder = decoders.Fuse()
-        return tok
-    if isinstance(tokenizer, BPETokenizer):
-        return HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
-    if isinstance(tokenizer, GPT2Tokenizer):
-        tokens, merges, special = byte_level_vocab(tokenizer)
-        vocab = {t: i for i, t in enumerate(tokens) if i not in special}
-        tok = HFTokenizer(models.BPE(vocab, merges))
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        for i in sorted(special):  # added in id order, so each lands on its own id
-            tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)])
-            if tok.token_to_id(tokens[i]) != i:
-                raise TokenizerError(f"special token {tokens[i]!r} must follow the ordinary tokens (id {i})")
-        return tok
-    raise TokenizerError(f"cannot convert a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer")
-
-
-def _char_from_hf(data: dict[str, Any], where: str) -> CharTokenizer:
-    """A tokenizer.json in the shape `to_hf_tokenizer` gives a char tokenizer, back as a CharTokenizer."""
-    split = {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
-    vocab = data["model"].get("vocab") or {}
-    chars = sorted(vocab, key=vocab.get)
-    if (
-        data.get("pre_tokenizer") != split
-        or data.get("normalizer") is not None
-        or sorted(vocab.values()) != list(range(len(vocab)))
-        or not all(len(c) == 1 for c in chars)
-    ):
-        raise TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
-    return CharTokenizer(chars)
-
-
-def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a Hugging Face folder, as a tinygpt tokenizer; None if the folder has none.
-
-    GPT-2's own files (vocab.json + merges.txt) load as GPT-2's BPE through tiktoken; otherwise
-    tokenizer.json: a one-character-per-token WordLevel loads as a char tokenizer, a byte-level BPE
-    as a bpe tokenizer.
-    """
-    path = Path(path)
-    gpt2_error = None
-    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-        try:
-            return GPT2Tokenizer.from_vocab_merges(path / "vocab.json", path / "merges.txt")
-        except TokenizerError as e:  # a BPE that is not rank-ordered like GPT-2's: try tokenizer.json
-            gpt2_error = e
-    file = path / HF_TOKENIZER
-    if not file.is_file():
-        if gpt2_error is not None:
-            raise gpt2_error
-        return None
-    data = read_json(file, TokenizerError)
-    model_type = (data.get("model") or {}).get("type") if isinstance(data, dict) else None
-    if model_type == "WordLevel":
-        return _char_from_hf(data, str(file))
-    if model_type == "BPE":
-        from tokenizers import Tokenizer as HFTokenizer
-
-        try:
-            return BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
-        except TokenizerError as e:
-            raise TokenizerError(f"{file}: {e}") from None
-        except Exception as e:
-            raise TokenizerError(f"{file}: does not load ({type(e).__name__}: {e})") from None
-    raise TokenizerError(f"{file}: a {model_type} tokenizer is not supported (tinygpt reads char and byte-level BPE)")
-
-
-def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
-    """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, with GPT-2's special tokens."""
-    config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": max_length,
-        "clean_up_tokenization_spaces": False,
-        # tinygpt encodes the text "<|endoftext|>" as text; only the data pipeline inserts the separator
-        "split_special_tokens": True,
-    }
-    if tokenizer.eot_id is not None:
-        config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
-    return config
-
-
-# ---- export and import ------------------------------------------------------------------------
+# ---- export -----------------------------------------------------------------------------------
 
 
 def _check_target(out: Path) -> None:
@@ -510,54 +340,14 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
-    # an earlier export's tokenizer files would be read in place of this one's: remove them
-    written = {HF_TOKENIZER, TOKENIZER_CONFIG} if tokenizer is not None else set()
-    if isinstance(tokenizer, GPT2Tokenizer):
-        written |= {"vocab.json", "merges.txt"}
-    for name in {HF_TOKENIZER, TOKENIZER_CONFIG, "vocab.json", "merges.txt", "special_tokens_map.json"} - written:
-        (out / name).unlink(missing_ok=True)
     eot = tokenizer.eot_id if tokenizer is not None else None
     state = to_hf_state_dict(model)
     atomic_write(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     generation = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot} if eot is not None else {}
     write_json(out / GENERATION_CONFIG, generation)
-    if tokenizer is not None:
-        hf_tok = to_hf_tokenizer(tokenizer)
-        atomic_write(out / HF_TOKENIZER, lambda tmp: hf_tok.save(str(tmp)))
-        write_json(out / TOKENIZER_CONFIG, tokenizer_config(tokenizer, model.config.block_size))
-        if isinstance(tokenizer, GPT2Tokenizer):  # GPT-2's own two files, as the Hub ships them
-            tokens, merges, special = byte_level_vocab(tokenizer)
-            write_json(out / "vocab.json", {t: i for i, t in enumerate(tokens)}, indent=None)
-            text = "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)
-            atomic_write(out / "merges.txt", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    save_hf_tokenizer(tokenizer, out, model.config.block_size)
     write_json(out / CONFIG, hf_config(model.config, eot))  # last: a folder without it is not a model yet
     return out
-
-
-def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
-    """Turn a Hugging Face GPT-2 folder into a tinygpt run folder (config.json, model.safetensors,
-    tokenizer.json when the folder has a tokenizer).
-
-    Args:
-        src: the Hugging Face folder (safetensors; pickles are refused).
-        out: the run folder to create; it must not exist yet or be empty.
-
-    Returns:
-        (the model, its tokenizer or None), as saved in `out`.
-    """
-    from ..checkpoint import save
-
-    src, out = Path(src), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; import into a new folder")
-    model = load_hf(src)
-    tokenizer = load_hf_tokenizer(src)
-    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
-        raise TokenizerError(
-            f"{src}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
-        )
-    save(model, out, tokenizer)
-    return model, tokenizer
 
 
 def to_transformers(model: GPT) -> Any:

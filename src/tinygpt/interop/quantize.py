@@ -1,17 +1,30 @@
 """Low-precision weights for inference, applied to a built model from outside.
 
     quantize(model, "bf16")   every weight and activation in bfloat16: half the bytes per token
-    quantize(model, "int8")   weight-only int8: each Linear keeps int8 weights (out, in) and one
-                              scale per output channel; everything else runs in bfloat16
+    quantize(model, "fp16")   float16 weights, float32 activations: half the bytes, on any x86 CPU
+    quantize(model, "int8")   int8 weights (out, in) with one scale per output channel
+    quantize(model, "int4")   4-bit weights with a scale and offset per group of 32 inputs
 
 Decoding one token at a time is matrix-vector work: the time goes into streaming the weights
-from memory, so fewer bytes per weight is more tokens per second. Int8 weights are a quarter of
-float32's, and PyTorch's weight-only int8 kernel (`aten._weight_int8pack_mm`) multiplies them
-without unpacking them first. That kernel wants bfloat16 activations, and it works through the
-rows of its input one at a time, so it is used for a few rows (decoding); longer inputs (a
-prompt, an evaluation batch) multiply a dequantized bfloat16 copy instead.
+from memory, so fewer bytes per weight is more tokens per second. Which kernel multiplies them
+fastest depends on the CPU, so each format picks its kernel from what this CPU can do, checked
+when the model is converted (never assumed from the CPU's name):
 
-The result is for inference (generate, eval, serve): int8 models cannot be trained or saved.
+- bf16 is fast only where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX); elsewhere
+  PyTorch emulates it, and fp16 is the 16-bit format to use: fbgemm's fp16 kernel widens each
+  block of float16 weights to float32 as it multiplies (F16C, on every AVX2 CPU).
+- int8 on a CPU with native bfloat16 uses PyTorch's weight-only int8 kernel
+  (`aten._weight_int8pack_mm`), which wants bfloat16 activations and works through its input's
+  rows one at a time: it takes a few rows (decoding), and longer inputs (a prompt, an evaluation
+  batch) multiply a dequantized bfloat16 copy. Without native bfloat16 those activations would be
+  emulated, so int8 there keeps float32 activations and multiplies with fbgemm's dynamic int8
+  kernel instead, which quantizes each input to 8 bits on the fly (7 bits of range, so the
+  products cannot saturate on CPUs without VNNI) and multiplies int8 by int8.
+- int4 uses PyTorch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`, bfloat16 inputs), as
+  gpt-fast does; a layer whose shape it cannot take (out_features not a multiple of 16, such as a
+  character model's head) is stored in int8.
+
+The result is for inference (generate, eval, serve): such models cannot be trained or saved.
 """
 
 from __future__ import annotations
@@ -20,20 +33,27 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..device import allow_fast_float32
+import functools
+import warnings
+
+from ..device import allow_fast_float32, cpu_has_native_bf16
 from ..errors import ConfigError
 
-FORMATS = ("fp32", "bf16", "int8")
+FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 INT8_KERNEL_ROWS = 8  # up to this many rows the int8 kernel beats dequantize + bf16 matmul (measured)
 INT8_KERNEL_ALIGN = 16  # the CPU kernel needs in_features to be a multiple of 16
+INT4_GROUP = 32  # inputs per scale and offset (llama.cpp's Q4_0 blocks are 32 long too)
+INT4_OUT_ALIGN = 16  # the int4 kernel packs 16 output channels together
 
 
 class Int8Linear(nn.Module):
-    """A Linear layer with int8 weights and a bfloat16 scale per output channel: y = (x @ q.T) * s + b.
+    """A Linear layer with int8 weights and a scale per output channel: y = (x @ q.T) * s + b.
 
     Args:
         linear: the float layer to quantize (symmetric, per output channel: s = max|w_row| / 127).
-        dtype: the activation dtype (bfloat16: what the int8 kernel multiplies fastest).
+        dtype: the activation dtype. bfloat16: PyTorch's weight-only int8 kernel (for CPUs that
+            multiply bfloat16 natively, and accelerators); float32: fbgemm's dynamic int8 kernel,
+            which quantizes the activations too, where this PyTorch has it (`fbgemm_works`).
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -47,7 +67,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # (out,)
         bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
         self.register_buffer("bias", bias)
-        self.use_kernel = self.in_features % INT8_KERNEL_ALIGN == 0 and _kernel_works(self)
+        self.packed = None  # fbgemm's prepacked weights (not a buffer: it cannot be copied or saved)
+        if dtype is torch.float32 and q.device.type == "cpu" and fbgemm_works():
+            self.packed = _fbgemm_int8_pack(q, scales, bias)
+        self.use_kernel = self.packed is None and self.in_features % INT8_KERNEL_ALIGN == 0 and _kernel_works(self)
+        self.nbytes = q.numel() + scales.numel() * scales.element_size()
 
     def dequantized(self) -> torch.Tensor:
         """The weights the layer computes with, q * s, exactly: (out, in) in float32."""
@@ -56,6 +80,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scales.dtype)
         rows = x.reshape(-1, self.in_features)  # (N, in)
+        if self.packed is not None:
+            return self._fbgemm(rows).view(*x.shape[:-1], self.out_features)
         if self.use_kernel and rows.shape[0] <= INT8_KERNEL_ROWS:
             y = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), self.weight, self.scales)
         else:
@@ -65,16 +91,118 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _fbgemm(self, rows: torch.Tensor) -> torch.Tensor:
+        # fbgemm quantizes its whole input with one scale (reduce_range: 7 bits, so that no product
+        # saturates on CPUs without VNNI). A few rows are decoding rows, often of different
+        # sequences: each gets its own scale, so a sequence decodes alike in any batch. More rows
+        # are one prompt or an evaluation batch, multiplied in one call (several times faster).
+        if 1 < rows.shape[0] <= INT8_KERNEL_ROWS:
+            return torch.cat([torch.ops.quantized.linear_dynamic(row, self.packed, True) for row in rows.split(1)])
+        return torch.ops.quantized.linear_dynamic(rows, self.packed, True)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        kernel = "fbgemm" if self.packed is not None else "int8pack" if self.use_kernel else "dequantized"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"kernel={kernel}")
+
+
+def _fbgemm_int8_pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+    zero_points = torch.zeros(q.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # PyTorch marks its quantized tensors as deprecated; the pinned release has them
+        warnings.simplefilter("ignore")
+        qweight = torch._make_per_channel_quantized_tensor(q, scales.double(), zero_points, 0)
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+
+
+class Fp16Linear(nn.Module):
+    """A Linear layer with float16 weights and float32 inputs and outputs (fbgemm's fp16 kernel, CPU).
+
+    The kernel widens each block of weights to float32 in registers and accumulates in float32,
+    so it reads half of float32's bytes without bfloat16 hardware. The packed weights are opaque:
+    such a layer only runs forward, on the CPU.
+
+    Args:
+        linear: the layer to convert (weights rounded to float16).
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float().clamp(-65504, 65504)  # float16's range
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        self.has_bias = bias is not None
+        self.nbytes = weight.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float().reshape(-1, self.in_features)
+        return torch.ops.quantized.linear_dynamic_fp16(rows, self.packed).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.has_bias}"
+
+
+def int4_quantize(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization of an (out, in) weight, per group of `group` inputs.
+
+    Returns:
+        (q, scales_and_zeros): q (out, in) int32 in 0..15, and (in / group, out, 2) bfloat16 holding
+        each group's scale and the value of the middle code 8, so that w ~ (q - 8) * scale + zero:
+        the layout PyTorch's int4 kernel reads.
+    """
+    out, inp = weight.shape
+    w = weight.detach().float().reshape(out, inp // group, group)
+    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    # round scale and zero to their stored dtype first, so the codes fit what the kernel computes
+    scale = ((high - low).clamp(min=1e-8) / 15).to(torch.bfloat16)
+    zero = (low + 8 * scale.float()).to(torch.bfloat16)
+    q = torch.round((w - zero.float()) / scale.float() + 8).clamp(0, 15).to(torch.int32).reshape(out, inp)
+    return q, torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+class Int4Linear(nn.Module):
+    """A Linear layer with 4-bit weights, a scale and an offset per group of INT4_GROUP inputs (CPU).
+
+    It multiplies with PyTorch's int4 kernel, which wants bfloat16 inputs; outputs come back in the
+    input's dtype, so the rest of the model may stay float32 where bfloat16 is emulated. Such a
+    layer only runs forward, on the CPU.
+
+    Args:
+        linear: the layer to quantize; `int4_fits(linear)` must hold.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scales_and_zeros = int4_quantize(linear.weight)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # (out, in / 2)
+        self.scales_and_zeros = scales_and_zeros  # not a buffer: it stays bfloat16 when the model moves to float32
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
+        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={INT4_GROUP}"
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether the int4 kernel takes this layer's shape (in a multiple of INT4_GROUP, out of 16)."""
+    return linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_OUT_ALIGN == 0
 
 
 class PackedLinear(nn.Module):
     """A Linear layer whose weight is reordered once into oneDNN's blocked layout (CPU only).
 
     PyTorch's default CPU matmul reads an (out, in) weight at well under half the memory's speed
-    when the input is one row; the packed layout streams at near the read limit (measured: a
-    768 x 50257 float32 head at 1 row in 4.4 ms against 11.5 ms). The packed tensor is opaque:
+    when the input is one row; the packed layout streams at near the read limit (the README's
+    Performance section has the figures). The packed tensor is opaque:
     such a layer only runs forward, on the CPU.
 
     Args:
@@ -88,6 +216,8 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach().to(dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)  # not a buffer: it cannot be copied or saved
         self.bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
+        self.nbytes = weight.numel() * weight.element_size() + (self.bias.numel() * self.bias.element_size() if
+                                                                self.bias is not None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, self.bias, "none", [], "")
@@ -111,6 +241,46 @@ def can_pack(device: torch.device | str, dtype: torch.dtype = torch.float32) -> 
         return False
 
 
+@functools.cache
+def fbgemm_works() -> bool:
+    """Whether this PyTorch has fbgemm's CPU kernels (x86 builds; AVX2 at least) and its dynamic int8
+    and fp16 products agree with float32 here."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w, x = torch.randn(32, 64, generator=g), torch.randn(3, 64, generator=g)
+        scales = w.abs().amax(dim=1) / 127
+        q = torch.round(w / scales.unsqueeze(1)).to(torch.int8)
+        int8 = torch.ops.quantized.linear_dynamic(x, _fbgemm_int8_pack(q, scales, None), True)
+        fp16 = torch.ops.quantized.linear_dynamic_fp16(x, torch.ops.quantized.linear_prepack_fp16(w, None))
+    except (RuntimeError, NotImplementedError):
+        return False
+    want = x @ w.t()
+    scale = float(want.abs().max())
+    return bool(torch.allclose(int8, want, atol=0.05 * scale) and torch.allclose(fp16, want, atol=0.01 * scale))
+
+
+def activation_dtype(fmt: str, device: torch.device | str) -> torch.dtype:
+    """The dtype a model quantized to `fmt` computes in outside its Linear layers on `device`.
+
+    bf16 is bfloat16 by definition. fp16 computes in float32 around fbgemm's fp16 kernel on a CPU
+    (float16 throughout elsewhere). int8 and int4 compute in bfloat16 on accelerators and on CPUs
+    that multiply it natively, else in float32 (bfloat16 arithmetic is emulated there, and int8
+    then takes fbgemm's kernel, which wants float32 inputs).
+    """
+    cpu = torch.device(device).type == "cpu"
+    if fmt == "fp32":
+        return torch.float32
+    if fmt == "bf16":
+        return torch.bfloat16
+    if fmt == "fp16":
+        return torch.float32 if cpu and fbgemm_works() else torch.float16
+    if cpu and not cpu_has_native_bf16() and (fmt == "int4" or fbgemm_works()):
+        return torch.float32
+    return torch.bfloat16
+
+
 def _kernel_works(layer: Int8Linear) -> bool:
     """Whether the int8 kernel runs on this device and agrees with the dequantized product."""
     x = torch.randn(2, layer.in_features, device=layer.weight.device, dtype=layer.scales.dtype)
@@ -127,35 +297,43 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
 
     Args:
         model: a tinygpt GPT (any nn.Module whose Linear layers should be converted).
-        fmt: "int8" (weight-only int8 with per-output-channel scales; activations, embeddings and
-            LayerNorms in bfloat16), "bf16" (weights and activations in bfloat16) or "fp32"
-            (float32 values unchanged, only laid out for speed).
-        pack: lay float weights out for oneDNN's CPU kernels (PackedLinear); default: when the
-            model is on a CPU that has them.
+        fmt: "fp32" (float32 values unchanged, only laid out for speed), "bf16" (weights and
+            activations in bfloat16), "fp16" (float16 weights), "int8" (int8 weights with a scale
+            per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
+            inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
+        pack: lay fp32 and bf16 weights out for oneDNN's CPU kernels (PackedLinear); default: when
+            the model is on a CPU that has them.
 
     Returns:
         the same model, in eval mode, ready for `tinygpt.generate` and evaluation; it can no longer
-        be trained or saved when int8 or packed. A tied LM head gets its own copy (the embedding
-        stays as it is for the lookup).
+        be trained or saved when quantized or packed. A tied LM head gets its own copy (the
+        embedding stays as it is for the lookup).
 
     Raises:
-        ConfigError: an unknown format.
+        ConfigError: an unknown format, or int4 on a device other than the CPU.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"quantize: format must be one of {', '.join(FORMATS)}; got {fmt!r}")
     model.eval()
-    dtype = torch.float32 if fmt == "fp32" else torch.bfloat16
     device = next(model.parameters()).device
+    if fmt == "int4" and device.type != "cpu":
+        raise ConfigError(f"quantize: int4 runs on the CPU only (PyTorch's CPU int4 kernel); the model is on {device}")
+    dtype = activation_dtype(fmt, device)
     allow_fast_float32(device)  # TF32 matmuls on CUDA
     pack = can_pack(device, dtype) if pack is None else pack
+    # quantize from the float32 weights before anything is rounded to a lower precision
     if fmt == "int8":
-        # quantize from the float32 weights before anything is rounded to bfloat16
-        _replace_linears(model, Int8Linear)
-    model.to(dtype)  # embeddings, LayerNorms, biases, Int8Linear scales (int8 weights stay int8)
-    if pack and fmt != "int8":
+        _replace_linears(model, lambda linear: Int8Linear(linear, dtype))
+    elif fmt == "int4":
+        _replace_linears(model, lambda linear: Int4Linear(linear) if int4_fits(linear) else Int8Linear(linear, dtype))
+    elif fmt == "fp16" and dtype is torch.float32:
+        _replace_linears(model, Fp16Linear)
+    model.to(dtype)  # embeddings, LayerNorms, biases, Int8Linear scales (int8 and int4 weights keep their dtype)
+    converted = fmt in ("int8", "int4") or (fmt == "fp16" and dtype is torch.float32)
+    if pack and not converted:
         _replace_linears(model, lambda linear: PackedLinear(linear, dtype))
     model.requires_grad_(False)
-    if fmt == "int8" or pack:
+    if converted or pack:
         model.inference_only = True  # checkpoint.save refuses it: the state dict no longer holds the weights
     return model
 
@@ -168,8 +346,10 @@ def _replace_linears(model: nn.Module, make) -> None:
 
 
 def weight_format(model: nn.Module) -> str:
-    """"int8", "bf16", "fp32" (or "fp16") for a model, by how its weights are stored."""
-    if any(isinstance(m, Int8Linear) for m in model.modules()):
-        return "int8"
+    """"int4", "int8", "fp16", "bf16" or "fp32" for a model, by how its weights are stored."""
+    kinds = {type(m) for m in model.modules()}
+    for cls, name in ((Int4Linear, "int4"), (Int8Linear, "int8"), (Fp16Linear, "fp16")):
+        if cls in kinds:
+            return name
     dtype = model.wte.weight.dtype if hasattr(model, "wte") else next(model.parameters()).dtype
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")

@@ -11,15 +11,22 @@ memory read bandwidth) turn speeds into MFU and bandwidth use.
                  transformers loop with fused AdamW, float32 and bfloat16 autocast
     generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8, with and
                  without the KV cache, for each weight format; decode bandwidth use (bytes of
-                 weights and cache read per token / time / measured bandwidth)
+                 weights and cache read per token / time / measured bandwidth); and, at batch 1,
+                 llama.cpp decoding tinygpt's own GGUF export of the same weights in f32, f16, Q8_0
+                 and Q4_0 (its own quantizer makes the last two)
 
-transformers is imported only here, and only when installed (the hf extra); without it the
-tinygpt rows are measured alone.
+Every report starts with the CPU and the instruction sets that decide which kernels are fast
+(AVX2, AVX-512, AVX-512 BF16, VNNI, AMX), since the same code ranks differently on each.
+
+transformers and llama.cpp (llama-cpp-python) are imported only here, and only when installed (the hf
+and llama extras); without them the tinygpt rows are measured alone.
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
+import logging
 import math
 import os
 import platform
@@ -36,24 +43,24 @@ import torch.nn.functional as F
 
 from ..calc import flops_per_token
 from ..config import GPTConfig, TrainConfig
-from ..device import resolve_device
+from ..device import cpu_has_native_bf16, resolve_device
 from ..generate import generate_stream
 from ..interop.hf_gpt2 import to_transformers
+from ..interop.quantize import FORMATS, quantize
 from ..model import GPT
-from ..interop.quantize import Int8Linear, PackedLinear, quantize
 
-FORMATS = ("fp32", "bf16", "int8")
 CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's reference figures do
 # The from-scratch peer's character model, as it builds it: 4 layers, 4 heads, 128 wide, context 64 (batch
 # 12), no biases, exact GELU.
 PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False, activation="gelu")
 PEER_CHAR_TOKENS_PER_S = 16_000  # its float32 speed on this machine kind (issue 4)
+LLAMA_WIDE = "gpt2-4k"
 TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequences (gpt2 at 4 x 256)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """How much a run measures; `quick` fits in under two minutes on a 2-core CPU."""
+    """How much a run measures; `quick` takes fewer models, steps and repeats, for a first look."""
 
     matmul_n: int
     memory_mib: int
@@ -67,19 +74,22 @@ class Plan:
     gen_models: tuple[str, ...]
     gen_batches: tuple[int, ...]
     peer_formats: tuple[str, ...]
+    llama_models: tuple[str, ...] = ()  # decoded at batch 1 by tinygpt and llama.cpp (when installed)
+    llama_formats: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
+    formats: tuple[str, ...] = FORMATS  # tinygpt's weight formats (int4 only where the model is on a CPU)
 
 
 FULL = Plan(
     matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3, repeats_train=2,
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4)),
     prompt=64, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
-    peer_formats=("fp32", "bf16"),
+    peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k"),
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
-    peer_formats=("fp32",),
+    peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"),
 )
 
 
@@ -113,6 +123,8 @@ def machine(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_flags(),
+        "native_bf16": cpu_has_native_bf16(),
         "load_average": _load(),
     }
     if device.type == "cuda":
@@ -128,6 +140,40 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# /proc/cpuinfo flag -> the name a report prints; these decide which CPU kernels are fast
+CPU_FLAGS = {
+    "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx512f": "AVX-512", "avx512_bf16": "AVX-512 BF16",
+    "avx512_fp16": "AVX-512 FP16", "avx512_vnni": "AVX-512 VNNI", "avx_vnni": "AVX-VNNI", "amx_tile": "AMX",
+}
+
+
+def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
+    """Which of CPU_FLAGS this CPU has (report names -> yes/no), from /proc/cpuinfo's first flags line;
+    empty where there is none to read (not Linux, not x86).
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo (default: read it).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            have = set(line.split(":", 1)[1].split())
+            return {name: flag in have for flag, name in CPU_FLAGS.items()}
+    return {}
+
+
+def describe_cpu(info: dict[str, Any]) -> str:
+    """One line naming the CPU's flags and what torch makes of them, from `machine()`'s dict."""
+    flags = info.get("cpu_flags") or {}
+    listed = ", ".join(f"{name} {'yes' if flag else 'no'}" for name, flag in flags.items()) or "flags unknown"
+    return (f"cpu: {info['processor']}; {listed}; torch kernels {info['cpu_capability']}, "
+            f"native bf16 {'yes' if info.get('native_bf16') else 'no'}")
 
 
 def _load() -> float | None:
@@ -158,10 +204,11 @@ def limits(plan: Plan, device: torch.device) -> dict[str, float]:
 def bench_config(name: str, *, training: bool) -> GPTConfig:
     """The model a row measures: a preset, or "char" (the peer's 4-layer, 128-wide model). Training
     rows use a CHAR_VOCAB-symbol vocabulary and at most TRAIN_CONTEXT positions; generation rows keep
-    the preset's vocabulary (GPT-2's 50,257) and context."""
+    the preset's vocabulary (GPT-2's 50,257) and context. "gpt2-4k" is GPT-2 small's 12 x 768 with a
+    4,096-token vocabulary (the llama.cpp comparison's larger model)."""
     if name == "char":
         return GPTConfig(vocab_size=CHAR_VOCAB if training else 65, **PEER_CHAR)
-    cfg = GPTConfig.from_preset(name)
+    cfg = GPTConfig.from_preset("gpt2", vocab_size=4096) if name == LLAMA_WIDE else GPTConfig.from_preset(name)
     if training:
         cfg.vocab_size = CHAR_VOCAB
         cfg.block_size = min(cfg.block_size, TRAIN_CONTEXT)
@@ -173,6 +220,16 @@ def bench_config(name: str, *, training: bool) -> GPTConfig:
 def peers_available() -> bool:
     try:
         import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def llama_available() -> bool:
+    """Whether llama.cpp (llama-cpp-python, the llama extra) and the gguf writer (the hf extra) import."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
     except ImportError:
         return False
     return True
@@ -300,16 +357,77 @@ def generate_transformers(hf, idx: torch.Tensor, new_tokens: int, *, use_cache: 
     return clock.result(idx.shape[1], idx.shape[0], out[0, idx.shape[1]:].tolist())
 
 
+# llama.cpp's formats, each beside the tinygpt formats it is compared with (the faster of several)
+LLAMA_PAIRS = {"f32": ("fp32",), "f16": ("bf16", "fp16"), "q8_0": ("int8",), "q4_0": ("int4",)}
+
+
+def llama_files(model: GPT, folder: Path, formats: tuple[str, ...]) -> dict[str, Path]:
+    """`model` as GGUF files llama.cpp runs, one per format: f32 and f16 from tinygpt's own export,
+    q8_0 and q4_0 quantized from the f32 file by llama.cpp's own quantizer."""
+    import llama_cpp
+
+    from ..interop.gguf import export_gguf
+    from ..tokenizer import CharTokenizer
+
+    # the weights are what is measured; a character vocabulary makes the export valid for any vocab size
+    tokenizer = CharTokenizer([chr(33 + i) for i in range(min(model.config.vocab_size, 90))])
+    files = {"f32": export_gguf(model, tokenizer, folder / "f32.gguf")}
+    if "f16" in formats:
+        files["f16"] = export_gguf(model, tokenizer, folder / "f16.gguf", dtype="float16")
+    logger = logging.getLogger("llama-cpp-python")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # its quantizer logs a line per tensor
+    try:
+        for fmt, ftype in (("q8_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0), ("q4_0", llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0)):
+            if fmt not in formats:
+                continue
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.nthread = ftype, torch.get_num_threads()
+            files[fmt] = folder / f"{fmt}.gguf"
+            rc = llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(files[fmt]).encode(), ctypes.byref(params))
+            if rc != 0:
+                raise RuntimeError(f"llama.cpp could not quantize to {fmt} (code {rc})")
+    finally:
+        logger.setLevel(level)
+    return {fmt: files[fmt] for fmt in formats}
+
+
+def load_llama(path: Path, n_ctx: int) -> Any:
+    """A llama.cpp model on torch's thread count, quiet."""
+    import llama_cpp
+
+    threads = torch.get_num_threads()
+    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+
+
+def generate_llama(llm, idx: torch.Tensor, new_tokens: int, *, use_cache: bool = True) -> dict[str, Any]:
+    """Greedy decoding of row 0 of idx with llama.cpp (its KV cache): the same figures as generate_tinygpt."""
+    import llama_cpp
+    import numpy as np
+
+    n_vocab = llm.n_vocab()
+
+    def argmax() -> int:  # the logits of the last token evaluated
+        return int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,)).argmax())
+
+    clock, tokens = _Clock(), []
+    llm.reset()
+    llm.eval(idx[0].tolist())
+    for i in range(new_tokens):
+        tokens.append(argmax())
+        clock.tick()
+        if i + 1 < new_tokens:
+            llm.eval(tokens[-1:])
+    return clock.result(idx.shape[1], 1, tokens)
+
+
 def bytes_per_token(model, batch: int, context: float) -> float:
     """Bytes a decode step reads: every matrix once (the embedding row lookups aside) and, per row,
     the keys and values of `context` positions in every layer."""
     weights = 0
     for m in model.modules():
-        if isinstance(m, Int8Linear):
-            weights += m.weight.numel() + m.scales.numel() * m.scales.element_size()
-        elif isinstance(m, PackedLinear):
-            weights += m.in_features * m.out_features * m.dtype.itemsize
-            weights += m.bias.numel() * m.bias.element_size() if m.bias is not None else 0
+        if hasattr(m, "nbytes"):  # tinygpt.quantize's layers say what their forward reads
+            weights += m.nbytes
         elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
             weights += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     cfg = model.config
@@ -327,18 +445,24 @@ def run(
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
     Args:
-        quick: the short plan (under two minutes on a 2-core CPU).
+        quick: the short plan (fewer models, steps and repeats).
         plan: what to measure, instead of the full or quick plan.
         sections: any of "limits", "train", "generate".
-        peers: measure transformers beside tinygpt (when it is installed).
+        peers: measure transformers and llama.cpp beside tinygpt (those installed).
         log: called with a line per measurement, as it is taken.
     """
     plan = plan or (QUICK if quick else FULL)
     device = resolve_device("auto")
-    peers = peers and peers_available()
-    if not peers:
-        log("transformers is not installed (pip install 'tinygpt[hf]'): measuring tinygpt alone")
-    result: dict[str, Any] = {"quick": quick, "machine": machine(device), "peers": peers}
+    want_peers = peers
+    peers = want_peers and peers_available()
+    llama = want_peers and llama_available()
+    if want_peers and not peers:
+        log("transformers is not installed (pip install 'tinygpt[hf]'): measuring tinygpt without it")
+    if want_peers and not llama and plan.llama_models:
+        log("llama.cpp is not installed (pip install 'tinygpt[hf,llama]', which builds it from source in about "
+            "10 minutes): measuring tinygpt without it")
+    result: dict[str, Any] = {"quick": quick, "machine": machine(device), "peers": peers, "llama": llama}
+    log(describe_cpu(result["machine"]))
     started = time.perf_counter()
     lim = limits(plan, device)  # MFU and bandwidth use need them, so they are always measured
     result["limits"] = lim
@@ -349,7 +473,7 @@ def run(
     if "train" in sections:
         result["training"] = _training(plan, device, lim, peers, log)
     if "generate" in sections:
-        result["generation"] = _generation(plan, device, lim, peers, log)
+        result["generation"] = _generation(plan, device, lim, peers, llama, log)
     result["ratios"] = ratios(result)
     result["machine"]["load_average_end"] = _load()
     result["seconds"] = time.perf_counter() - started
@@ -367,8 +491,8 @@ def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]
             if peers:
                 impls += [("transformers", d) for d in ("float32", "bfloat16")]
             best: dict[tuple[str, str], float] = {}
-            # interleaved rounds, the best of each kept: this host has slow spells (the same run
-            # measured 25,000 and 34,000 tokens/s minutes apart) that should not decide a ratio
+            # interleaved rounds, the best of each kept: a shared host has slow spells (the README's
+            # Performance section has one) that should not decide a ratio
             for _ in range(plan.repeats_train):
                 for impl, dtype in impls:
                     if impl == "tinygpt":
@@ -386,51 +510,70 @@ def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]
     return rows
 
 
-def _generation(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
+def _generation(plan: Plan, device, lim, peers: bool, llama: bool, log) -> list[dict[str, Any]]:
     rows = []
-    for name in plan.gen_models:
-        cfg = bench_config(name, training=False)
-        torch.manual_seed(0)
-        base = GPT(cfg).to(device).eval()
-        engines: list[tuple[str, str, Any]] = []
-        if peers:
-            hf = to_transformers(base).to(device)
-            for fmt in plan.peer_formats:
-                engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16)))
-        copies = {fmt: copy.deepcopy(base) for fmt in FORMATS if fmt != "fp32"}  # before packing: no copies after
-        copies["fp32"] = base
-        engines += [("tinygpt", fmt, quantize(copies[fmt], fmt)) for fmt in FORMATS]
-        g = torch.Generator().manual_seed(1)
-        prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
-        cases = [(True, b) for b in plan.gen_batches] + [(False, 1)]
-        best: dict[tuple, dict[str, Any]] = {}
-        for _ in range(plan.repeats_gen):  # interleaved, so a busy moment hits every engine alike
-            for impl, fmt, model in engines:
-                fn = generate_tinygpt if impl == "tinygpt" else generate_transformers
-                for use_cache, batch in cases:
-                    idx = prompts[batch]
-                    new = plan.new_tokens if use_cache else plan.no_cache_tokens
-                    fn(model, idx[:, :8], 2, use_cache=use_cache)  # warm up kernels and allocations
-                    r = fn(model, idx, new, use_cache=use_cache)
-                    key = (impl, fmt, batch, use_cache)
-                    if key not in best or r["decode_tokens_per_s"] > best[key]["decode_tokens_per_s"]:
-                        best[key] = {"model": name, "impl": impl, "format": fmt, "batch": batch, "kv_cache": use_cache,
-                                     "prompt": plan.prompt, "new_tokens": new, **r}
-        ours = best[("tinygpt", "fp32", 1, True)]["tokens"]
-        for (impl, fmt, batch, use_cache), row in best.items():
-            tokens = row.pop("tokens")
-            if impl == "transformers" and fmt == "fp32" and batch == 1 and use_cache:
-                row["same_tokens_as_tinygpt"] = tokens == ours  # greedy on identical float32 weights
-            if impl == "tinygpt" and use_cache:
-                model = next(m for i, f, m in engines if i == impl and f == fmt)
-                per_step = bytes_per_token(model, batch, plan.prompt + row["new_tokens"] / 2)
-                row["bytes_per_step"] = per_step
-                row["bandwidth_use"] = per_step * row["decode_tokens_per_s"] / batch / (lim["memory_read_gbs"] * 1e9)
-            rows.append(row)
-            bw = f"  bandwidth {row['bandwidth_use']:.0%}" if "bandwidth_use" in row else ""
-            log(f"generate {name:5s} {impl:12s} {fmt:4s} batch {batch} {'cache' if use_cache else 'no-cache':8s}: "
-                f"decode {row['decode_tokens_per_s']:8.1f} tokens/s  prefill {row['prefill_tokens_per_s']:8.0f} tokens/s"
-                f"  TTFT {row['ttft_s'] * 1000:7.1f} ms{bw}")
+    llama_models = plan.llama_models if llama and device.type == "cpu" else ()
+    for name in dict.fromkeys(plan.gen_models + llama_models):  # in order, each once
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += _generation_rows(name, plan, device, lim, peers and name in plan.gen_models,
+                                     Path(tmp) if name in llama_models else None, log)
+    return rows
+
+
+def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir: Path | None, log) -> list[dict[str, Any]]:
+    """Every engine's rows for one model; a model measured only against llama.cpp gets batch 1 with the cache."""
+    cfg = bench_config(name, training=False)
+    torch.manual_seed(0)
+    base = GPT(cfg).to(device).eval()
+    full = name in plan.gen_models
+    cases = [(True, b) for b in plan.gen_batches] + [(False, 1)] if full else [(True, 1)]
+    engines: list[tuple[str, str, Any, list[tuple[bool, int]]]] = []
+    if peers:
+        hf = to_transformers(base).to(device)
+        for fmt in plan.peer_formats:
+            engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16), cases))
+    if llama_dir is not None:
+        for fmt, path in llama_files(base, llama_dir, plan.llama_formats).items():
+            engines.append(("llama.cpp", fmt, load_llama(path, cfg.block_size), [(True, 1)]))
+    formats = [f for f in plan.formats if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
+    copies = {fmt: copy.deepcopy(base) for fmt in formats if fmt != "fp32"}  # before packing: no copies after
+    copies["fp32"] = base
+    engines += [("tinygpt", fmt, quantize(copies[fmt], fmt), cases) for fmt in formats]
+    g = torch.Generator().manual_seed(1)
+    prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
+    runners = {"tinygpt": generate_tinygpt, "transformers": generate_transformers, "llama.cpp": generate_llama}
+    best: dict[tuple, dict[str, Any]] = {}
+    for _ in range(plan.repeats_gen):  # interleaved, so a busy moment hits every engine alike
+        for impl, fmt, model, engine_cases in engines:
+            fn = runners[impl]
+            for use_cache, batch in engine_cases:
+                idx = prompts[batch]
+                new = plan.new_tokens if use_cache else plan.no_cache_tokens
+                fn(model, idx[:, :8], 2, use_cache=use_cache)  # warm up kernels and allocations
+                r = fn(model, idx, new, use_cache=use_cache)
+                key = (impl, fmt, batch, use_cache)
+                if key not in best or r["decode_tokens_per_s"] > best[key]["decode_tokens_per_s"]:
+                    best[key] = {"model": name, "impl": impl, "format": fmt, "batch": batch, "kv_cache": use_cache,
+                                 "prompt": plan.prompt, "new_tokens": new, **r}
+    for impl, _, model, _ in engines:
+        if impl == "llama.cpp":
+            model.close()  # its threads and buffers, before the next model's
+    ours = best[("tinygpt", "fp32", 1, True)]["tokens"]
+    rows = []
+    for (impl, fmt, batch, use_cache), row in best.items():
+        tokens = row.pop("tokens")
+        if impl != "tinygpt" and fmt in ("fp32", "f32") and batch == 1 and use_cache:
+            row["same_tokens_as_tinygpt"] = tokens == ours  # greedy on identical float32 weights
+        if impl == "tinygpt" and use_cache:
+            model = next(m for i, f, m, _ in engines if i == impl and f == fmt)
+            per_step = bytes_per_token(model, batch, plan.prompt + row["new_tokens"] / 2)
+            row["bytes_per_step"] = per_step
+            row["bandwidth_use"] = per_step * row["decode_tokens_per_s"] / batch / (lim["memory_read_gbs"] * 1e9)
+        rows.append(row)
+        bw = f"  bandwidth {row['bandwidth_use']:.0%}" if "bandwidth_use" in row else ""
+        log(f"generate {name:5s} {impl:12s} {fmt:4s} batch {batch} {'cache' if use_cache else 'no-cache':8s}: "
+            f"decode {row['decode_tokens_per_s']:8.1f} tokens/s  prefill {row['prefill_tokens_per_s']:8.0f} tokens/s"
+            f"  TTFT {row['ttft_s'] * 1000:7.1f} ms{bw}")
     return rows
 
 
@@ -442,7 +585,7 @@ DECODE_TARGETS = [
     ("decode gpt2 b1: tinygpt fp32 / transformers fp32", 1.5, ("gpt2", "tinygpt", ["fp32"]), ("gpt2", "transformers", ["fp32"])),
     ("decode gpt2 b1: tinygpt int8 / transformers fp32", 3.0, ("gpt2", "tinygpt", ["int8"]), ("gpt2", "transformers", ["fp32"])),
     ("decode gpt2 b1: tinygpt best low-precision / transformers bf16", 2.0,
-     ("gpt2", "tinygpt", ["bf16", "int8"]), ("gpt2", "transformers", ["bf16"])),
+     ("gpt2", "tinygpt", ["bf16", "fp16", "int8"]), ("gpt2", "transformers", ["bf16"])),
     ("decode baby b1: tinygpt fp32 / transformers fp32", 2.0, ("baby", "tinygpt", ["fp32"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt int8 / transformers fp32", 5.0, ("baby", "tinygpt", ["int8"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt bf16 / transformers bf16", None, ("baby", "tinygpt", ["bf16"]), ("baby", "transformers", ["bf16"])),
@@ -476,11 +619,27 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
             if a is None or b is None:
                 continue
             out.append({"name": name, "ratio": a / b, "target": target, "met": None if target is None else a / b >= target})
+    out += _llama_ratios(decode)
     best_char = _best(train, "tokens_per_s", "char", "tinygpt", ["float32", "bfloat16"], "dtype")
     if best_char is not None:
         target = 2 * PEER_CHAR_TOKENS_PER_S
         out.append({"name": f"train char 12x64: tinygpt best tokens/s / {target:,} (2x the peer's)",
                     "ratio": best_char / target, "target": 1.0, "met": best_char >= target})
+    return out
+
+
+def _llama_ratios(decode: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """tinygpt / llama.cpp at batch 1 for each llama.cpp format measured, against its tinygpt formats."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in decode if r["impl"] == "llama.cpp"):
+        for fmt, pair in LLAMA_PAIRS.items():
+            ours = [f for f in pair if _best(decode, "decode_tokens_per_s", model, "tinygpt", [f], "format") is not None]
+            b = _best(decode, "decode_tokens_per_s", model, "llama.cpp", [fmt], "format")
+            if not ours or b is None:
+                continue
+            a = _best(decode, "decode_tokens_per_s", model, "tinygpt", ours, "format")
+            out.append({"name": f"decode {model} b1: tinygpt {'/'.join(ours)} / llama.cpp {fmt}", "ratio": a / b,
+                        "target": 1.0, "met": a / b >= 1.0})
     return out
 
 
@@ -491,6 +650,7 @@ def render(result: dict[str, Any]) -> str:
         f"tinygpt bench{' --quick' if result['quick'] else ''}: {m['processor']}, {m['cores']} cores, "
         f"{m['threads']} threads, torch {m['torch']} ({m['cpu_capability']}), load {m['load_average']} -> "
         f"{m.get('load_average_end')}, {result['seconds']:.0f} s",
+        describe_cpu(m),
         f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
         f"GFLOP/s bfloat16; memory read {lim['memory_read_gbs']:.1f} GB/s",
     ]
@@ -506,10 +666,12 @@ def render(result: dict[str, Any]) -> str:
             bw = f"{r['bandwidth_use']:>10.0%}" if "bandwidth_use" in r else f"{'':>10}"
             lines.append(f"{r['model']:<8} {r['impl']:<13}{r['format']:<8}{r['batch']:>5} {'yes' if r['kv_cache'] else 'no':<6}"
                          f"{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}{r['ttft_s'] * 1000:>9.1f}{bw}")
-    same = [f"{r['model']} {'yes' if r['same_tokens_as_tinygpt'] else 'NO'}" for r in result.get("generation", [])
-            if "same_tokens_as_tinygpt" in r]
-    if same:
-        lines.append(f"greedy tokens equal to transformers' on the same float32 weights: {', '.join(same)}")
+    for peer in ("transformers", "llama.cpp"):
+        same = [f"{r['model']} {'yes' if r['same_tokens_as_tinygpt'] else 'NO'}" for r in result.get("generation", [])
+                if r["impl"] == peer and "same_tokens_as_tinygpt" in r]
+        if same:
+            whose = f"{peer}'" if peer.endswith("s") else f"{peer}'s"
+            lines.append(f"greedy tokens equal to {whose} on the same float32 weights: {', '.join(same)}")
     if result.get("ratios"):
         lines += ["", "ratios (same run)"]
         for r in result["ratios"]:

@@ -56,9 +56,10 @@ FORMAT = "tinygpt-sweep"
 VERSION = 1
 MIN_STEPS = 10  # a grid point with fewer optimizer steps than this is skipped: it would measure warmup
 
-# The --quick grid, sized to finish in under 20 minutes on a 2-core laptop CPU (measured: see the
-# README): four budgets a factor ~3 apart, five sizes each 2x apart, centred on 0.4 x Chinchilla's N
-# (a first run centred on Chinchilla's N found the best sizes of char models this small at 0.3-0.6 x it).
+# The --quick grid, small enough for a laptop CPU in one sitting (the README's "The quick grid" says
+# how long it took): four budgets a factor ~3 apart, five sizes each 2x apart, centred on 0.4 x
+# Chinchilla's N (a first run centred on Chinchilla's N found the best sizes of char models this
+# small at 0.3-0.6 x it).
 QUICK_BUDGETS = (1e11, 3e11, 1e12, 3e12)
 QUICK_POINTS = 5
 QUICK_CENTRE = 0.4
@@ -354,7 +355,7 @@ def run_sweep(
         plots: draw the PNGs (needs matplotlib, the viz extra).
         threads: CPU threads for training (None: torch's default). One by default: a sweep's models
             are small, and on a machine shared with other work two threads fighting for two cores
-            ran 10-30x slower than one here (measured; PERF-NOTES has the machine).
+            run far slower than one (the README's "Scaling on a laptop" has the figure).
 
     Raises:
         ConfigError: bad budgets, sizes or settings, or a grid with no point left.
