@@ -272,3 +272,59 @@ def test_measured_peak_memory_is_within_15_percent_of_the_estimate():
     for method, r in zip(methods, results):
         assert r["peak"] == pytest.approx(r["estimate"], rel=0.15), method
     assert results[1]["estimate"] < 0.75 * results[0]["estimate"]  # LoRA's saving is real, and measured
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_cli_finetune_lora_merge_report_and_resume(world, tmp_path, capsys):
+    from tinygpt import cli
+
+    run, merged = tmp_path / "run", tmp_path / "merged"
+    flags = ["--data", str(world / "data-b"), "--out", str(run), "--max-iters", "4", "--eval-interval", "2",
+             "--eval-iters", "1", "--batch-size", "4", "--quiet"]
+    code = cli.main(["finetune", str(world / "base"), *flags, "--method", "lora", "--lora-rank", "2",
+                     "--lora-targets", "attn,mlp", "--lr", "1e-3", "--lr-schedule", "inverse-sqrt", "--keep", "best",
+                     "--block-size", "16", "--prompt", "the cat", "--merge", str(merged)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "max_iters: 4 steps" in out and "validation loss" in out and "sample of 'the cat'" in out
+    assert checkpoint.is_adapter_run(run) and (merged / "model.safetensors").is_file()
+    assert read_report(run)["method"] == "lora"
+    assert cli.main(["report", str(run)]) == 0 and "reference (forgetting) loss" in capsys.readouterr().out
+    assert cli.main(["report", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == read_report(run)["params"]
+    # resume takes the run's own settings (LoRA, its rank) and goes on to the new --max-iters
+    flags[flags.index("--max-iters") + 1] = "6"
+    assert cli.main(["finetune", str(world / "base"), *flags, "--resume"]) == 0
+    assert "max_iters: 6 steps" in capsys.readouterr().out and read_report(run)["method"] == "lora"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-rank", "4"], "--lora-rank goes with --method lora"),
+    (["--method", "lora", "--freeze-layers", "1"], "--freeze-layers goes with --method full"),
+    (["--block-size", "64"], "longer than"),
+    (["--method", "qlora"], "invalid choice"),
+    (["--lr-schedule", "linear"], "invalid choice"),
+    (["--lr", "nan"], "--lr"),
+    (["--merge", "m"], "merge goes with method lora"),
+    (["--reference", "/nonexistent.txt"], "cannot read the reference text"),
+])
+def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, message):
+    from tinygpt import cli
+
+    code = cli.main(["finetune", str(world / "base"), "--data", str(world / "data-b"), "--out", str(tmp_path / "r"),
+                     *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_report_and_prepare_refusals(world, tmp_path, capsys):
+    from tinygpt import cli
+
+    assert cli.main(["report", str(world / "base")]) == 2
+    assert "no finetune_report.json" in capsys.readouterr().err
+    assert cli.main(["finetune", str(tmp_path / "nowhere"), "--data", str(world / "data-b"), "--out",
+                     str(tmp_path / "r")]) == 2
+    assert "no such model folder" in capsys.readouterr().err
