@@ -4,8 +4,9 @@ random weights: the cost does not depend on their values) by each method, at bat
     .venv/bin/python benchmarks/finetune.py [--steps 3] [--dtype float32] [--methods full,lora,frozen]
 
 Methods: full (every weight trains), lora (r=8 on c_attn, PEFT's default for GPT-2), frozen (the
-embeddings and the first 10 blocks frozen: the last 2 blocks and ln_f train), checkpoint (full with
-activation checkpointing per block). Each runs in its own process, so its peak resident memory
+embeddings and the first 10 blocks frozen: the last 2 blocks and ln_f train), checkpoint and
+lora-checkpoint (full or LoRA with activation checkpointing per block). --live runs each with
+MALLOC_MMAP_THRESHOLD_=65536, so glibc returns freed blocks at once and the peak is of live tensors. Each runs in its own process, so its peak resident memory
 (getrusage's ru_maxrss, which includes torch itself: the import alone is printed as the reference)
 is its own. It times `--steps` AdamW steps after one warm-up step, as train()'s step does them
 (the same optimizer, loss and autocast), and prints tokens/s, the peak, `tinygpt params`' estimate
@@ -28,7 +29,11 @@ METHODS = {
     "lora": {"lora": {"rank": 8}},
     "frozen": {"freeze_embeddings": True, "freeze_layers": 10},
     "checkpoint": {"grad_checkpoint": True},
+    "lora-checkpoint": {"lora": {"rank": 8}, "grad_checkpoint": True},
 }
+# with --live: glibc hands freed blocks of 64 KiB and more back to the system at once, so a peak is of
+# the tensors alive (what `tinygpt params` estimates) rather than of what the allocator kept
+LIVE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def peak_rss() -> int:
@@ -74,15 +79,18 @@ def child(method: str, steps: int, dtype: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if step:  # the first step allocates AdamW's state and warms the kernels up
             times.append(time.perf_counter() - t0)
-    estimate = calc.training_memory(config, BATCH, SEQ, dtype=str(compute).removeprefix("torch."), lora=lora,
-                                    **settings)
+    estimate = None if recompute else calc.training_memory(  # the calculator does not count recomputation
+        config, BATCH, SEQ, dtype=str(compute).removeprefix("torch."), lora=lora, **settings).peak
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"method": method, "tokens_per_s": BATCH * SEQ * len(times) / sum(times), "peak_rss": peak_rss(),
-            "estimate_peak": estimate.peak, "trainable": trainable, "dtype": str(compute).removeprefix("torch.")}
+            "estimate_peak": estimate, "trainable": trainable, "dtype": str(compute).removeprefix("torch.")}
 
 
-def run(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True).stdout
+def run(args: list[str], live: bool) -> dict:
+    import os
+
+    env = {**os.environ, **(LIVE_ENV if live else {})}
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -91,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method, after one warm-up step")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (autocast), or auto")
     parser.add_argument("--methods", default="full,lora,frozen", help=f"of {', '.join(METHODS)}")
+    parser.add_argument("--live", action="store_true", help="peaks of live tensors (see above)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -102,20 +111,23 @@ def main() -> None:
         [sys.executable, "-c", "import json, resource, torch, tinygpt.train; "
          "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))"],
         capture_output=True, text=True, check=True).stdout)
+    live = ", live-tensor peaks (MALLOC_MMAP_THRESHOLD_=65536)" if args.live else ""
     print(f"gpt2-size model (12 x 768, vocab 50,257), batch {BATCH} x {SEQ} tokens, {args.dtype}, "
-          f"{args.steps} timed steps; {platform.processor() or platform.machine()}")
+          f"{args.steps} timed steps{live}; {platform.processor() or platform.machine()}")
     print(f"reference: a process that only imports torch and tinygpt peaks at {reference / 2**20:,.0f} MiB")
     results = {}
     for method in args.methods.split(","):
-        r = results[method] = run(["--child", method, "--steps", str(args.steps), "--dtype", args.dtype])
-        print(f"{method:<11} {r['tokens_per_s']:>8,.0f} tokens/s  peak {r['peak_rss'] / 2**30:6.2f} GiB "
-              f"(estimate {r['estimate_peak'] / 2**30:5.2f} GiB + the import)  trainable {r['trainable']:>11,}",
-              flush=True)
-    if "full" in results and "lora" in results:
-        full, lora = results["full"], results["lora"]
-        print(f"LoRA / full: peak {lora['peak_rss'] / full['peak_rss']:.2f}x "
-              f"({(lora['peak_rss'] - reference) / (full['peak_rss'] - reference):.2f}x above the import), "
-              f"speed {lora['tokens_per_s'] / full['tokens_per_s']:.2f}x")
+        r = results[method] = run(["--child", method, "--steps", str(args.steps), "--dtype", args.dtype], args.live)
+        estimate = f"{r['estimate_peak'] / 2**30:5.2f} GiB" if r["estimate_peak"] is not None else "    -    "
+        print(f"{method:<15} {r['tokens_per_s']:>8,.0f} tokens/s  peak {r['peak_rss'] / 2**30:6.2f} GiB "
+              f"(estimate {estimate} + the import)  trainable {r['trainable']:>11,}", flush=True)
+    full = results.get("full")
+    for name in ("lora", "lora-checkpoint"):
+        if full is not None and name in results:
+            r = results[name]
+            print(f"{name} / full: peak {r['peak_rss'] / full['peak_rss']:.2f}x "
+                  f"({(r['peak_rss'] - reference) / (full['peak_rss'] - reference):.2f}x above the import), "
+                  f"speed {r['tokens_per_s'] / full['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":

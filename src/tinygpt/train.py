@@ -5,7 +5,10 @@ what a caller shows as a run goes (a progress bar, a trace) hangs on its TrainCa
 
 A run goes through named phases: _settings (what to train, checked before anything is written),
 _Run (the model, its optimizer and the state a checkpoint keeps; restored on resume), then
-_Run.train_step, _Run.evaluate and _Run.save as the loop in _steps goes, with _Run.decide to stop."""
+_Run.train_step, _Run.evaluate and _Run.save as the loop in _steps goes, with _Run.decide to stop.
+Fine-tuning (tinygpt.finetune) is this loop with a Start: the starting model built elsewhere (a
+pretrained one, with what is not to train frozen or LoRA's adapters added), how a checkpoint of it
+is saved (an adapter run, for LoRA) and read back, and keep best."""
 
 from __future__ import annotations
 
