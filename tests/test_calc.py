@@ -225,10 +225,13 @@ def test_trainable_params_equal_the_built_model_with_the_method_applied(variant,
     m = calc.training_memory(cfg, 2, 16, **method)
     assert m.weights == 4 * counts.total
     assert (m.gradients, m.optimizer) == (4 * counts.trainable, 8 * counts.trainable)
-    assert m.activations == calc.training_memory(cfg, 2, 16).activations  # counted as for full training
-    bf16 = calc.training_memory(cfg, 2, 16, dtype="bfloat16", **method)
-    autocast_full = calc.training_memory(cfg, 2, 16, dtype="bfloat16").autocast_weights
-    assert bf16.autocast_weights == autocast_full + 2 * counts.adapters  # A and B are cast too
+    # activations: what autograd keeps for what trains, nothing where no gradient is needed
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    for dtype in ("float32", "bfloat16"):
+        est = calc.training_memory(cfg, 2, 16, dtype=dtype, **method)
+        real = _saved_bytes(model.train(), idx, dtype)
+        assert est.activations + est.autocast_weights == pytest.approx(real, rel=0.01), dtype
+    assert m.activations <= calc.training_memory(cfg, 2, 16).activations
 
 
 def test_trainable_params_published_and_refused():

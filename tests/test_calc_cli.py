@@ -73,7 +73,7 @@ def test_params_for_lora_and_frozen_layers(capsys):
     assert lora["total"] == 124_439_808  # the model's own count; the adapters are in "trainable"
     t, f = lora["memory"]["training"], full["memory"]["training"]
     assert t["gradients"] == 4 * 1_179_648 and t["optimizer"] == 8 * 1_179_648
-    assert t["weights"] == f["weights"] + 4 * 1_179_648 and t["activations"] == f["activations"]
+    assert t["weights"] == f["weights"] + 4 * 1_179_648 and t["activations"] < f["activations"]
     assert t["total"] - t["activations"] < 0.27 * (f["total"] - f["activations"])  # ~4 bytes a weight, not 16
     _, out, _ = run(capsys, "params", *gpt2, "--lora-rank", "8", "--lora-targets", "attn,mlp")
     assert "LoRA r=8, alpha 8 on attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj" in out

@@ -25,8 +25,8 @@ def test_unknown_command_fails_cleanly():
 
 
 PUBLIC_API = {
-    "GPT", "GPTConfig", "SampleConfig", "TrainConfig", "KVCache",
-    "generate", "generate_stream", "prepare", "train", "save", "load", "load_tokenizer", "quantize",
+    "GPT", "GPTConfig", "SampleConfig", "TrainConfig", "FinetuneConfig", "KVCache",
+    "generate", "generate_stream", "prepare", "train", "finetune", "save", "load", "load_tokenizer", "quantize",
     "TinyGPTError", "ConfigError", "DataError", "TokenizerError", "CheckpointError", "TrainingError",
 }  # fmt: skip
 
@@ -40,7 +40,9 @@ def test_public_api_is_small():
 
 
 def test_api_names_are_the_functions_not_the_modules():
+    import tinygpt.finetune  # noqa: F401
     import tinygpt.generate  # noqa: F401  (importing the submodules must not shadow the functions)
     import tinygpt.train  # noqa: F401
 
     assert callable(tinygpt.generate) and callable(tinygpt.train) and callable(tinygpt.load)
+    assert callable(tinygpt.finetune) and tinygpt.finetune.__name__ == "finetune"

@@ -20,11 +20,13 @@ __all__ = [
     "GPTConfig",
     "SampleConfig",
     "TrainConfig",
+    "FinetuneConfig",
     "KVCache",
     "generate",
     "generate_stream",
     "prepare",
     "train",
+    "finetune",
     "save",
     "load",
     "load_tokenizer",
@@ -43,11 +45,13 @@ _HOME = {
     "GPTConfig": "config",
     "SampleConfig": "config",
     "TrainConfig": "config",
+    "FinetuneConfig": "config",
     "KVCache": "kv_cache",
     "generate": "generate",
     "generate_stream": "generate",
     "prepare": "data",
     "train": "train",
+    "finetune": "finetune",
     "save": "checkpoint",
     "load": "checkpoint",
     "load_tokenizer": "tokenizer",
@@ -62,8 +66,9 @@ _HOME = {
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
     from .checkpoint import load, save
-    from .config import GPTConfig, SampleConfig, TrainConfig
+    from .config import FinetuneConfig, GPTConfig, SampleConfig, TrainConfig
     from .data import prepare
+    from .finetune import finetune
     from .errors import CheckpointError, ConfigError, DataError, TinyGPTError, TokenizerError, TrainingError
     from .generate import generate, generate_stream
     from .kv_cache import KVCache
@@ -91,7 +96,7 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """Keeps `tinygpt.generate` and `tinygpt.train` the functions of those names.
+    """Keeps `tinygpt.generate`, `tinygpt.train` and `tinygpt.finetune` the functions of those names.
 
     Importing a submodule sets it as an attribute of its package, which would hide the function of
     the same name (`import tinygpt.train` would turn `tinygpt.train(...)` into a module); the eager

@@ -49,7 +49,7 @@ from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_
 from .lora import merge as merge_lora
 from .model import GPT
 from .tokenizer import Tokenizer, load_tokenizer
-from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights
+from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights, reconfigured
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -113,9 +113,20 @@ def load_config(path: str | Path) -> GPTConfig:
         raise CheckpointError(f"{path / CONFIG}: {e}") from None
 
 
+def weights_file(path: str | Path) -> Path:
+    """The file holding what a run trains: adapter.safetensors in an adapter run, else model.safetensors."""
+    return Path(path) / (ADAPTER_WEIGHTS if is_adapter_run(path) else WEIGHTS)
+
+
+def has_weights(path: str | Path) -> bool:
+    """Whether a folder holds a run's weights or an adapter run's adapters."""
+    return weights_file(path).exists()
+
+
 def weights_step(path: str | Path) -> int:
-    """The training step stored with a run's weights (-1 when saved outside training)."""
-    file = Path(path) / WEIGHTS
+    """The training step stored with a run's weights, or an adapter run's adapters (-1 when saved
+    outside training)."""
+    file = weights_file(path)
     step = read_header(file)["__metadata__"].get("step", "-1")
     if not re.fullmatch(r"-1|[0-9]+", step):
         raise CheckpointError(f"{file}: the step in its metadata is {step!r}, not a number")
@@ -230,7 +241,9 @@ def _stored_base(base: Path, out: Path) -> str:
     return os.path.relpath(os.path.abspath(base), os.path.abspath(out))
 
 
-def _base_tokenizer(base: Path) -> Tokenizer | None:
+def folder_tokenizer(base: Path) -> Tokenizer | None:
+    """The tokenizer a model folder carries (a run's tokenizer.json, a Hugging Face folder's own files), or None."""
+    base = Path(base)
     if is_hf_folder(base):
         return load_hf_tokenizer(base)
     return load_tokenizer(base) if (base / TOKENIZER).exists() else None
@@ -283,7 +296,7 @@ def save_adapter_run(
     metadata = {"format": "pt", "step": str(step if step is not None else -1)}
     state = {k: v.contiguous().cpu() for k, v in tensors.items()}
     atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=metadata))
-    tokenizer = tokenizer if tokenizer is not None else _base_tokenizer(base)
+    tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(base)
     if tokenizer is not None:
         tokenizer.save(out / TOKENIZER)
     write_json(out / CONFIG, model.config.to_dict())
@@ -336,19 +349,23 @@ def read_adapter_config(run: str | Path) -> AdapterRun:
     return AdapterRun(lora=lora, base=run / base["path"], checksum=base["checksum"])  # an absolute path wins
 
 
-def _check_same_architecture(run: Path, base: str, model: GPT) -> None:
-    """The run's config.json must describe the base it loads (dropout aside: training may set its own)."""
+def _check_same_architecture(run: Path, base: str, model: GPT) -> GPTConfig:
+    """The run's config.json must describe the base it loads, but for what fine-tuning may set on its
+    own: dropout, and a block_size shorter than the base's (the position embedding cropped). The
+    run's config (the base's when the run has none)."""
     if not (run / CONFIG).exists():
-        return
+        return model.config
     try:
         saved = GPTConfig.from_dict(read_json(run / CONFIG, CheckpointError))
     except ConfigError as e:
         raise CheckpointError(f"{run / CONFIG}: {e}") from None
     differ = [f.name for f in dataclasses.fields(GPTConfig)
-              if f.name != "dropout" and getattr(saved, f.name) != getattr(model.config, f.name)]
+              if f.name != "dropout" and getattr(saved, f.name) != getattr(model.config, f.name)
+              and not (f.name == "block_size" and saved.block_size < model.config.block_size)]
     if differ:
         raise CheckpointError(f"{run}: the base model {base} is not the architecture these adapters were trained on "
                               f"({', '.join(differ)} differ from {run / CONFIG})")
+    return saved
 
 
 def load_adapter_run(
@@ -385,7 +402,7 @@ def load_adapter_run(
         raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
                               f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_CONFIG} expects "
                               f"{info.checksum[:19]}...)")
-    _check_same_architecture(run, shown, model)
+    model = reconfigured(model, _check_same_architecture(run, shown, model), shown)  # a cropped context
     tensors, _ = read_weights(run / ADAPTER_WEIGHTS)
     apply_lora(model, config.rank, config.alpha, config.targets, config.dropout)
     load_adapter_state_dict(model, tensors, str(run / ADAPTER_WEIGHTS), allow_nonfinite=allow_nonfinite)
@@ -423,9 +440,12 @@ def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
 
 
 def save_training(
-    run: Path, model: GPT, state: dict[str, Any], tokenizer=None, *, state_dict: dict[str, torch.Tensor] | None = None
+    run: Path, model: GPT, state: dict[str, Any], tokenizer=None, *, state_dict: dict[str, torch.Tensor] | None = None,
+    adapter_base: Path | None = None, base_checksum: str | None = None,
 ) -> None:
-    """Save weights and training state as one consistent pair (see the module docstring); state_dict as in save()."""
+    """Save weights and training state as one consistent pair (see the module docstring); state_dict as in save().
+    With adapter_base, the pair is an adapter run's adapters (save_adapter_run, its base and base_checksum)
+    and the state."""
     run = Path(run)
     step = int(state["step"])
     state_tmp = run / (STATE + ".tmp")
@@ -437,7 +457,10 @@ def save_training(
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        save(model, run, tokenizer, step=step, state_dict=state_dict)
+        if adapter_base is not None:
+            save_adapter_run(model, run, adapter_base, tokenizer, base_checksum=base_checksum, step=step)
+        else:
+            save(model, run, tokenizer, step=step, state_dict=state_dict)
         weights_replaced = True
         os.replace(state_tmp, run / STATE)
         fsync_dir(run)
@@ -448,7 +471,7 @@ def save_training(
         if cause is None:
             raise
         kept = "a --resume completes it" if weights_replaced else "the previous checkpoint is unchanged"
-        if not weights_replaced and (run / WEIGHTS).exists():
+        if not weights_replaced and has_weights(run):
             kept = f"the checkpoint of step {weights_step(run)} is unchanged"
         raise CheckpointError(f"{run}: could not save the checkpoint of step {step}: {cause.strerror or cause}; "
                               f"{kept}") from e

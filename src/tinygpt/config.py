@@ -310,6 +310,8 @@ def lora_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 
 DEFAULT_LR = 1e-3  # TrainConfig.lr when it is left to choose and nothing sized the model
+# what follows the warmup: cosine decay to min_lr over the run, the rate held, or lr x sqrt(warmup / step)
+LR_SCHEDULES = ("cosine", "constant", "inverse-sqrt")
 
 
 @dataclass
@@ -321,9 +323,13 @@ class TrainConfig:
         grad_accum: micro-steps per optimizer step.
         lr: peak learning rate, reached after `warmup` steps. None (the default): DEFAULT_LR, or
             for a model sized for a time budget the rate for its width (ModelChoice.lr), or on
-            resume the run's own; train() fills it in before the first step.
+            resume the run's own, or fine-tuning's (FinetuneConfig.default_lr); train() fills it in
+            before the first step.
         min_lr: the floor of the cosine decay (default lr / 10).
         warmup: steps of linear warmup.
+        lr_schedule: what follows the warmup: "cosine" (decay to min_lr over the run), "constant"
+            (lr held, nanoGPT's fine-tuning recipe) or "inverse-sqrt" (lr x sqrt(warmup / (step + 1)),
+            which needs no known length).
         max_iters: optimizer steps; the cosine decay spans them. Without it and without max_time, 2000.
         max_time: wall-clock budget in seconds; training stops at whichever limit comes first.
         weight_decay: AdamW weight decay, applied to matrices and embeddings only.
@@ -345,6 +351,7 @@ class TrainConfig:
     lr: float | None = None
     min_lr: float | None = None
     warmup: int = 100
+    lr_schedule: str = "cosine"
     max_iters: int | None = None
     max_time: float | None = None
     weight_decay: float = 0.1
@@ -389,6 +396,8 @@ class TrainConfig:
         _check(self.dist_timeout > 0 and math.isfinite(self.dist_timeout), "dist_timeout",
                f"must be a positive duration, got {self.dist_timeout!r}")
         _check(self.grad_clip >= 0, "grad_clip", f"must be >= 0 (0 turns clipping off), got {self.grad_clip!r}")
+        _check(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
+               f"must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
 
     @property
     def final_lr(self) -> float:
@@ -400,6 +409,97 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return from_mapping(cls, data)
+
+
+FINETUNE_METHODS = ("full", "lora")
+KEEP = ("last", "best")
+# Fine-tuning moves a trained model a little: far below pretraining's DEFAULT_LR. nanoGPT's GPT-2
+# recipe trains every weight at 3e-5; LoRA's adapters start at zero and take a larger step
+# (litgpt's LoRA recipes use 2e-4 to 3e-4, PEFT's examples 1e-4 to 3e-4).
+FINETUNE_LR = {"full": 3e-5, "lora": 2e-4}
+
+
+@dataclass
+class FinetuneConfig:
+    """How a pretrained model is fine-tuned (tinygpt.finetune); the optimization itself is a TrainConfig.
+
+    Args:
+        method: "full" (every weight not frozen trains) or "lora" (low-rank adapters on the chosen
+            projections; every base weight frozen and untouched, the run stores only the adapters).
+        lora_rank, lora_alpha, lora_targets, lora_dropout: the adapters (see LoraConfig), with lora.
+        freeze_embeddings: with full, the token and position embeddings do not train.
+        freeze_layers: with full, the first N blocks do not train.
+        keep: "last" keeps the last checkpoint; "best" only the one with the lowest validation loss
+            (saved at an evaluation only when it improves, as nanoGPT's always_save_checkpoint=False).
+        block_size: a context shorter than the base's: the position embedding is cropped to it.
+        dropout: the model's dropout while fine-tuning (default: the base's), kept in config.json.
+        grad_checkpoint: recompute each block's activations in backward instead of keeping them
+            (torch.utils.checkpoint): less memory for about a third more compute.
+        reference: a text file whose loss before and after is the report's forgetting measure;
+            default the base's own validation split when the base is a tinygpt run that records it.
+        prompts: texts sampled before and after, with the same seed, for the report (default: the
+            start of the validation split).
+        sample_tokens: tokens each report sample generates.
+        report_tokens: the report's losses are over at most this many tokens of each text.
+    """
+
+    method: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_targets: tuple[str, ...] = ("attn.c_attn",)
+    lora_dropout: float = 0.0
+    freeze_embeddings: bool = False
+    freeze_layers: int = 0
+    keep: str = "last"
+    block_size: int | None = None
+    dropout: float | None = None
+    grad_checkpoint: bool = False
+    reference: str | None = None
+    prompts: tuple[str, ...] = ()
+    sample_tokens: int = 48
+    report_tokens: int = 20_000
+
+    def __post_init__(self) -> None:
+        _finite(self, ("lora_alpha", "lora_dropout", "dropout"))
+        _check(self.method in FINETUNE_METHODS, "method", f"must be one of {', '.join(FINETUNE_METHODS)}, "
+               f"got {self.method!r}")
+        _check(self.keep in KEEP, "keep", f"must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        self.lora_targets = self.lora.targets  # checks rank, alpha, dropout and targets, and names them in full
+        for name in ("freeze_embeddings", "grad_checkpoint"):
+            _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
+        _check(isinstance(self.freeze_layers, int) and not isinstance(self.freeze_layers, bool)
+               and self.freeze_layers >= 0, "freeze_layers", f"must be an integer >= 0, got {self.freeze_layers!r}")
+        if self.method == "lora" and (self.freeze_embeddings or self.freeze_layers):
+            raise ConfigError("freeze_embeddings and freeze_layers go with method full: LoRA already trains its "
+                              "adapters alone")
+        for name in ("block_size", "sample_tokens", "report_tokens"):
+            value = getattr(self, name)
+            _check(value is None and name == "block_size" or isinstance(value, int) and not isinstance(value, bool)
+                   and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        if self.dropout is not None:
+            _check(0.0 <= self.dropout < 1.0, "dropout", f"must be in [0, 1), got {self.dropout!r}")
+        _check(self.reference is None or isinstance(self.reference, str) and bool(self.reference), "reference",
+               f"must be a file name, got {self.reference!r}")
+        _check(all(isinstance(p, str) and p for p in self.prompts), "prompts",
+               f"must be non-empty texts, got {self.prompts!r}")
+
+    @property
+    def lora(self) -> LoraConfig:
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=self.lora_targets,
+                          dropout=self.lora_dropout)
+
+    @property
+    def default_lr(self) -> float:
+        """The learning rate when the TrainConfig leaves it to choose: FINETUNE_LR for the method."""
+        return FINETUNE_LR[self.method]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "lora_targets": list(self.lora_targets), "prompts": list(self.prompts)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:
+        return from_mapping(cls, data)
+
 
 _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 # Days, hours, minutes, seconds: largest first, each at most once, spaces allowed between parts.

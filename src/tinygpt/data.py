@@ -458,6 +458,11 @@ def _make_tokenizer(kind: str | Tokenizer | None, tokenizer_file: str | os.PathL
     if kind == "gpt2":
         return GPT2Tokenizer.from_file(tokenizer_file)
     path = Path(tokenizer_file).expanduser()
+    hf = _hf_folder_tokenizer(path)
+    if hf is not None:
+        if kind is not None and hf.kind != kind:
+            raise DataError(f"{tokenizer_file} holds a {hf.kind} tokenizer, not {kind}")
+        return hf
     is_tinygpt = (
         (path / "tokenizer.json").is_file() if path.is_dir() else path.suffix == ".json" and _is_tinygpt_json(path)
     )
@@ -466,6 +471,22 @@ def _make_tokenizer(kind: str | Tokenizer | None, tokenizer_file: str | os.PathL
     tok = load_tokenizer(path)
     if kind is not None and tok.kind != kind:
         raise DataError(f"{tokenizer_file} holds a {tok.kind} tokenizer, not {kind}")
+    return tok
+
+
+def _hf_folder_tokenizer(path: Path) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face GPT-2 folder (what fine-tuning one needs its data prepared
+    with, and what `tinygpt load` reads there), or None when `path` is not such a folder."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    from .interop.hf_gpt2 import is_hf_folder
+    from .interop.hf_tokenizer import load_hf_tokenizer
+
+    if not is_hf_folder(path):
+        return None
+    tok = load_hf_tokenizer(path)
+    if tok is None:
+        raise DataError(f"{path}: a Hugging Face folder without a tokenizer (tokenizer.json, or vocab.json + merges.txt)")
     return tok
 
 
@@ -503,8 +524,9 @@ def prepare(
         val_fraction: the share of characters, from the end, held out for validation (0 to 0.5).
         errors: "strict" stops at invalid UTF-8 naming the file and byte offset; "replace"
             substitutes U+FFFD and counts the substitutions.
-        tokenizer_file: GPT-2's vocab.json + merges.txt or .tiktoken file (gpt2), or a tinygpt
-            tokenizer.json / data or run folder to reuse its tokenizer (char, bpe).
+        tokenizer_file: GPT-2's vocab.json + merges.txt or .tiktoken file (gpt2), a tinygpt
+            tokenizer.json / data or run folder to reuse its tokenizer (char, bpe), or a Hugging
+            Face GPT-2 folder (its tokenizer, as `tinygpt.load` reads the folder).
         progress: called as progress(phase, bytes_done, bytes_total) while files are read.
     """
     _check_prepare_args(val_fraction, errors)
@@ -741,7 +763,8 @@ class DataSet:
 
 
 def check_same_tokenizer(
-    dataset: DataSet, tokenizer: Tokenizer | None, owner: str, *, fingerprint: str | None = None
+    dataset: DataSet, tokenizer: Tokenizer | None, owner: str, *, fingerprint: str | None = None,
+    remedy: str | None = None,
 ) -> None:
     """Refuse a data folder prepared with another tokenizer than `tokenizer`: its ids would mean
     other text (a char vocabulary of upper-cased text has the same kind and size, other characters).
@@ -756,6 +779,7 @@ def check_same_tokenizer(
         fingerprint: the fingerprint recorded where the tokenizer lives, if any; else computed
             from `tokenizer`. Fingerprints recorded when they were written are compared as they
             are, so a later `tokenizers` release cannot turn a match into a mismatch.
+        remedy: what the message tells the user to do (default: prepare with --tokenizer-file owner).
 
     Raises:
         DataError: one line naming both tokenizers (kind, size, fingerprint).
@@ -770,8 +794,8 @@ def check_same_tokenizer(
 
     raise DataError(
         f"{dataset.path} was prepared with another tokenizer than {owner}'s ({label(dataset.tokenizer, dataset.fingerprint)}"
-        f" against {label(tokenizer, theirs)}): its ids would mean other text; prepare the text again with "
-        f"--tokenizer-file {owner}"
+        f" against {label(tokenizer, theirs)}): its ids would mean other text; "
+        + (remedy or f"prepare the text again with --tokenizer-file {owner}")
     )
 
 

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from .config import MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
@@ -175,6 +176,10 @@ class GPT(nn.Module):
         # Only for showing the lesson's pitfall (it trains to a near-zero loss and generates
         # nonsense); a plain attribute, never saved, since no real model should be built this way.
         self.causal = True
+        # True recomputes each block's forward in backward instead of keeping its activations
+        # (torch.utils.checkpoint), in training only: memory for compute. Set by fine-tuning's
+        # grad_checkpoint; a plain attribute, never saved.
+        self.grad_checkpoint = False
         if config.init == "gpt2":
             self._init_gpt2()
 
@@ -243,8 +248,12 @@ class GPT(nn.Module):
             tok = tok * math.sqrt(self.config.n_embd)
         x = self.drop(tok + self.wpe(pos))  # (B, T, C)
         weights = []
+        recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None
         for layer, block in enumerate(self.h):
-            x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len)
+            if recompute:  # the block's inputs are all autograd keeps; its dropout masks are redrawn alike
+                x, w = checkpoint(block, x, None, layer, input_pos, mask, return_attention, kv_len, use_reentrant=False)
+            else:
+                x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len)
             weights.append(w)
         if last_only:
             x = x[:, -1:]

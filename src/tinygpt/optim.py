@@ -1,6 +1,7 @@
 """The optimizer and the learning-rate schedules training uses: AdamW with weight decay on matrices
-only, linear warmup then cosine decay over a known length (lr_at), or over a time budget whose
-length is re-estimated as the run goes (BudgetSchedule)."""
+only, linear warmup then (TrainConfig.lr_schedule) cosine decay over a known length (lr_at) or over
+a time budget whose length is re-estimated as the run goes (BudgetSchedule), a constant rate, or
+inverse-square-root decay; the last two need no length."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr.
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cfg.lr_schedule:
+    cosine to min_lr, constant, or inverse-sqrt.
 
     `max_iters` is the schedule's length; for a time budget it is estimated once training has
     been timed, and the warmup then takes at most a tenth of it.
@@ -23,10 +25,20 @@ def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
         warmup = min(warmup, max(1, max_iters // 10))
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
+    if cfg.lr_schedule != "cosine":
+        return lengthless_lr(step, cfg, warmup)
     if max_iters is None:  # a time budget whose length is not known yet
         return cfg.lr
     progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
     return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+def lengthless_lr(step: int, cfg: TrainConfig, warmup: int) -> float:
+    """After the warmup, the schedules that need no length: constant holds lr; inverse-sqrt is
+    lr x sqrt(w / (step + 1)) (w the warmup, at least 1), which starts at lr where the warmup ends."""
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    return cfg.lr * math.sqrt(max(1, warmup) / (step + 1))
 
 
 class BudgetSchedule:
@@ -56,6 +68,8 @@ class BudgetSchedule:
             length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
             self.warm = min(1.0, self.warm + 1 / max(1, length))
             return cfg.lr * self.warm
+        if cfg.lr_schedule != "cosine":  # needs no length: the budget's estimate does not change it
+            return lengthless_lr(step, cfg, cfg.warmup)
         if self.left is not None:
             self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
         return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * self.progress)) * (cfg.lr - cfg.final_lr)

@@ -5,7 +5,10 @@ what a caller shows as a run goes (a progress bar, a trace) hangs on its TrainCa
 
 A run goes through named phases: _settings (what to train, checked before anything is written),
 _Run (the model, its optimizer and the state a checkpoint keeps; restored on resume), then
-_Run.train_step, _Run.evaluate and _Run.save as the loop in _steps goes, with _Run.decide to stop."""
+_Run.train_step, _Run.evaluate and _Run.save as the loop in _steps goes, with _Run.decide to stop.
+Fine-tuning (tinygpt.finetune) is this loop with a Start: the starting model built elsewhere (a
+pretrained one, with what is not to train frozen or LoRA's adapters added), how a checkpoint of it
+is saved (an adapter run, for LoRA) and read back, and keep best."""
 
 from __future__ import annotations
 
@@ -57,6 +60,34 @@ class TrainResult:
     stopped: str  # "max_iters", "max_time", "SIGINT", "SIGTERM" or "requested"
     tokens: int  # training tokens seen in total
     elapsed: float  # seconds of this invocation
+
+
+@dataclass(frozen=True)
+class Start:
+    """A run whose model comes from elsewhere than GPT(config): what tinygpt.finetune gives train()
+    in place of a GPTConfig, so that fine-tuning is settings of the one loop, not a copy of it.
+
+    Args:
+        config: the architecture it trains (a cropped block_size and its dropout included): what
+            config.json records and a resume must match.
+        build: the model of a new run (on the CPU), with what is not to train already frozen.
+        load: the model of a saved checkpoint in the run folder, prepared the same way (resume).
+        lr: the learning rate when the TrainConfig leaves it to choose.
+        adapter_base: for LoRA, the base model's folder: checkpoints are adapter runs naming it
+            (adapter.safetensors beside train_state.pt) instead of full weights.
+        base_checksum: the base's weights_checksum, computed once.
+        keep: "last", or "best": an evaluation saves only when its validation loss is the lowest yet.
+        record: JSON-ready settings kept in train_config.json beside the training's.
+    """
+
+    config: GPTConfig
+    build: Callable[[], GPT]
+    load: Callable[[Path], GPT]
+    lr: float
+    adapter_base: Path | None = None
+    base_checksum: str | None = None
+    keep: str = "last"
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -253,7 +284,7 @@ def _group_by_length(windows: list[tuple[int, int]]):
 def train(
     data: str | Path,
     out: str | Path,
-    model_config: GPTConfig | ModelChoice | None = None,
+    model_config: GPTConfig | ModelChoice | Start | None = None,
     train_config: TrainConfig | None = None,
     *,
     resume: bool = False,
@@ -272,7 +303,7 @@ def train(
             for the data or a time budget; the choice is recorded in train_config.json under
             notes.model_choice). Required for a new run; on resume None means the run's own, and
             a config that differs from it is refused. A vocab_size smaller than the data's
-            vocabulary is refused.
+            vocabulary is refused. A Start trains a model built elsewhere (tinygpt.finetune).
         train_config: the optimization settings (TrainConfig()). Its lr left None is filled in:
             a ModelChoice's learning rate (a model sized for a time budget carries one), the run's
             own on resume, else DEFAULT_LR.
@@ -336,16 +367,18 @@ class _Setup:
     cfg: TrainConfig  # with its lr filled in
     state: dict[str, Any] | None  # the checkpoint's training state, when resuming
     notes: dict[str, Any] | None  # to record in train_config.json
+    start: Start | None = None  # a model built elsewhere (fine-tuning)
 
 
 def _settings(
-    ctx: distributed.Dist, run: Path, dataset: DataSet, model_config: GPTConfig | ModelChoice | None,
+    ctx: distributed.Dist, run: Path, dataset: DataSet, model_config: GPTConfig | ModelChoice | Start | None,
     cfg: TrainConfig, resume: bool, notes: dict[str, Any] | None,
 ) -> _Setup:
     """Phase 1: the model's settings (the run's own on resume), its training state, the learning rate
     left to choose; everything refused here leaves the run folder as it was."""
     choice = model_config if isinstance(model_config, ModelChoice) else None
-    model_config = choice.config if choice is not None else model_config
+    start = model_config if isinstance(model_config, Start) else None
+    model_config = choice.config if choice is not None else start.config if start is not None else model_config
     state = None
     if resume:
         saved = checkpoint.load_config(run)
@@ -365,9 +398,11 @@ def _settings(
             lr = read_train_config(run)[0].lr if (run / TRAIN_CONFIG).exists() else None
         else:  # a model sized for a time budget trains at the rate for its width
             lr = choice.lr if choice is not None else None
+        if lr is None and start is not None:  # fine-tuning's rate, far below pretraining's
+            lr = start.lr
         cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
     _check_fits(model_config, dataset)
-    return _Setup(dataset, model_config, cfg, state, notes)
+    return _Setup(dataset, model_config, cfg, state, notes, start)
 
 
 def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
@@ -392,7 +427,7 @@ class _Run:
 
     def __init__(self, ctx: distributed.Dist, folder: Path, setup: _Setup) -> None:
         cfg = self.cfg = setup.cfg
-        self.ctx, self.folder, self.dataset = ctx, folder, setup.dataset
+        self.ctx, self.folder, self.dataset, self.start = ctx, folder, setup.dataset, setup.start
         self.device, self.dtype = ctx.device, resolve_dtype(cfg.dtype, ctx.device)
         allow_fast_float32(self.device)
         fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
@@ -411,6 +446,8 @@ class _Run:
         self.block = setup.model_config.block_size
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.block * ctx.world_size
         self.step, self.tokens, self.horizon = 0, 0, cfg.max_iters
+        self.keep_best = setup.start is not None and setup.start.keep == "best"
+        self.best = math.inf  # the lowest validation loss saved, with keep best
         self.budget = cfg.max_iters is None and cfg.max_time is not None  # a time budget alone: its length is estimated
         if self.horizon is None and cfg.max_time is None:
             self.horizon = DEFAULT_MAX_ITERS
@@ -423,6 +460,8 @@ class _Run:
         """Put a checkpoint's training state back: where the run was, its optimizer, its random streams."""
         cfg, ctx, run = self.cfg, self.ctx, self.folder
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        if isinstance(state.get("best_val"), float):
+            self.best = state["best_val"]
         if self.budget:
             self.schedule = BudgetSchedule.resumed(cfg, state, self.step)
         elif cfg.max_iters is None and state["max_iters"] is not None:
@@ -452,7 +491,7 @@ class _Run:
             previous = saved.get("notes") if isinstance(saved, dict) else None
             notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
         record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": self.dataset.fingerprint,
-                  "train": self.cfg.to_dict()}
+                  "train": self.cfg.to_dict(), **(self.start.record if self.start is not None else {})}
         write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
         if fresh:
             (run / METRICS).write_text("")
@@ -527,7 +566,11 @@ class _Run:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
             "schedule": self.schedule.state() if self.schedule is not None else None,
         }
-        checkpoint.save_training(self.folder, self.model, train_state, self.dataset.tokenizer, state_dict=weights)
+        if self.keep_best:
+            train_state["best_val"] = self.best
+        base, checksum = (self.start.adapter_base, self.start.base_checksum) if self.start else (None, None)
+        checkpoint.save_training(self.folder, self.model, train_state, self.dataset.tokenizer, state_dict=weights,
+                                 adapter_base=base, base_checksum=checksum)
 
     def decide(self, stop: _Stop, should_stop: Callable[[int], bool] | None, pace: _Pace, now: float) -> str | None:
         """Phase 5: whether to stop after this step, the same in every process: why, or None to go on."""
@@ -559,7 +602,10 @@ class _Run:
 
 
 def _build_model(setup: _Setup, folder: Path, home: torch.device) -> GPT:
-    """The model a run starts from: new from the seed (the same in every process), or the checkpoint's."""
+    """The model a run starts from: new from the seed (the same in every process), or the checkpoint's;
+    a Start's own (a pretrained model) when it has one."""
+    if setup.start is not None:
+        return (setup.start.build() if setup.state is None else setup.start.load(folder)).to(home)
     if setup.state is None:
         return GPT(setup.model_config).to(home)
     return checkpoint.load(folder, device=home)
@@ -610,11 +656,17 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
 
 
 def _evaluate_and_save(run: _Run, metrics: _Metrics, hooks: TrainCallback, iters: int | None = None) -> float:
-    """Phase 4: evaluate, log it, save a checkpoint; the validation loss."""
+    """Phase 4: evaluate, log it, save a checkpoint (with keep best, only one that improves on the
+    lowest validation loss saved); the validation loss."""
     record = run.evaluate(iters)
+    keep = not run.keep_best or record["val_loss"] < run.best
+    if run.keep_best:
+        record["kept"] = keep
     metrics.log(record)
     hooks.on_eval(record)
-    run.save()
+    if keep:
+        run.best = min(run.best, record["val_loss"])
+        run.save()
     return record["val_loss"]
 
 
@@ -800,11 +852,12 @@ class _Pace:
 
 
 def has_checkpoint(run: str | Path) -> bool:
-    """Whether a run folder holds weights to resume from (a run killed before its first save holds none)."""
-    return (Path(run) / checkpoint.WEIGHTS).exists()
+    """Whether a run folder holds weights (or an adapter run's adapters) to resume from (a run killed
+    before its first save holds none)."""
+    return checkpoint.has_weights(run)
 
 
-def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None) -> None:
+def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None, *, remedy: str | None = None) -> None:
     """Refuse data prepared with another tokenizer than the run's (what `train --resume` and `eval
     --data` check): the run's fingerprint is the one train_config.json recorded, else its tokenizer's.
 
@@ -812,6 +865,7 @@ def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None)
         run: a run folder (or a Hugging Face GPT-2 folder, which records nothing).
         dataset: the data folder (load_data).
         tokenizer: the run's tokenizer when the caller has loaded it; else read from run/tokenizer.json.
+        remedy: what the message tells the user to do (see data.check_same_tokenizer).
 
     Raises:
         DataError: the tokenizers differ (one line naming both).
@@ -826,7 +880,7 @@ def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None)
         from .tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(run)
-    check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded)
+    check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded, remedy=remedy)
 
 
 def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:

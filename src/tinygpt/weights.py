@@ -197,3 +197,35 @@ def model_from_tensors(
     if config.tie_weights:
         model.lm_head.weight = model.wte.weight  # assign=True replaced the Parameter; tie again
     return model.to(device).eval()
+
+
+def reconfigured(model: GPT, config: GPTConfig, where: str) -> GPT:
+    """The same weights under a config that may differ from the model's in two ways only: a shorter
+    context (block_size; the position embedding keeps its first rows, as nanoGPT's crop_block_size)
+    and dropout. What fine-tuning trains with, and what an adapter run trained that way loads as.
+
+    Args:
+        model: a plain GPT (no adapters).
+        config: the new settings.
+        where: the model's folder, for error messages.
+
+    Raises:
+        CheckpointError: any other field differs, or the block_size is longer than the model's.
+    """
+    old = model.config
+    differ = [name for name in GPTConfig.__dataclass_fields__
+              if name not in ("block_size", "dropout") and getattr(config, name) != getattr(old, name)]
+    if differ:
+        raise CheckpointError(f"{where}: {', '.join(differ)} cannot change on a trained model")
+    if config.block_size > old.block_size:
+        raise CheckpointError(f"{where}: block_size {config.block_size} is longer than the model's "
+                              f"{old.block_size}: its position embedding has no rows past that")
+    if config == old:
+        return model
+    device = model.wpe.weight.device
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    if old.tie_weights:
+        tensors.pop(TIED_KEY, None)
+    tensors["wpe.weight"] = tensors["wpe.weight"][: config.block_size].clone()
+    rebuilt = model_from_tensors(config, tensors, where, device=device, allow_nonfinite=True)
+    return rebuilt.train(model.training)

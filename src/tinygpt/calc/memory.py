@@ -5,12 +5,12 @@ moments live in `param_dtype` (float32: with --dtype bfloat16 tinygpt trains und
 the master weights stay float32), 16 bytes a parameter in all. A fine-tuning method that trains
 part of the model (LoRA, frozen embeddings or blocks: calc.params.trainable_params) holds the
 weights of all of it but gradients and moments only for what trains: 4 + 12 x trainable/total
-bytes a parameter. Its activations are counted as for full training, which is more than autograd
-keeps there: a frozen matrix needs no copy of its input for backward, and frozen blocks ahead of
-everything that trains keep nothing (on a 4-layer, 128-wide model at 4 x 64 tokens, float32, the
-count is 1.42x the saved bytes for LoRA on c_attn, 1.01x on every projection, 1.19x with 2 blocks
-frozen, 1.81x with the embeddings too). LoRA dropout is the exception: its masks and dropped
-inputs are not counted (0.71x with dropout on every projection).
+bytes a parameter. Its activations are what autograd keeps for that method: a matmul keeps its
+input only when its weight trains (or LoRA adapts it), and where nothing upstream needs a gradient
+(frozen embeddings and the frozen blocks after them, LoRA's LayerNorms before the first adapter)
+nothing is kept at all; attention, LayerNorm and GELU keep theirs wherever a gradient passes.
+Autocast keeps a matmul weight's compute-dtype copy where the matmul's input needs a gradient. The
+tests hold each method's count to the bytes autograd saves (LoRA dropout's masks within a few %).
 
 Activations are what autograd keeps from the forward pass for the backward pass, counted tensor by
 tensor from tinygpt's model for B sequences of T tokens (d = n_embd, a = n_head, V = vocab_size).
@@ -41,8 +41,10 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
 This is Korthikanti et al.'s (2022) count (34 bytes per token and unit of width per layer at 2
 bytes a value, plus 5 aT^2 for unfused attention) adapted to fused attention, the loss, autocast
 and PyTorch's CPU kernels; the tests hold it to the bytes autograd really saves. It is what is held
-when backward starts: the peak during backward adds transient gradients, the largest the size of
-the logits.
+when backward starts. TrainingMemory.peak adds what backward makes first, the float32 gradient of
+the log-probabilities (4 BTV), before any weight's gradient exists: a method that trains little
+peaks there. The tests hold a run's measured peak RSS within 15% of it for full training, LoRA
+and frozen blocks.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
 from .flops import tokens_in_view
-from .params import count_params, trainable_params
+from .params import trainable_params
 from .units import check_int, dtype_bytes, dtype_name
 
 
@@ -81,6 +83,8 @@ class TrainingMemory:
         weights, gradients, optimizer: parameters, their gradients and AdamW's exp_avg and exp_avg_sq.
         activations: what autograd saves for backward (see the module docstring).
         autocast_weights: compute-dtype copies of the matmul weights (0 without autocast).
+        loss_gradient: the float32 gradient of the log-probabilities (B x T x vocab), which backward
+            makes first, while everything saved is still held.
     """
 
     batch_size: int
@@ -92,13 +96,49 @@ class TrainingMemory:
     optimizer: int
     activations: int
     autocast_weights: int
+    loss_gradient: int = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.autocast_weights
 
+    @property
+    def peak(self) -> int:
+        """The high-water mark of a training step: as backward starts, everything saved is held, with
+        the loss's gradient beside the log-probabilities, and the parameters' gradients not made yet
+        (they grow as the activations are freed). What a run's peak RSS is measured against."""
+        return max(self.total, self.total - self.gradients + self.loss_gradient)
+
     def to_dict(self) -> dict[str, int | str]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "peak": self.peak}
+
+
+# a block's four matmuls, by LoRA target name, with their input width in units of n_embd
+_MATMULS = (("attn.c_attn", 1), ("attn.c_proj", 1), ("mlp.c_fc", 1), ("mlp.c_proj", 4))
+
+
+@dataclass(frozen=True)
+class _Method:
+    """What trains, as autograd sees it: per block, whether its LayerNorms train and which matmuls
+    need their input kept (their weight trains, or LoRA adapts them); the embeddings, ln_f, the head."""
+
+    blocks: tuple[tuple[bool, frozenset[str]], ...]  # (LayerNorms train, matmuls whose weight trains or is adapted)
+    adapted: frozenset[str]  # LoRA's targets (empty without LoRA)
+    lora: LoraConfig | None
+    embeddings: bool
+    ln_f: bool
+    head: bool
+
+    @classmethod
+    def of(cls, config: GPTConfig, lora: LoraConfig | None, freeze_embeddings: bool, freeze_layers: int) -> _Method:
+        L, every = config.n_layer, frozenset(name for name, _ in _MATMULS)
+        if lora is not None:
+            targets = frozenset(lora.targets)
+            return cls(((False, targets),) * L, targets, lora, False, False, False)
+        blocks = tuple((i >= freeze_layers, every if i >= freeze_layers else frozenset()) for i in range(L))
+        # a tied head is wte: it freezes with the embeddings, an untied one always trains
+        return cls(blocks, frozenset(), None, not freeze_embeddings, True,
+                   not (freeze_embeddings and config.tie_weights))
 
 
 def activation_bytes(
@@ -108,6 +148,9 @@ def activation_bytes(
     *,
     dtype: str = "float32",
     param_dtype: str = "float32",
+    lora: LoraConfig | None = None,
+    freeze_embeddings: bool = False,
+    freeze_layers: int = 0,
 ) -> int:
     """Bytes of activations autograd keeps for the backward pass of one micro-batch.
 
@@ -117,27 +160,112 @@ def activation_bytes(
         seq_len: tokens per sequence (T, default block_size).
         dtype: the compute dtype; "bfloat16" with float32 parameters means autocast.
         param_dtype: the dtype of the residual stream and the parameters.
+        lora, freeze_embeddings, freeze_layers: a fine-tuning method (see the module docstring:
+            what nothing upstream needs a gradient for is not kept). Default: full training.
     """
+    return _saved(config, batch_size, seq_len, dtype, param_dtype, lora, freeze_embeddings, freeze_layers)[0]
+
+
+def _saved(
+    config: GPTConfig, batch_size: int, seq_len: int | None, dtype: str, param_dtype: str, lora: LoraConfig | None,
+    freeze_embeddings: bool, freeze_layers: int,
+) -> tuple[int, int]:
+    """activation_bytes, and the matmul weight elements whose compute-dtype copy autocast keeps."""
     B, T = check_int(batch_size, "batch_size"), tokens_in_view(config, seq_len, "seq_len")
-    d, a, V, L = config.n_embd, config.n_head, config.vocab_size, config.n_layer
+    method = _Method.of(config, lora, freeze_embeddings, freeze_layers)
+    d, V = config.n_embd, config.vocab_size
     r, c = dtype_bytes(param_dtype), dtype_bytes(dtype)
     BTd = B * T * d
-    per_block = 2 * BTd * r + 11 * BTd * c + 16 * B * T
-    if config.dropout > 0:
-        per_block += 2 * BTd * c  # the dropout masks after c_proj and the MLP
-    if dtype == "bfloat16" and param_dtype == "float32" and B * a * T * T <= MATH_ATTENTION_MAX_SCORES:
+    dropout = config.dropout > 0
+    total = 8 * B * T  # the token ids (cross-entropy's targets)
+    flows = method.embeddings  # whether the residual stream needs a gradient here
+    if method.embeddings:
+        total += 8 * T + (BTd * r if dropout else 0)  # the positions, the embedding dropout's mask
+    casts = 0
+    for ln, kept in method.blocks:
+        block, flows, block_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
+        total += block
+        casts += block_casts
+    if flows or method.ln_f:
+        total += BTd * r + 8 * B * T  # ln_f's input, mean and rstd
+    flows = flows or method.ln_f
+    if method.head:
+        total += BTd * c  # the head's input
+    casts += d * V if flows else 0
+    total += B * T * V * (c + 4)  # the logits (the training loop holds them), cross-entropy's log-probabilities
+    return total, casts
+
+
+def _block_bytes(
+    config: GPTConfig, B: int, T: int, dtype: str, param_dtype: str, flows: bool, ln: bool, kept: frozenset[str],
+    method: _Method,
+) -> tuple[int, bool, int]:
+    """One block's saved bytes, whether the residual stream after it needs a gradient, and the weight
+    elements whose compute-dtype copy autocast's matmuls keep (those whose input needs a gradient).
+    `flows`: the block's input needs a gradient; `ln`: its LayerNorms train; `kept`: the matmuls
+    that keep their input (their weight trains, or LoRA adapts them)."""
+    d, a = config.n_embd, config.n_head
+    r, c = dtype_bytes(param_dtype), dtype_bytes(dtype)
+    BTd = B * T * d
+    dropout = config.dropout > 0
+    total = casts = 0
+
+    def layer_norm(needed: bool) -> int:
+        return BTd * r + 8 * B * T if needed else 0  # its input, mean and rstd (float32)
+
+    def matmul(name: str, width: int, grad_in: bool) -> int:
+        """What a matmul keeps: its input for its weight's gradient (LoRA: A's input and B's, rank
+        wide), and its weight's copy when its input needs a gradient."""
+        nonlocal casts
+        rank = method.lora.rank if name in method.adapted else 0
+        out_width = {"attn.c_attn": 3, "mlp.c_fc": 4}.get(name, 1)
+        casts += (width * out_width * d * d + rank * width * d if grad_in else 0) + rank * out_width * d
+        if name not in kept:
+            return 0
+        if not rank:
+            return width * BTd * c
+        # with LoRA dropout A's input is the dropped copy, kept with its mask
+        return B * T * rank * c + (2 if method.lora.dropout > 0 else 1) * width * BTd * c
+
+    total += layer_norm(flows or ln)
+    flows = flows or ln  # ln_1's output
+    total += matmul("attn.c_attn", 1, flows)
+    flows = flows or "attn.c_attn" in kept  # q, k, v
+    matmul_path = dtype == "bfloat16" and param_dtype == "float32" and B * a * T * T <= MATH_ATTENTION_MAX_SCORES
+    if flows:
+        total += _attention_bytes(config, B, T, dtype, matmul_path)
+    if "attn.c_proj" not in kept and flows and not dropout and not matmul_path:
+        total += BTd * c  # the fused kernel keeps its output, which is c_proj's input
+    total += matmul("attn.c_proj", 1, flows)
+    flows = flows or "attn.c_proj" in kept
+    if dropout and flows:
+        total += BTd * c  # the mask after c_proj
+    total += layer_norm(flows or ln)
+    flows = flows or ln  # ln_2's output
+    total += matmul("mlp.c_fc", 1, flows)
+    flows = flows or "mlp.c_fc" in kept
+    if flows:
+        total += 4 * BTd * c  # GELU's input
+    total += matmul("mlp.c_proj", 4, flows)
+    flows = flows or "mlp.c_proj" in kept
+    if dropout and flows:
+        total += BTd * c  # the mask after the MLP
+    return total, flows, casts
+
+
+def _attention_bytes(config: GPTConfig, B: int, T: int, dtype: str, matmul_path: bool) -> int:
+    """What attention keeps for backward when q, k and v need a gradient."""
+    d, a = config.n_embd, config.n_head
+    c = dtype_bytes(dtype)
+    BTd = B * T * d
+    if matmul_path:
         # bf16 training on a CPU takes tinygpt's matmul attention path (model._sdpa_is_slow):
         # q, k, v and the T x T probabilities (with dropout also its mask and output)
-        per_block += 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c
-    elif config.dropout > 0:
-        # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices
-        per_block += (3 * BTd + 3 * B * a * T * T) * 4
-    else:
-        per_block += 3 * BTd * c + 4 * B * a * T  # q, k, v and the fused kernel's logsumexp
-    final = BTd * (r + c) + 8 * B * T + B * T * V * (c + 4) + 8 * (B * T + T)  # ln_f, logits, token ids
+        return 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c
     if config.dropout > 0:
-        final += BTd * r  # the embedding dropout's mask
-    return L * per_block + final
+        # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices
+        return (3 * BTd + 3 * B * a * T * T) * 4
+    return 3 * BTd * c + 4 * B * a * T  # q, k, v and the fused kernel's logsumexp
 
 
 def training_memory(
@@ -163,11 +291,11 @@ def training_memory(
             gradients and moments for what it trains only. Default: full training.
     """
     dtype, param_dtype = dtype_name(dtype), dtype_name(param_dtype)
-    counts = count_params(config)
     method = trainable_params(config, lora=lora, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers)
     p = dtype_bytes(param_dtype)
     # LoRA's A and B are matmul weights too: autocast casts them as it casts the frozen ones
-    head_and_matmul = counts.matmul_weights + config.n_embd * config.vocab_size + method.adapters
+    activations, casts = _saved(config, batch_size, seq_len, dtype, param_dtype, lora, freeze_embeddings,
+                                freeze_layers)
     return TrainingMemory(
         batch_size=check_int(batch_size, "batch_size"),
         seq_len=tokens_in_view(config, seq_len, "seq_len"),
@@ -176,8 +304,9 @@ def training_memory(
         weights=method.total * p,
         gradients=method.trainable * p,
         optimizer=2 * method.trainable * p,
-        activations=activation_bytes(config, batch_size, seq_len, dtype=dtype, param_dtype=param_dtype),
-        # autocast casts each matmul weight (the head's too, tied or not) once per forward and
-        # keeps the copy for backward
-        autocast_weights=0 if dtype == param_dtype else head_and_matmul * dtype_bytes(dtype),
+        activations=activations,
+        # autocast casts each matmul weight (the head's too, tied or not) once per forward and keeps
+        # the copy for backward where the matmul's input needs a gradient
+        autocast_weights=0 if dtype == param_dtype else casts * dtype_bytes(dtype),
+        loss_gradient=4 * batch_size * tokens_in_view(config, seq_len, "seq_len") * config.vocab_size,
     )

@@ -150,9 +150,11 @@ def render_model_report(report: dict[str, Any]) -> str:
         ("weights", format_bytes(t["weights"]), ""),
         ("gradients", format_bytes(t["gradients"]), "trainable parameters only" if method else ""),
         ("AdamW moments (2)", format_bytes(t["optimizer"]), "trainable parameters only" if method else ""),
-        ("activations saved for backward", format_bytes(t["activations"]), "as for full training" if method else ""),
+        ("activations saved for backward", format_bytes(t["activations"]), "for what trains" if method else ""),
         *([("autocast weight copies", format_bytes(t["autocast_weights"]), "")] if autocast else []),
         ("total", format_bytes(t["total"]), ""),
+        *([("peak, as backward starts", format_bytes(t["peak"]), "the loss's gradient beside it, few weight gradients")]
+          if t["peak"] > t["total"] else []),
     ])
     return "\n".join(lines)
 

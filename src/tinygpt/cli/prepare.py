@@ -118,7 +118,8 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer-file",
         metavar="PATH",
-        help="GPT-2's vocab.json + merges.txt or .tiktoken file, or a tinygpt tokenizer.json / data folder to reuse",
+        help="reuse a tokenizer: a run, data or Hugging Face GPT-2 folder's (what `finetune FROM` needs), a tinygpt "
+             "tokenizer.json, or GPT-2's vocab.json + merges.txt or .tiktoken file",
     )
     p.add_argument("--progress", action="store_true", help="show progress bars")
     p.set_defaults(func=cmd_prepare)

@@ -14,7 +14,7 @@ MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "drop
                 "activation", "init")
 
 
-def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
+def train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
     """Model and training overrides from the config file, then the flags (flags win)."""
     import dataclasses
     import tomllib
@@ -23,7 +23,7 @@ def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
 
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values: dict = {}
-    if args.config:
+    if getattr(args, "config", None):
         try:
             with open(args.config, "rb") as f:
                 values = tomllib.load(f)
@@ -62,7 +62,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..errors import NonFiniteError
     from ..train import has_checkpoint, train
 
-    model_over, train_over, preset = _train_settings(args)
+    model_over, train_over, preset = train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.sweep and (resume or preset or distributed):
@@ -141,9 +141,43 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     return choice  # train() records it and trains at its learning rate unless --lr is given
 
 
+# the defaults the training flags' help shows, for train; finetune shows its own (cli/finetune.py)
+TRAIN_DEFAULTS = dict(batch_size="12", lr="1e-3; a model sized for --max-time gets one for its width", warmup="100",
+                      max_iters="2000 unless --max-time is given", weight_decay="0.1", eval_interval="250",
+                      eval_iters="20", schedule="cosine")
+
+
+def add_training_flags(t: argparse._ArgumentGroup, shown: dict[str, str]) -> None:
+    """The optimization flags train and finetune share (each a TrainConfig field), their help naming the
+    command's defaults (`shown`: TRAIN_DEFAULTS' keys)."""
+    from ..config import LR_SCHEDULES
+
+    t.add_argument("--batch-size", type=POSITIVE, help=f"sequences per micro-step, per process ({shown['batch_size']})")
+    t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")
+    t.add_argument("--lr", type=RATE, help=f"peak learning rate ({shown['lr']})")
+    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine decay (lr/10)")
+    t.add_argument("--warmup", type=NATURAL, help=f"linear warmup steps ({shown['warmup']})")
+    t.add_argument("--lr-schedule", choices=LR_SCHEDULES,
+                   help=f"after the warmup: cosine decay to --min-lr, constant, or inverse-sqrt ({shown['schedule']})")
+    t.add_argument("--max-iters", type=POSITIVE, help=f"optimizer steps ({shown['max_iters']})")
+    t.add_argument("--max-time", type=Number("duration", keep_text=True), help="wall-clock budget, e.g. 90s, 5m, 1h")
+    t.add_argument("--weight-decay", type=Number("float", 0),
+                   help=f"AdamW weight decay on matrices ({shown['weight_decay']})")
+    t.add_argument("--beta1", type=FRACTION)
+    t.add_argument("--beta2", type=FRACTION)
+    t.add_argument("--grad-clip", type=Number("float", 0), help="max gradient norm, 0 = off (1.0)")
+    t.add_argument("--eval-interval", type=POSITIVE,
+                   help=f"steps between evaluations and checkpoints ({shown['eval_interval']})")
+    t.add_argument("--eval-iters", type=POSITIVE, help=f"batches per evaluation ({shown['eval_iters']})")
+    t.add_argument("--seed", type=seed_type(), help="initialization, dropout and batch order (1337)")
+    add_device_flag(t, None, help="auto, cpu, cuda, cuda:N, mps")
+    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: bfloat16 autocast where the hardware multiplies it natively, "
+                        "CUDA GPUs and CPUs with AVX-512 BF16 or AMX; else float32)")
+
+
 def add_train(sub: argparse._SubParsersAction) -> None:
     """`tinygpt train` and its flags."""
-    seed = seed_type()
     p = sub.add_parser("train", help="train a GPT on a prepared data folder", description=cmd_train.__doc__)
     p.add_argument("--data", required=True, help="a folder written by `tinygpt prepare`")
     p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
@@ -166,25 +200,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--activation", choices=["gelu", "gelu_tanh"])
     m.add_argument("--init", choices=["gpt2", "torch"])
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=POSITIVE, help="sequences per micro-step, per process (12)")
-    t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")
-    t.add_argument("--lr", type=RATE,
-                   help="peak learning rate (1e-3; a model sized for --max-time gets one for its width)")
-    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine decay (lr/10)")
-    t.add_argument("--warmup", type=NATURAL, help="linear warmup steps (100)")
-    t.add_argument("--max-iters", type=POSITIVE, help="optimizer steps (2000 unless --max-time is given)")
-    t.add_argument("--max-time", type=Number("duration", keep_text=True), help="wall-clock budget, e.g. 90s, 5m, 1h")
-    t.add_argument("--weight-decay", type=Number("float", 0), help="AdamW weight decay on matrices (0.1)")
-    t.add_argument("--beta1", type=FRACTION)
-    t.add_argument("--beta2", type=FRACTION)
-    t.add_argument("--grad-clip", type=Number("float", 0), help="max gradient norm, 0 = off (1.0)")
-    t.add_argument("--eval-interval", type=POSITIVE, help="steps between evaluations and checkpoints (250)")
-    t.add_argument("--eval-iters", type=POSITIVE, help="batches per evaluation (20)")
-    t.add_argument("--seed", type=seed, help="initialization, dropout and batch order (1337)")
-    add_device_flag(t, None, help="auto, cpu, cuda, cuda:N, mps")
-    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="compute dtype (auto: bfloat16 autocast where the hardware multiplies it natively, "
-                        "CUDA GPUs and CPUs with AVX-512 BF16 or AMX; else float32)")
+    add_training_flags(t, TRAIN_DEFAULTS)
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")

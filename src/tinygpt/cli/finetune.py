@@ -1,0 +1,176 @@
+"""`tinygpt finetune` (a pretrained model trained further on your text: full, LoRA or frozen layers) and
+`tinygpt report` (what a fine-tuning changed, from the run's finetune_report.json)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import ConfigError
+from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE
+from .train import add_training_flags, train_settings
+
+# the defaults the training flags' help shows for finetune (tinygpt.finetune.DEFAULT_TRAIN and FINETUNE_LR)
+FINETUNE_DEFAULTS = dict(batch_size="12", lr="3e-5 full, 2e-4 lora: far below pretraining's 1e-3", warmup="10",
+                         max_iters="200 unless --max-time is given", weight_decay="0", eval_interval="50",
+                         eval_iters="10", schedule="constant, nanoGPT's fine-tuning recipe")
+LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
+FREEZE_FLAGS = ("freeze_embeddings", "freeze_layers")
+
+
+def _finetune_config(args: argparse.Namespace, saved: dict | None):
+    """The FinetuneConfig of the flags, over a resumed run's recorded one."""
+    from ..config import FinetuneConfig, from_mapping
+
+    values = {k: v for k, v in (saved or {}).items() if k != "from"}
+    for name in ("method", *LORA_FLAGS, *FREEZE_FLAGS, "keep", "block_size", "dropout", "grad_checkpoint",
+                 "reference"):
+        value = getattr(args, name)
+        if value is not None and value is not False:
+            values[name] = value
+    if isinstance(values.get("lora_targets"), str):
+        values["lora_targets"] = values["lora_targets"].split(",")
+    if args.prompt:
+        values["prompts"] = args.prompt
+    method = values.get("method", "full")
+    given = [n for n in (LORA_FLAGS if method == "full" else FREEZE_FLAGS) if getattr(args, n) not in (None, False)]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(f"{flag} goes with --method {'lora' if method == 'full' else 'full'}, not {method}")
+    return from_mapping(FinetuneConfig, values)
+
+
+def _configs(args: argparse.Namespace, resume: bool):
+    """(FinetuneConfig, TrainConfig) of the flags; on resume, over the run's own settings."""
+    from ..config import TrainConfig, from_mapping
+    from ..fileio import read_json
+    from ..finetune import DEFAULT_TRAIN
+    from ..train import TRAIN_CONFIG, read_train_config
+
+    _, train_over, _ = train_settings(args)
+    if not resume:
+        return _finetune_config(args, None), from_mapping(TrainConfig, {**DEFAULT_TRAIN, **train_over})
+    saved_train, _ = read_train_config(args.out)
+    record = read_json(f"{args.out}/{TRAIN_CONFIG}", ConfigError)
+    saved = record.get("finetune") if isinstance(record, dict) else None
+    ft = _finetune_config(args, saved if isinstance(saved, dict) else None)
+    return ft, from_mapping(TrainConfig, {**saved_train.to_dict(), **train_over})
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    """Fine-tune a pretrained model on your text, on the same training loop as `train`.
+
+    FROM is a tinygpt run folder or a Hugging Face GPT-2 folder (GPT-2 124M as Hugging Face's own
+    tools download it included). DATA must be prepared with FROM's tokenizer:
+    `tinygpt prepare TEXT --tokenizer-file FROM --out DATA`. --method full (default) trains every
+    weight (less --freeze-embeddings and the first --freeze-layers N blocks); --method lora trains
+    low-rank adapters alone and RUN stores only them, naming FROM (`tinygpt merge` folds them in).
+    The learning rate defaults far below pretraining's (3e-5 full, 2e-4 LoRA), held constant after
+    a short warmup. At the end it prints, and keeps in RUN/finetune_report.json, what changed: the
+    validation loss and bits before and after, the same prompts sampled before and after, the loss
+    on a reference text (forgetting), parameters, peak memory and time (`tinygpt report RUN`).
+    """
+    from ..errors import NonFiniteError
+    from ..finetune import finetune
+    from ..train import has_checkpoint
+
+    resume = args.resume and has_checkpoint(args.out)
+    if args.resume and not resume:
+        print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
+    ft, train_cfg = _configs(args, resume)
+    try:
+        result = finetune(args.base, args.data, args.out, ft, train_cfg, resume=resume, merge=args.merge,
+                          progress=not args.quiet)
+    except NonFiniteError as e:
+        print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged (a lower --lr, or "
+              "--dtype float32, usually cures a NaN at the first steps)", file=sys.stderr)
+        return EXIT_NONFINITE
+    t = result.train
+    print(f"{t.stopped}: {t.step} steps, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
+    print("\n".join(format_report(result.report)))
+    if result.merged is not None:
+        print(f"merged: the adapters folded into a plain run in {result.merged}")
+    return EXIT_SIGNAL.get(t.stopped, 0)
+
+
+def format_report(report: dict) -> list[str]:
+    """A fine-tuning report as the lines `finetune` and `report` print."""
+    from ..calc import format_bytes
+
+    before, after = report["before"], report["after"]
+    unit = next(k for k in before["data"] if k.startswith("bits_per_"))
+    lines = [f"fine-tuned from {report['from']} ({report['method']}, keep {report['keep']}): "
+             f"{report['steps']} steps, {report['tokens']:,} tokens", f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
+    for name, label in (("data", "validation"), ("reference", "reference (forgetting)")):
+        if name not in before:
+            continue
+        b, a = before[name], after[name]
+        lines.append(f"  {label + ' loss':<30}{b['loss']:>9.4f}{a['loss']:>9.4f}{a['loss'] - b['loss']:>+9.4f}")
+        lines.append(f"  {'  ' + unit.replace('_', ' '):<30}{b[unit]:>9.4f}{a[unit]:>9.4f}{a[unit] - b[unit]:>+9.4f}")
+        lines.append(f"    on {b['text']}")
+    if "reference" not in before:
+        lines.append("  reference: none (--reference FILE measures forgetting; a tinygpt base uses its own val data)")
+    p = report["params"]
+    share = 100 * p["trainable"] / p["total"] if p["total"] else 0.0
+    lines.append(f"  {'trainable parameters':<30}{p['trainable']:,} of {p['total']:,} ({share:.2f}%)")
+    lines.append(f"  {'peak memory':<30}{format_bytes(report['memory']['peak_rss_bytes'])} (this process's RSS)")
+    lines.append(f"  {'time':<30}{report['seconds']:.1f}s ({report['train_seconds']:.1f}s training)")
+    for b, a in zip(before["samples"], after["samples"]):
+        lines.append(f"  sample of {b['prompt']!r} (same seed):")
+        lines.append(f"    before: {b['text']!r}")
+        lines.append(f"    after:  {a['text']!r}")
+    return lines
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Show what a fine-tuning changed: the report `tinygpt finetune` kept in RUN/finetune_report.json."""
+    from ..finetune import read_report
+
+    report = read_report(args.run)
+    print(json.dumps(report, indent=1) if args.json else "\n".join(format_report(report)))
+    return 0
+
+
+def add_finetune(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt finetune` and its flags."""
+    p = sub.add_parser("finetune", help="fine-tune a run or a Hugging Face GPT-2 on your text (full, LoRA, frozen)",
+                       description=cmd_finetune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example:\n  tinygpt prepare notes.txt --tokenizer-file gpt2 --out data/notes\n"
+                              "  tinygpt finetune gpt2 --data data/notes --out runs/notes --method lora")
+    p.add_argument("base", metavar="FROM", help="a run folder or a Hugging Face GPT-2 folder")
+    p.add_argument("--data", required=True, help="a folder prepared with FROM's tokenizer (prepare --tokenizer-file FROM)")
+    p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    p.add_argument("--merge", metavar="MERGED", help="with lora: also write the adapters folded in, as a plain run")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    m = p.add_argument_group("what trains")
+    m.add_argument("--method", choices=("full", "lora"), help="full (default): every weight; lora: adapters only")
+    m.add_argument("--lora-rank", type=POSITIVE, help="adapters' rank (8)")
+    m.add_argument("--lora-alpha", type=RATE, help="adapters' output scaled by alpha/rank (8)")
+    m.add_argument("--lora-targets", metavar="LIST", help="c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
+    m.add_argument("--lora-dropout", type=FRACTION, help="dropout on the adapters' input (0)")
+    m.add_argument("--freeze-embeddings", action="store_true", help="with full: wte and wpe do not train")
+    m.add_argument("--freeze-layers", type=NATURAL, metavar="N", help="with full: the first N blocks do not train")
+    m.add_argument("--keep", choices=("last", "best"), help="the checkpoint to keep: last (default) or the lowest "
+                   "validation loss")
+    m.add_argument("--block-size", type=POSITIVE, help="a shorter context than FROM's (crops its position embedding)")
+    m.add_argument("--dropout", type=FRACTION, help="dropout while fine-tuning (FROM's)")
+    m.add_argument("--grad-checkpoint", action="store_true",
+                   help="recompute each block's activations in backward: less memory, ~1/3 more compute")
+    r = p.add_argument_group("the report")
+    r.add_argument("--reference", metavar="FILE", help="a text whose loss change measures forgetting (default: a "
+                   "tinygpt FROM's own validation data)")
+    r.add_argument("--prompt", action="append", help="a prompt sampled before and after (repeatable; default: the "
+                   "start of the validation text)")
+    add_training_flags(p.add_argument_group("training"), FINETUNE_DEFAULTS)
+    p.set_defaults(func=cmd_finetune)
+
+
+def add_report(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt report` and its flags."""
+    p = sub.add_parser("report", help="what a fine-tuning changed (RUN/finetune_report.json)",
+                       description=cmd_report.__doc__)
+    p.add_argument("run", metavar="RUN", help="a run written by `tinygpt finetune`")
+    p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.set_defaults(func=cmd_report)

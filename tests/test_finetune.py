@@ -1,0 +1,330 @@
+"""Fine-tuning (tinygpt.finetune) on the one training loop: it beats the base and training from scratch
+on a related text, LoRA trains the adapters alone and leaves the base bitwise, frozen parts stay
+bitwise, keep best keeps the lowest validation loss, resume is bitwise, data prepared with another
+tokenizer is refused with the prepare command to run; the learning-rate schedules; the settings."""
+
+import hashlib
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_text
+
+import tinygpt
+from tinygpt import ConfigError, DataError, FinetuneConfig, GPTConfig, TrainConfig
+from tinygpt import checkpoint
+from tinygpt.calc import trainable_params
+from tinygpt.config import LoraConfig
+from tinygpt.data import load_data, prepare
+from tinygpt.finetune import read_report
+from tinygpt.optim import BudgetSchedule, lr_at
+from tinygpt.train import TrainCallback, evaluate, has_checkpoint
+from tinygpt.weights import read_weights
+
+BASE = GPTConfig(vocab_size=32, block_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def related_text(n_lines: int, seed: int) -> str:
+    """make_text's words in another order ("the moon sees the cat."): the same characters, a related grammar."""
+    lines = make_text(n_lines, seed).splitlines()
+    return "".join(f"{line.split(' ', 2)[2].rstrip('.')} {line.split(' ', 2)[0]} {line.split(' ', 2)[1]}.\n"
+                   for line in lines)
+
+
+def quick(**overrides) -> TrainConfig:
+    base = dict(max_iters=20, batch_size=8, eval_interval=10, eval_iters=2, lr=2e-3, warmup=2,
+                lr_schedule="constant", weight_decay=0.0)
+    return TrainConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A base pretrained for a few seconds on one text, its Hugging Face export, and a related text
+    prepared with its tokenizer."""
+    root = tmp_path_factory.mktemp("finetune")
+    (root / "a.txt").write_text(make_text(1500, seed=0))
+    (root / "b.txt").write_text(related_text(1500, seed=1))
+    prepare([str(root / "a.txt")], root / "data-a")
+    tinygpt.train(root / "data-a", root / "base", BASE, quick(max_iters=150, lr=3e-3, eval_interval=150,
+                                                               lr_schedule="cosine", warmup=10))
+    from tinygpt.interop.hf_gpt2 import export_hf
+
+    export_hf(checkpoint.load(root / "base"), checkpoint.folder_tokenizer(root / "base"), root / "hf")
+    prepare([str(root / "b.txt")], root / "data-b", tokenizer=None, tokenizer_file=root / "hf")
+    return root
+
+
+def tensors(folder, name="model.safetensors"):
+    return read_weights(folder / name)[0]
+
+
+def file_hash(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---- what it must show ------------------------------------------------------------------------
+
+
+def test_finetuned_beats_the_base_and_a_model_trained_from_scratch(world, tmp_path):
+    # from the Hugging Face export, on data prepared with that folder's tokenizer
+    result = tinygpt.finetune(world / "hf", world / "data-b", tmp_path / "ft", FinetuneConfig(), quick(max_iters=40))
+    report = result.report
+    assert report == read_report(tmp_path / "ft")
+    assert report["after"]["data"]["loss"] < report["before"]["data"]["loss"] - 0.1
+    tinygpt.train(world / "data-b", tmp_path / "scratch", BASE, quick(max_iters=40))
+    val = np.asarray(load_data(world / "data-b").val[: FinetuneConfig().report_tokens + 1])
+    scratch = evaluate(checkpoint.load(tmp_path / "scratch"), val)["loss"]
+    assert report["after"]["data"]["loss"] < scratch - 0.1
+    # the rest of the report: the same prompt before and after, parameters, memory, time
+    assert [s["prompt"] for s in report["before"]["samples"]] == [s["prompt"] for s in report["after"]["samples"]]
+    assert report["params"]["trainable"] == report["params"]["total"] == tinygpt.load(world / "hf").num_params()
+    assert report["memory"]["peak_rss_bytes"] > 10 * 2**20 and report["seconds"] > 0
+    assert "reference" not in report["before"]  # a Hugging Face base names no data of its own
+
+
+def test_lora_trains_the_adapters_alone_and_merges(world, tmp_path):
+    pytest.importorskip("transformers")
+    base = world / "base"
+    before = file_hash(base / "model.safetensors")
+    cfg = FinetuneConfig(method="lora", lora_rank=4, lora_alpha=8, lora_targets=("attn", "mlp"), block_size=16)
+    grads = {}
+
+    class Grads(TrainCallback):
+        def on_end(self, result, model):
+            grads.update({n: p.numel() for n, p in model.named_parameters() if p.requires_grad})
+
+    result = tinygpt.finetune(base, world / "data-b", tmp_path / "lora", cfg, quick(), merge=tmp_path / "merged",
+                              callbacks=[Grads()])
+    lora = LoraConfig(rank=4, alpha=8, targets=("attn", "mlp"))
+    figure = trainable_params(BASE, lora=lora).trainable
+    assert all(n.endswith((".lora_A", ".lora_B")) for n in grads) and sum(grads.values()) == figure
+    assert result.report["params"]["trainable"] == figure
+    assert file_hash(base / "model.safetensors") == before  # the base is untouched
+    assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == sorted([
+        "adapter.safetensors", "adapter_config.json", "config.json", "finetune_report.json", "metrics.jsonl",
+        "tokenizer.json", "train_config.json", "train_state.pt"])
+    adapted = checkpoint.load(tmp_path / "lora")  # adapters kept apart, the context cropped to 16
+    merged = checkpoint.load(tmp_path / "merged")
+    assert adapted.config.block_size == merged.config.block_size == 16
+    assert adapted.lora_config is not None and not hasattr(merged, "lora_config")
+    base_model = checkpoint.load(base)
+    for name, t in base_model.state_dict().items():  # the adapted model's frozen weights are the base's
+        want = t[:16] if name == "wpe.weight" else t
+        assert torch.equal(adapted.state_dict()[name], want), name
+    idx = torch.randint(0, BASE.vocab_size, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(idx), adapted(idx), atol=1e-5, rtol=0)
+    assert not torch.allclose(merged(idx), base_model(idx), atol=1e-4)  # the adapters did learn something
+    # the merged run, exported to Hugging Face, loads in transformers with the same logits
+    from transformers import GPT2LMHeadModel
+
+    from tinygpt.interop.hf_gpt2 import export_hf
+
+    export_hf(merged, None, tmp_path / "merged-hf")
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "merged-hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, merged(idx), atol=1e-4, rtol=0)
+    # a base that has moved is refused, naming where it was
+    base.rename(base.parent / "base-moved")
+    try:
+        with pytest.raises(tinygpt.CheckpointError, match=f"base model {base} is missing"):
+            checkpoint.load(tmp_path / "lora")
+    finally:
+        (base.parent / "base-moved").rename(base)
+
+
+def test_frozen_parts_stay_bitwise(world, tmp_path):
+    cfg = FinetuneConfig(freeze_embeddings=True, freeze_layers=1)
+    result = tinygpt.finetune(world / "base", world / "data-b", tmp_path / "frozen", cfg, quick(max_iters=10))
+    old, new = tensors(world / "base"), tensors(tmp_path / "frozen")
+    frozen = [n for n in old if n.startswith(("wte.", "wpe.", "h.0."))]
+    assert frozen and all(torch.equal(old[n], new[n]) for n in frozen)
+    assert all(not torch.equal(old[n], new[n]) for n in old if n not in frozen and n.endswith(".weight"))
+    assert result.report["params"]["trainable"] == trainable_params(BASE, freeze_embeddings=True,
+                                                                     freeze_layers=1).trainable
+
+
+def test_keep_best_keeps_the_lowest_validation_loss(world, tmp_path):
+    # trained on text written backwards, validated on the base's own: the validation loss rises as it forgets
+    backwards = "".join(line[::-1] + "\n" for line in make_text(1500, seed=2).splitlines())
+    (tmp_path / "mix.txt").write_text(backwards + make_text(150, seed=3))
+    prepare([str(tmp_path / "mix.txt")], tmp_path / "mix", tokenizer=None, tokenizer_file=world / "base",
+            val_fraction=0.1)
+    cfg = FinetuneConfig(keep="best")
+    tinygpt.finetune(world / "base", tmp_path / "mix", tmp_path / "best", cfg, quick(max_iters=30, eval_interval=5,
+                                                                                    lr=3e-3))
+    evals = [r for r in map(json.loads, (tmp_path / "best" / "metrics.jsonl").read_text().splitlines())
+             if "val_loss" in r]
+    best = min(evals, key=lambda r: r["val_loss"])
+    assert evals[-1]["val_loss"] > best["val_loss"] and best["step"] < 30  # it did rise
+    assert checkpoint.weights_step(tmp_path / "best") == best["step"]
+    assert [r["kept"] for r in evals] == [r["val_loss"] <= min(e["val_loss"] for e in evals[: i + 1])
+                                          for i, r in enumerate(evals)]
+    report = read_report(tmp_path / "best")
+    data = np.asarray(load_data(tmp_path / "mix").val[: cfg.report_tokens + 1])
+    assert report["after"]["data"]["loss"] == pytest.approx(evaluate(checkpoint.load(tmp_path / "best"), data)["loss"])
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_resume_is_bitwise(world, tmp_path, method):
+    cfg = FinetuneConfig(method=method, dropout=0.1, lora_dropout=0.1 if method == "lora" else 0.0, block_size=24)
+    name = "adapter.safetensors" if method == "lora" else "model.safetensors"
+    whole = tmp_path / "whole"
+    tinygpt.finetune(world / "base", world / "data-b", whole, cfg, quick(eval_interval=5))
+    cut = tmp_path / "cut"
+    tinygpt.finetune(world / "base", world / "data-b", cut, cfg, quick(eval_interval=5), should_stop=lambda s: s == 7)
+    assert checkpoint.weights_step(cut) == 7 and checkpoint.is_adapter_run(cut) == (method == "lora")
+    assert has_checkpoint(cut)
+    result = tinygpt.finetune(world / "base", world / "data-b", cut, cfg, quick(eval_interval=5), resume=True)
+    assert result.train.step == 20
+    a, b = tensors(whole, name), tensors(cut, name)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_data_of_another_tokenizer_is_refused_with_the_prepare_command(world, tmp_path):
+    from tinygpt import cli
+
+    (tmp_path / "mine.txt").write_text("the cat sees the moon.\n" * 300)  # fewer characters than the base knows
+    prepare([str(tmp_path / "mine.txt")], tmp_path / "mine")  # its own char vocabulary
+    with pytest.raises(DataError, match="another tokenizer") as e:
+        tinygpt.finetune(world / "base", tmp_path / "mine", tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    message = str(e.value)
+    assert "\n" not in message
+    command = shlex.split(message.split("prepare it with: ")[1])
+    assert command[:2] == ["tinygpt", "prepare"] and command[command.index("--tokenizer-file") + 1] == str(world / "base")
+    assert cli.main(command[1:]) == 0  # the command it prints runs, and its data is accepted
+    out = command[command.index("--out") + 1]
+    tinygpt.finetune(world / "base", out, tmp_path / "run", FinetuneConfig(), quick(max_iters=2))
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+def test_finetune_settings_are_checked():
+    for bad in (dict(method="qlora"), dict(keep="first"), dict(lora_alpha=math.nan), dict(dropout=math.inf),
+                dict(method="lora", freeze_layers=1), dict(block_size=0), dict(lora_targets="c_proj"),
+                dict(freeze_layers=-1), dict(lora_rank=0)):
+        with pytest.raises(ConfigError):
+            FinetuneConfig(**bad)
+    assert FinetuneConfig(method="lora", lora_targets="attn,mlp").lora_targets == (
+        "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert FinetuneConfig().default_lr < 1e-4 < FinetuneConfig(method="lora").default_lr < tinygpt.config.DEFAULT_LR
+    assert FinetuneConfig.from_dict(FinetuneConfig(method="lora").to_dict()) == FinetuneConfig(method="lora")
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        TrainConfig(lr_schedule="linear")
+
+
+def test_longer_context_and_merge_with_full_are_refused(world, tmp_path):
+    with pytest.raises(ConfigError, match="longer than"):
+        tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", FinetuneConfig(block_size=64), quick())
+    with pytest.raises(ConfigError, match="merge goes with method lora"):
+        tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", FinetuneConfig(), quick(),
+                         merge=tmp_path / "m")
+    assert not (tmp_path / "r").exists()
+
+
+def test_lr_schedules():
+    constant = TrainConfig(lr=1e-3, warmup=4, lr_schedule="constant", max_iters=100)
+    assert [lr_at(s, constant, 100) for s in (0, 3, 4, 99)] == [2.5e-4, 1e-3, 1e-3, 1e-3]
+    inv = TrainConfig(lr=1e-3, warmup=4, lr_schedule="inverse-sqrt", max_iters=100)
+    assert lr_at(3, inv, 100) == 1e-3 and lr_at(15, inv, 100) == pytest.approx(1e-3 * 0.5)
+    assert lr_at(99, inv, 100) == pytest.approx(1e-3 * math.sqrt(4 / 100))
+    # a time budget: the lengthless schedules do not depend on the estimated length
+    budget = BudgetSchedule(TrainConfig(lr=1e-3, warmup=2, lr_schedule="inverse-sqrt", max_time=60))
+    rates = [budget.next_lr(s) for s in range(8)]
+    assert rates[1] == 1e-3 and rates[7] == pytest.approx(1e-3 * math.sqrt(2 / 8))
+
+
+def test_grad_checkpoint_gives_the_same_gradients():
+    torch.manual_seed(0)
+    model = tinygpt.GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.1)).train()
+    idx = torch.randint(0, 32, (2, 16))
+
+    def grads(recompute: bool):
+        model.grad_checkpoint = recompute
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        model(idx).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures Linux's VmHWM")
+def test_measured_peak_memory_is_within_15_percent_of_the_estimate():
+    # full, LoRA r=8, frozen-but-the-last: each method's peak RSS in a fresh process against `params`' figure
+    methods = [{}, {"lora": {"rank": 8}}, {"freeze_embeddings": True, "freeze_layers": 3}]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
+           "PYTHONPATH": os.pathsep.join([str(Path(tinygpt.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("peak_rss.py")), *map(json.dumps, methods)],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    results = [json.loads(line) for line in out.splitlines()]
+    assert len(results) == 3
+    for method, r in zip(methods, results):
+        assert r["peak"] == pytest.approx(r["estimate"], rel=0.15), method
+    assert results[1]["estimate"] < 0.75 * results[0]["estimate"]  # LoRA's saving is real, and measured
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_cli_finetune_lora_merge_report_and_resume(world, tmp_path, capsys):
+    from tinygpt import cli
+
+    run, merged = tmp_path / "run", tmp_path / "merged"
+    flags = ["--data", str(world / "data-b"), "--out", str(run), "--max-iters", "4", "--eval-interval", "2",
+             "--eval-iters", "1", "--batch-size", "4", "--quiet"]
+    code = cli.main(["finetune", str(world / "base"), *flags, "--method", "lora", "--lora-rank", "2",
+                     "--lora-targets", "attn,mlp", "--lr", "1e-3", "--lr-schedule", "inverse-sqrt", "--keep", "best",
+                     "--block-size", "16", "--prompt", "the cat", "--merge", str(merged)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "max_iters: 4 steps" in out and "validation loss" in out and "sample of 'the cat'" in out
+    assert checkpoint.is_adapter_run(run) and (merged / "model.safetensors").is_file()
+    assert read_report(run)["method"] == "lora"
+    assert cli.main(["report", str(run)]) == 0 and "reference (forgetting) loss" in capsys.readouterr().out
+    assert cli.main(["report", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == read_report(run)["params"]
+    # resume takes the run's own settings (LoRA, its rank) and goes on to the new --max-iters
+    flags[flags.index("--max-iters") + 1] = "6"
+    assert cli.main(["finetune", str(world / "base"), *flags, "--resume"]) == 0
+    assert "max_iters: 6 steps" in capsys.readouterr().out and read_report(run)["method"] == "lora"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-rank", "4"], "--lora-rank goes with --method lora"),
+    (["--method", "lora", "--freeze-layers", "1"], "--freeze-layers goes with --method full"),
+    (["--block-size", "64"], "longer than"),
+    (["--method", "qlora"], "invalid choice"),
+    (["--lr-schedule", "linear"], "invalid choice"),
+    (["--lr", "nan"], "--lr"),
+    (["--merge", "m"], "merge goes with method lora"),
+    (["--reference", "/nonexistent.txt"], "cannot read the reference text"),
+])
+def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, message):
+    from tinygpt import cli
+
+    code = cli.main(["finetune", str(world / "base"), "--data", str(world / "data-b"), "--out", str(tmp_path / "r"),
+                     *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_report_and_prepare_refusals(world, tmp_path, capsys):
+    from tinygpt import cli
+
+    assert cli.main(["report", str(world / "base")]) == 2
+    assert "no finetune_report.json" in capsys.readouterr().err
+    assert cli.main(["finetune", str(tmp_path / "nowhere"), "--data", str(world / "data-b"), "--out",
+                     str(tmp_path / "r")]) == 2
+    assert "no such model folder" in capsys.readouterr().err
