@@ -8,6 +8,7 @@ Hugging Face checkpoints is a key map.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -250,3 +251,45 @@ class GPT(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         return (logits, weights) if return_attention else logits
+
+
+@torch.no_grad()
+def grow_vocab(model: GPT, vocab_size: int) -> GPT:
+    """Give a built model room for new tokens (a chat template's special tokens after GPT-2's 50,257),
+    in place: wte and lm_head get rows for ids vocab_size_old .. vocab_size - 1, and config.vocab_size
+    becomes vocab_size.
+
+    Each new row starts as the mean of the old rows (of wte; of lm_head when it is not tied), a common
+    practice: a new token starts as an average token instead of a random direction, so the loss on
+    the old tokens does not jump when training on the new ones begins. A tied head stays tied.
+
+    Args:
+        model: the GPT.
+        vocab_size: the new size, at least the current one (equal: nothing changes).
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: a smaller vocab_size.
+    """
+    old = model.config.vocab_size
+    if vocab_size < old:
+        raise ValueError(f"cannot shrink a vocabulary of {old} tokens to {vocab_size}")
+    if vocab_size == old:
+        return model
+    tied = model.lm_head.weight is model.wte.weight
+
+    def grown(weight: torch.Tensor) -> nn.Parameter:
+        rows = weight.mean(dim=0, keepdim=True).expand(vocab_size - old, -1)
+        return nn.Parameter(torch.cat([weight, rows]), requires_grad=weight.requires_grad)
+
+    wte = nn.Embedding(vocab_size, model.config.n_embd, device=model.wte.weight.device, dtype=model.wte.weight.dtype)
+    wte.weight = grown(model.wte.weight)
+    model.wte = wte
+    head = nn.Linear(model.config.n_embd, vocab_size, bias=False,
+                     device=model.lm_head.weight.device, dtype=model.lm_head.weight.dtype)
+    head.weight = model.wte.weight if tied else grown(model.lm_head.weight)
+    model.lm_head = head
+    model.config = dataclasses.replace(model.config, vocab_size=vocab_size)
+    return model
