@@ -1,5 +1,7 @@
 """Chat: templates and special tokens, chat data and its loss mask, SFT in the training loop."""
 
+import json
+
 import pytest
 import torch
 
@@ -115,3 +117,142 @@ def test_grow_vocab_adds_mean_rows_and_keeps_the_old_logits(tie):
     assert {n for n, p in model.named_parameters()} >= {"wte.weight"}  # the optimizer sees the new tensors
     with pytest.raises(ValueError):
         grow_vocab(model, 10)
+
+
+# --- chat data ------------------------------------------------------------------------------
+
+
+def qa(i: int) -> dict:
+    """A tiny instruction: reverse a word."""
+    word = "".join("abcdefgh"[(i * 7 + k * 3) % 8] for k in range(2 + i % 4))
+    return {"messages": [{"role": "user", "content": f"reverse {word}"}, {"role": "assistant", "content": word[::-1]}]}
+
+
+def write_jsonl(path, records, extra_lines=()):
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_prepare_chat_writes_tokens_masks_and_counts(tmp_path):
+    from tinygpt.data import load_data, prepare_chat
+
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(40)])
+    meta = prepare_chat(src, tmp_path / "d", val_fraction=0.1)
+    ds = load_data(tmp_path / "d")
+    assert ds.is_chat and meta["conversations"] == 40
+    assert (meta["train_conversations"], meta["val_conversations"]) == (36, 4)
+    assert meta["train_tokens"] == len(ds.train) and len(ds.masks["train"]) == len(ds.train)
+    # the trained tokens are the mask's sum: each answer's characters and its end of turn
+    answers = [len(qa(i)["messages"][1]["content"]) + 1 for i in range(40)]
+    assert meta["trained_tokens"] == int(ds.masks["train"].sum() + ds.masks["val"].sum()) == sum(answers)
+    assert meta["train_trained_tokens"] == sum(answers[:36])
+    first = ds.train[: ds.starts["train"][1]].tolist()
+    assert first == render_chat(ds.tokenizer, qa(0)["messages"]).ids
+    assert ds.tokenizer.chat_template == ChatTemplate() and ds.tokenizer.kind == "char"
+
+
+def test_prepare_chat_reports_malformed_lines_or_skips_them(tmp_path):
+    from tinygpt.data import prepare_chat
+    from tinygpt.errors import DataError
+
+    bad = [
+        "{not json",
+        json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(6)], bad)
+    with pytest.raises(DataError) as e:
+        prepare_chat(src, tmp_path / "d")
+    assert "c.jsonl:7: not JSON" in str(e.value) and "3 more malformed lines: 8, 9, 10" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    meta = prepare_chat(src, tmp_path / "d", errors="skip")
+    assert meta["skipped"] == 4 and meta["skipped_lines"] == [7, 8, 9, 10] and meta["conversations"] == 6
+
+
+# --- training on chat data -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    from tinygpt.data import prepare_chat
+
+    root = tmp_path_factory.mktemp("chat")
+    prepare_chat(write_jsonl(root / "c.jsonl", [qa(i) for i in range(200)]), root / "data", val_fraction=0.1)
+    return root / "data"
+
+
+def test_packed_rows_hold_whole_conversations_and_never_learn_across_them(chat_data):
+    from tinygpt.data import get_chat_batch, load_data, pack_conversations
+
+    ds = load_data(chat_data)
+    starts, n, block = ds.starts["train"], len(ds.train), 40
+    rows = pack_conversations(starts, n, block)
+    ends = dict(zip(starts.tolist(), [*starts[1:].tolist(), n]))
+    spans = [span for row in rows for span in row]
+    assert all(ends[a] == b for a, b in spans) and len(spans) == len(starts)  # every conversation whole, once
+    assert all(sum(b - a for a, b in row) <= block + 1 for row in rows) and len(rows) < len(starts)  # packed
+    x, y, w, docs = get_chat_batch(ds.train, ds.masks["train"], rows, torch.arange(3), block)
+    for b in range(3):
+        flat = [t for a, e in rows[b] for t in ds.train[a:e].tolist()]
+        flat_mask = [t for a, e in rows[b] for t in ds.masks["train"][a:e].tolist()]
+        k = len(flat) - 1
+        assert x[b, :k].tolist() == flat[:-1] and y[b, :k].tolist() == flat[1:]
+        assert w[b, k:].sum() == 0 and docs[b, k + 1 :].eq(-1).all()  # padding counts for nothing
+        # the trained targets are the mask's tokens, except none of one conversation predicts the next's start
+        assert w[b].sum() == sum(flat_mask[1:])
+    # a packed row computes each conversation exactly as alone: attention and positions stay inside
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=block, n_layer=2, n_head=2, n_embd=16)).eval()
+    packed = model(x[:1], documents=docs[:1])
+    at = 0
+    for a, e in rows[0]:
+        alone = model(torch.as_tensor(ds.train[a:e].astype("int64"))[None, :-1])
+        assert torch.allclose(packed[0, at : at + e - a - 1], alone[0], atol=1e-5)
+        at += e - a
+    # a conversation longer than a row is cut into overlapping pieces, each of its tokens a target once
+    long_rows = pack_conversations(starts[:1], 30, 8)
+    assert long_rows == [[(0, 9)], [(8, 17)], [(16, 25)], [(24, 30)]]
+
+
+def test_masked_positions_add_nothing_to_the_loss_or_its_gradient(chat_data):
+    from tinygpt.data import load_data
+    from tinygpt.train import Batches, batch_loss
+
+    ds = load_data(chat_data)
+    batches = Batches.of(ds, "train", 32)
+    x, y, w, docs = batches.get(torch.arange(4))
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+
+    def grads(targets):
+        model.zero_grad()
+        loss = batch_loss(model, (x, targets, w, docs), "cpu")
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, g = grads(y)
+    masked = w == 0
+    changed = torch.where(masked, (y + 1) % ds.vocab_size, y)  # every masked target another token
+    assert masked.any() and not torch.equal(changed, y)
+    loss2, g2 = grads(changed)
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(g, g2))
+    trained = torch.where(~masked, (y + 1) % ds.vocab_size, y)  # and the trained targets do count
+    loss3, _ = grads(trained)
+    assert not torch.equal(loss, loss3)
+
+
+def test_train_on_chat_data_learns_the_assistant_turns(chat_data, tmp_path):
+    from tinygpt.config import TrainConfig
+    from tinygpt.data import load_data
+    from tinygpt.train import train
+
+    ds = load_data(chat_data)
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=48, n_layer=1, n_head=2, n_embd=32)
+    result = train(chat_data, tmp_path / "run", cfg, TrainConfig(max_iters=30, batch_size=8, eval_interval=30,
+                                                                 eval_iters=2, lr=3e-3, warmup=5))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    # the loss is on the answers alone: reversing a word from 8 letters starts near ln(vocab) and falls
+    assert losses[0] > 2.0 and result.val_loss < losses[0] - 1.0
+    run_tok = load_tokenizer(tmp_path / "run")
+    assert run_tok.chat_template == ChatTemplate() and run_tok.fingerprint() == ds.tokenizer.fingerprint()

@@ -94,6 +94,15 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
+def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy averaged over the targets with weight 1 (B, T): the others (a user's
+    words, padding) add nothing to the loss or its gradient. 0 when no target counts."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
+    w = weights.reshape(-1).to(ce.dtype)
+    # where, not a product alone: a masked target's loss may be inf, and inf * 0 would be nan
+    return torch.where(w > 0, ce * w, 0.0).sum() / w.sum().clamp_min(1.0)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -206,6 +215,7 @@ class GPT(nn.Module):
         *,
         last_only: bool = False,
         return_attention: bool = False,
+        documents: torch.Tensor | None = None,
     ):
         """Logits for token ids `idx` (B, T).
 
@@ -216,6 +226,10 @@ class GPT(nn.Module):
             last_only: compute the logits of the last position only (B, 1, vocab_size).
             return_attention: use the explicit attention path and also return each layer's
                 weights, a list of (B, n_head, T, T_keys).
+            documents: (B, T) ids of the documents packed into each row (conversations of a
+                chat batch; no cache): a position attends only to earlier positions of its own
+                document, and positions restart at 0 where a document begins, so each one is
+                computed exactly as it would be alone.
 
         Returns:
             logits (B, T, vocab_size), or (logits, weights) with return_attention.
@@ -224,7 +238,11 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         mask, kv_len = None, None
-        if kv_cache is None:
+        if documents is not None:
+            if kv_cache is not None:
+                raise ValueError("documents apply to a forward pass without a kv_cache")
+            pos, mask = _document_positions(documents)
+        elif kv_cache is None:
             pos = torch.arange(T, device=idx.device)
             if not self.causal:
                 mask = torch.ones(T, T, dtype=torch.bool, device=idx.device)  # every query sees every key
@@ -251,6 +269,19 @@ class GPT(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         return (logits, weights) if return_attention else logits
+
+
+def _document_positions(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) that restart where each document begins, and the attention mask (B, 1, T, T)
+    that keeps each position causal within its own document."""
+    B, T = documents.shape
+    at = torch.arange(T, device=documents.device).expand(B, T)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    pos = at - torch.where(first, at, 0).cummax(dim=1).values
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    mask = (documents[:, :, None] == documents[:, None, :]) & causal
+    return pos, mask[:, None]
 
 
 @torch.no_grad()
