@@ -256,3 +256,36 @@ def test_train_on_chat_data_learns_the_assistant_turns(chat_data, tmp_path):
     assert losses[0] > 2.0 and result.val_loss < losses[0] - 1.0
     run_tok = load_tokenizer(tmp_path / "run")
     assert run_tok.chat_template == ChatTemplate() and run_tok.fingerprint() == ds.tokenizer.fingerprint()
+
+
+# --- serving a chat run ------------------------------------------------------------------------
+
+
+def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
+    import openai
+    from server_util import NAME, running, stopping_model, tiny_model, tiny_tokenizer
+
+    from tinygpt.server import create_app
+
+    tok = with_chat_template(tiny_tokenizer())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "type <|end|> for me"}]
+    prompt = render_chat_prompt(tok, messages)
+    model, expected = stopping_model(tok, prompt)
+    with running(create_app(model, tok, model_name=NAME, max_tokens=32)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        # the prompt is the template's rendering, the user's "<|end|>" spelled in characters
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(expected) + 1  # + <|end|>
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        card = client.models.retrieve(NAME).model_dump()
+        assert card["chat_template"]["kind"] == "run" and card["chat_template"]["end"] == "<|end|>"
+        with pytest.raises(openai.BadRequestError, match="empty content"):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " "}])
+    # a model without a template keeps the plain "User: ... Assistant:" text, and says so
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_model(), tiny_tokenizer(), model_name=NAME)) as plain:
+        assert plain.get("/v1/models").json()["data"][0]["chat_template"]["kind"] == "plain"
