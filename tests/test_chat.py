@@ -289,3 +289,34 @@ def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
 
     with TestClient(create_app(tiny_model(), tiny_tokenizer(), model_name=NAME)) as plain:
         assert plain.get("/v1/models").json()["data"][0]["chat_template"]["kind"] == "plain"
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "gpt2"])
+def test_exported_chat_template_gives_tinygpts_ids_in_transformers_and_gguf(kind, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from tinygpt.interop.gguf import export_gguf
+    from tinygpt.interop.hf_gpt2 import export_hf
+
+    tok = with_chat_template(tokenizers()[kind])
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16, bias=True,
+                          activation="gelu_tanh"))
+    export_hf(model, tok, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say ok now"},
+                {"role": "assistant", "content": "ok fine"}, {"role": "user", "content": "again"}]
+
+    def hf_ids(msgs, **kw):
+        out = hf_tok.apply_chat_template(msgs, tokenize=True, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    assert hf_ids(messages[:3]) == render_chat(tok, messages[:3]).ids
+    assert hf_ids(messages, add_generation_prompt=True) == render_chat_prompt(tok, messages)
+    assert hf_tok.eos_token == "<|end|>"
+    path = export_gguf(model, tok, tmp_path / "m.gguf")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    assert fields["tokenizer.chat_template"] == tok.chat_template.jinja()
+    assert fields["tokenizer.ggml.eot_token_id"] == tok.special_ids()["<|end|>"]

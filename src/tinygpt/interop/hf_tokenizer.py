@@ -102,7 +102,8 @@ def byte_level_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[tuple[str, s
     multi-byte characters, so it still encodes one id per character.
     """
     if isinstance(tokenizer, CharTokenizer):
-        return [spell_bytes(c.encode("utf-8")) for c in tokenizer.chars], _char_merges(tokenizer.chars), set()
+        tokens = [spell_bytes(c.encode("utf-8")) for c in tokenizer.chars] + list(tokenizer.specials)
+        return tokens, _char_merges(tokenizer.chars), set(range(len(tokenizer.chars), tokenizer.vocab_size))
     if isinstance(tokenizer, GPT2Tokenizer):
         tokens = [""] * tokenizer.vocab_size
         ranks, special = tokenizer.ranks, tokenizer.special_tokens
@@ -141,6 +142,10 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
         tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
         tok.decoder = decoders.Fuse()
+        for i, text in enumerate(tokenizer.specials, start=len(tokenizer.chars)):  # a chat template's, in id order
+            tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+            if tok.token_to_id(text) != i:
+                raise TokenizerError(f"special token {text!r} does not land on its id {i}")
         return tok
     if isinstance(tokenizer, BPETokenizer):
         return HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
@@ -219,6 +224,12 @@ def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
     }
     if tokenizer.eot_id is not None:
         config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+    template = tokenizer.chat_template
+    if template is not None:
+        # apply_chat_template renders a string and encodes it: the template's special tokens in it must
+        # be found as such, so special spellings are not split here (unlike tinygpt's render_chat, a
+        # message that spells one in its text gets the token); generation ends at the end of turn
+        config.update(chat_template=template.jinja(), split_special_tokens=False, eos_token=template.end)
     return config
 
 
