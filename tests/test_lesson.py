@@ -157,3 +157,11 @@ def test_decoding_settings_trade_repetition_for_noise(pitfall):
 def test_distinct_ngrams():
     assert lesson.distinct_ngrams("abcdabcd", 4) == 4 / 5
     assert lesson.distinct_ngrams("abc", 4) == 1.0
+
+
+def test_the_tour_is_the_lessons_text():
+    # the first sections only (the later ones train small models): the mask and token 0's attention
+    items = lesson.tour()
+    text = "\n".join(next(items) for _ in range(7))
+    assert "== 1. The causal mask (T=5)" in text and str(lesson.causal_mask(5)) in text
+    assert "attn[0]:   [1.0000, 0.0000, 0.0000, 0.0000]" in text and "out[0]:    [" in text

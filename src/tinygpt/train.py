@@ -891,3 +891,28 @@ def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
         return TrainConfig.from_dict(saved["train"]), saved.get("data")
     except (KeyError, TypeError, ValueError) as e:
         raise TrainingError(f"{run}: {TRAIN_CONFIG} is not valid ({e})") from None
+
+
+def eval_report(result: dict[str, Any], n_tokens: int, *, chars: int, nbytes: int, kind: str) -> dict[str, Any]:
+    """What an evaluation of a text comes to: loss, perplexity and bits per character (a char
+    tokenizer) or per UTF-8 byte (any other, whose tokens need not end on a character).
+
+    The first token of each text is never predicted (it has no context), so the characters or bytes
+    are counted for the predicted share of the tokens only.
+
+    Args:
+        result: what evaluate() returned for the tokens.
+        n_tokens: how many tokens evaluate() was given.
+        chars, nbytes: the characters and the UTF-8 bytes those tokens decode to.
+        kind: the tokenizer's kind ("char", "bpe", "gpt2").
+
+    Returns {"loss", "perplexity", "bits_per_char" or "bits_per_byte", "tokens"}.
+    """
+    unit, units = ("char", chars) if kind == "char" else ("byte", nbytes)
+    share = result["tokens"] / max(1, n_tokens)
+    return {
+        "loss": result["loss"],
+        "perplexity": math.exp(result["loss"]),
+        f"bits_per_{unit}": result["nll"] / math.log(2) / (units * share),
+        "tokens": result["tokens"],
+    }

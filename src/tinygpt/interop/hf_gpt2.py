@@ -247,8 +247,13 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
 # ---- loading a Hugging Face folder ------------------------------------------------------------
 
 
+def is_hf_config(data: Any) -> bool:
+    """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
+    return isinstance(data, dict) and "model_type" in data
+
+
 def is_hf_folder(path: str | Path) -> bool:
-    """True for a Hugging Face model folder: its config.json names a `model_type` (a run's never does)."""
+    """True for a Hugging Face model folder: its config.json is a Hugging Face one (is_hf_config)."""
     file = Path(path) / CONFIG
     if not file.is_file():
         return False
@@ -256,7 +261,7 @@ def is_hf_folder(path: str | Path) -> bool:
         data = read_json(file, CheckpointError)
     except CheckpointError:
         return False
-    return isinstance(data, dict) and "model_type" in data
+    return is_hf_config(data)
 
 
 def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -1,11 +1,13 @@
 """The lesson's worked examples, computed with tinygpt's own objects.
 
-Each function returns what the lesson prints, so tests can compare against the lesson's code and
-`tinygpt lesson` can show it step by step. The seeds and sizes are the lesson's.
+Each function returns what the lesson prints, so tests can compare against the lesson's code, and
+tour() turns them into the text `tinygpt lesson` shows step by step. The seeds and sizes are the lesson's.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -257,3 +259,89 @@ def decoding_pitfall(run: TinyRun | None = None, prompt: str = "Beautiful is ", 
             loss = evaluate(run.model, ids)["loss"]
             out.append(DecodingSample(label, text, distinct_ngrams(text), loss))
     return out
+
+
+# ---- the tour: what `tinygpt lesson` shows, as text ---------------------------------------------
+
+
+def _fmt(values, digits: int = 4) -> str:
+    return "[" + ", ".join(f"{v:.{digits}f}" for v in values) + "]"
+
+
+def _section(title: str, why: str) -> str:
+    return f"\n== {title}\n   {why}\n"
+
+
+def _attention_sections() -> Iterator[str]:
+    """Sections 1 and 2: the causal mask, then attention for one token."""
+    yield _section("1. The causal mask (T=5)", "Row t marks the positions token t may attend to: itself and the past.")
+    yield str(causal_mask(5))
+    yield _section(
+        "2. Causal attention for token 0 (seed 7, d_k=4, T=4)",
+        "Scores Q K^T / sqrt(d_k); future positions get -inf, so after the softmax token 0 sees only itself.",
+    )
+    trace = attention_trace()
+    yield f"scores[0]: {_fmt(trace.scores[0])}"
+    yield f"attn[0]:   {_fmt(trace.weights[0])}"
+    yield f"out[0]:    {_fmt(trace.out[0])}  (= V[0], the only value token 0 can read)"
+
+
+def _model_sections() -> Iterator[str]:
+    """Sections 3 to 5: the lesson's model, its training steps, greedy generation."""
+    yield _section(
+        "3. TinyGPT (vocab 50, d 64, 4 heads, 2 layers, context 8), seed 42",
+        "Token + position embeddings, 2 pre-norm blocks (attention, 4x GELU MLP), final LayerNorm, untied head.",
+    )
+    model = lesson_model()
+    yield f"parameters: {model.num_params():,}"
+    yield f"logits shape for a (2, 8) batch: {tuple(model(torch.randint(0, 50, (2, 8))).shape)}"
+    yield _section(
+        "4. CLM training: 20 Adam steps (lr 1e-3) on 8 random sequences of 8 tokens",
+        f"Input x[:, :-1], target x[:, 1:]. Random tokens start near ln(50) = {math.log(50):.4f}.",
+    )
+    for step, loss in enumerate(clm_training(), start=1):
+        mark = "  <- printed by the lesson" if step in (1, 5, 10, 20) else ""
+        yield f"step {step:>2}: loss={loss:.4f}{mark}"
+    yield _section(
+        "5. Greedy generation from [5, 12, 3], 5 new tokens",
+        "Each step: run the model on the last 8 tokens, take the argmax of the last position's logits, append.",
+    )
+    steps = greedy_steps()
+    for i, step in enumerate(steps, start=1):
+        yield f"step {i}: context {step.context} -> next {step.token}"
+    yield f"generated: {steps[0].context + [s.token for s in steps]}"
+
+
+def _pitfall_sections() -> Iterator[str]:
+    """Sections 6 and 7: training without the causal mask; greedy decoding and too high a temperature."""
+    yield _section(
+        "6. Pitfall: forgetting the causal mask",
+        "One tiny character model trained twice on the Zen of Python (300 Adam steps, same start, same batches),\n"
+        "   with the mask and without it. Without it, position t reads token t+1 - its own target.",
+    )
+    pit = causal_mask_pitfall()
+    yield f"{'':<44}{'with mask':>10}{'without':>10}"
+    yield (f"{'training loss (last 20 steps)':<44}{pit.train_loss['masked']:>10.3f}{pit.train_loss['unmasked']:>10.3f}"
+           "   <- collapses without the mask")
+    yield (f"{'loss where no future is visible (generation)':<44}{pit.last_loss['masked']:>10.3f}"
+           f"{pit.last_loss['unmasked']:>10.3f}   <- what generation really gets")
+    yield f"greedy continuation of {pit.prompt!r}:"
+    yield f"  with mask:    {pit.samples['masked']!r}"
+    yield f"  without mask: {pit.samples['unmasked']!r}"
+    yield _section(
+        "7. Pitfalls: greedy decoding repeats itself, too high a temperature makes noise",
+        "The masked model above continues one prompt four ways. distinct-4: the share of 4-character pieces that\n"
+        "   are not repeats (1.0 = none repeats); model loss: how unlikely the model finds its own text (nats/char).",
+    )
+    for s in decoding_pitfall(pit.runs["masked"], prompt=pit.prompt):
+        yield f"{s.label:<16} distinct-4 {s.distinct4:.2f}   model loss {s.loss:.2f}"
+        yield "\n".join("    | " + line for line in (pit.prompt + s.text).split("\n"))
+
+
+def tour() -> Iterator[str]:
+    """The lesson's worked examples one after another, as the text `tinygpt lesson` prints: each item
+    one print() (a line, or a section heading), yielded as soon as it is computed, since the last two
+    sections train small models and take a while."""
+    yield from _attention_sections()
+    yield from _model_sections()
+    yield from _pitfall_sections()

@@ -1,0 +1,78 @@
+"""The `tinygpt` command: parses flags into configs and calls the library. Only this layer prints
+messages for the user and chooses exit codes.
+
+Each command lives in the module of its family, its flags (`add_NAME`) beside its handler
+(`cmd_NAME`); this module puts the parser together and turns errors into exit codes. A new
+command goes in the module of its family (or a new one) and into COMMANDS below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import TinyGPTError
+from . import bench, inspect, interchange, prepare, run, scale, serve, sweep, train
+from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SIGNAL, MAX_INT, Number
+from .prepare import default_data_folder
+
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_SIGNAL", "MAX_INT", "Number", "build_parser",
+           "default_data_folder", "main"]
+
+# every command's parser, in the order `tinygpt --help` lists them
+COMMANDS = (
+    inspect.add_lesson, train.add_train, run.add_sample, inspect.add_attention, inspect.add_plot,
+    inspect.add_fewshot, inspect.add_fewshot_data, run.add_eval, scale.add_params, scale.add_chinchilla,
+    sweep.add_sweep, prepare.add_prepare, interchange.add_export, interchange.add_import, interchange.add_merge,
+    serve.add_serve, bench.add_bench,
+)
+
+
+class _UsageError(Exception):
+    """A command line argparse refused; main() prints it as every other error, on one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are the CLI's one-line errors (`tinygpt: error: argument --lr: ...`, no
+    usage block), returned by main() as exit code 2 like any other bad input."""
+
+    def error(self, message: str):
+        raise _UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: every command's flags, each with its range (Number) or its check (--device)."""
+    parser = _Parser(prog="tinygpt", description="Build, train, inspect and serve small GPTs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)  # its parsers are _Parsers too
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command line (default: sys.argv) and return its exit code.
+
+    Args:
+        argv: the arguments after `tinygpt`.
+    """
+    try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as e:
+        print(f"tinygpt: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        return args.func(args) or 0
+    except (TinyGPTError, ValueError, OSError) as e:
+        rank = os.environ.get("RANK", "0")  # under torchrun every process may report
+        print(f"tinygpt: error: {'' if rank == '0' else f'[rank {rank}] '}{e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED

@@ -1,0 +1,228 @@
+"""Looking inside models: `tinygpt lesson`, `attention`, `plot` (loss curves), `fewshot` and `fewshot-data`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import ConfigError
+from .common import NATURAL, POSITIVE, add_device_flag, load_model, seed_type
+
+
+def cmd_lesson(args: argparse.Namespace) -> int:
+    """Walk through the lesson's worked examples with tinygpt's own objects."""
+    from ..lab import lesson
+
+    for text in lesson.tour():
+        print(text)
+    return 0
+
+
+# ---- look inside: attention maps, loss curves, few-shot prompting ----------------------------
+
+
+def _check_index(value: int, count: int, flag: str, what: str) -> None:
+    if not 0 <= value < count:
+        raise ConfigError(f"{flag} {value} is out of range: the model has {count} {what}, valid 0..{count - 1}")
+
+
+def cmd_attention(args: argparse.Namespace) -> int:
+    """Draw a run's attention weights for a prompt, its tokens on both axes.
+
+    Args (flags):
+        RUN: a run folder. --prompt TEXT: the tokens to look at (at most block_size of them).
+        --layer L (0): the block. --head H (0) or --all-heads: one heatmap, or every head of the
+            layer in a grid. --out FILE: the picture (.png, .svg or .pdf).
+    """
+    from ..lab import viz
+
+    if not args.prompt:
+        raise ConfigError("--prompt: give the text whose attention to draw")
+    viz.check_picture(args.out)
+    model, tokenizer = load_model(args.run, args.device)
+    cfg = model.config
+    _check_index(args.layer, cfg.n_layer, "--layer", "layers")
+    if args.head is not None:
+        _check_index(args.head, cfg.n_head, "--head", "heads per layer")
+    ids = tokenizer.encode(args.prompt)
+    weights = viz.attention_weights(model, ids)[args.layer]  # (n_head, T, T)
+    labels = viz.token_labels(tokenizer, ids)
+    if args.all_heads:
+        viz.plot_attention(weights, labels, args.out, titles=[f"head {h}" for h in range(cfg.n_head)],
+                           suptitle=f"layer {args.layer}: {args.prompt!r}")
+        what = f"all {cfg.n_head} heads"
+    else:
+        head = args.head or 0
+        viz.plot_attention(weights[head], labels, args.out, titles=[f"layer {args.layer}, head {head}"])
+        what = f"head {head}"
+    print(f"wrote {args.out}: layer {args.layer}, {what}, {len(ids)} tokens")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Plot train and val loss against steps, tokens and wall-clock time from runs' metrics.jsonl, overlaid.
+
+    Args (flags):
+        RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
+        --title TEXT: a title over the plot.
+    """
+    from ..lab import viz
+
+    viz.check_picture(args.out)
+    runs = [viz.read_metrics(run) for run in args.runs]
+    names = [m.name for m in runs]
+    for m, run in zip(runs, args.runs):
+        if names.count(m.name) > 1:  # two runs called "run" in different folders: use the paths
+            m.name = str(run)
+    viz.plot_loss(runs, args.out, title=args.title)
+    for m in runs:
+        last = f", val loss {m.val_loss[-1]:.4f} at step {m.eval_steps[-1]}" if m.val_loss else ""
+        steps = m.steps[-1] if m.steps else m.eval_steps[-1]
+        print(f"{m.name}: {steps} steps{last}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    """Few-shot accuracy: prompts of k worked examples plus a query, for each k in --shots.
+
+    Args (flags):
+        RUN: a run folder. --task FILE.jsonl | synthetic: a task file (see tinygpt.lab.fewshot) or the
+            built-in in-context-learning task. --shots 0,1,2,3: the k values.
+        --scoring generate|likelihood: greedy answer compared exactly, or the best-scoring choice.
+        --queries N: evaluate the first N examples. --seed S: the draw of the worked examples (and
+            of the synthetic task). --show-prompt: print the first query's prompt for each k.
+        --plot FILE: draw accuracy against k. --json: end with one JSON line.
+    """
+    import json
+
+    from ..lab import fewshot
+
+    shots = fewshot.parse_shots(args.shots)
+    task = fewshot.load_task(args.task, seed=args.seed)
+    if args.plot:
+        from ..lab.viz import check_picture
+
+        check_picture(args.plot)  # before the evaluation, not after it
+    model, tokenizer = load_model(args.run, args.device)
+    lm = fewshot.GPTLanguageModel(model, tokenizer)
+    if args.show_prompt:
+        order = fewshot.shot_order(task, 0, args.seed)
+        for k in shots:
+            prompt = fewshot.build_prompt(task, task.examples[0], [task.examples[j] for j in order[:k]])
+            print(f"--- {k}-shot prompt (answer: {task.examples[0].output!r}):\n{prompt}")
+        print("---")
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=args.queries or len(task.examples), unit="query", file=sys.stderr, disable=args.quiet)
+    try:
+        report = fewshot.evaluate(lm, task, shots, scoring=args.scoring, queries=args.queries, seed=args.seed,
+                                  progress=lambda done, total: bar.update(done - bar.n))
+    finally:
+        bar.close()
+    how = "greedy answer, exact match" if args.scoring == "generate" else "most likely candidate answer"
+    print(f"{report.task}: {report.results[0].total} queries, {how}")
+    print(f"{'shots':>5}  {'accuracy':>8}  correct")
+    for r in report.results:
+        note = f"  ({r.truncated} prompts longer than the context)" if r.truncated else ""
+        print(f"{r.shots:>5}  {100 * r.accuracy:7.1f}%  {r.correct}/{r.total}{note}")
+    if report.chance is not None:
+        print(f"chance: {100 * report.chance:.1f}%")
+    if args.plot:
+        from ..lab import viz
+
+        viz.plot_fewshot([r.shots for r in report.results], [r.accuracy for r in report.results], args.plot,
+                         title=f"{report.task}: {args.run}", chance=report.chance,
+                         counts=[(r.correct, r.total) for r in report.results])
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    return 0
+
+
+def cmd_fewshot_data(args: argparse.Namespace) -> int:
+    """Write the synthetic in-context-learning task: training text and an evaluation task file.
+
+    OUT/train.txt holds one episode per line: letter-digit pairs such as "q7 x3 q7 b1 x3", 4 to 16
+    of them over 2 to 6 letters, each episode under a fresh random mapping of letters to digits (so
+    only the context can reveal what a letter means). OUT/task.jsonl is a held-out task in the
+    task-file format (the same draw as `--task synthetic --seed SEED`).
+    """
+    from pathlib import Path
+
+    from ..lab import fewshot
+    from ..fileio import atomic_write
+
+    if args.episodes < 1:
+        raise ConfigError("--episodes must be >= 1")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = fewshot.synthetic_corpus(args.episodes, seed=args.seed)
+    atomic_write(out / "train.txt", lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    task = fewshot.synthetic_task(seed=args.seed)
+    fewshot.write_task(task, out / "task.jsonl")
+    print(f"wrote {out / 'train.txt'} ({args.episodes:,} episodes, {len(text):,} characters) and "
+          f"{out / 'task.jsonl'} ({len(task.examples)} queries)")
+    return 0
+
+
+def add_lesson(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt lesson` and its flags."""
+    p = sub.add_parser("lesson", help="a guided tour of the lesson's worked examples", description=cmd_lesson.__doc__)
+    p.set_defaults(func=cmd_lesson)
+
+
+def add_attention(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt attention` and its flags."""
+    p = sub.add_parser("attention", help="draw attention maps for a prompt", description=cmd_attention.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--prompt", required=True, help="the text whose attention to draw (at most block_size tokens)")
+    p.add_argument("--layer", type=NATURAL, default=0, help="the block, from 0 (0)")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument("--head", type=NATURAL, help="the head, from 0 (0)")
+    heads.add_argument("--all-heads", action="store_true", help="every head of the layer, in a grid")
+    p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
+    add_device_flag(p)
+    p.set_defaults(func=cmd_attention)
+
+
+def add_plot(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt plot` and its flags."""
+    p = sub.add_parser("plot", help="loss curves of one or more runs", description=cmd_plot.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders (or their metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
+    p.add_argument("--title", help="a title over the plot")
+    p.set_defaults(func=cmd_plot)
+
+
+def add_fewshot(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt fewshot` and its flags."""
+    seed = seed_type()
+    p = sub.add_parser("fewshot", help="few-shot accuracy for 0, 1, 2, ... worked examples",
+                       description=cmd_fewshot.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--task", required=True, metavar="FILE|synthetic", help="a task file (JSON Lines) or synthetic")
+    p.add_argument("--shots", default="0,1,2,3", help="numbers of worked examples, e.g. 0,1,2,3 or 0-5 (0,1,2,3)")
+    p.add_argument("--scoring", choices=("generate", "likelihood"), default="generate",
+                   help="greedy answer, exact match (default), or the most likely candidate answer")
+    p.add_argument("--queries", type=POSITIVE, metavar="N", help="evaluate the first N examples (default: all)")
+    p.add_argument("--seed", type=seed, default=0, help="the draw of worked examples and of the synthetic task (0)")
+    p.add_argument("--show-prompt", action="store_true", help="print the first query's prompt for each k")
+    p.add_argument("--plot", metavar="FILE", help="draw accuracy against k (.png, .svg, .pdf)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_device_flag(p)
+    p.set_defaults(func=cmd_fewshot)
+
+
+def add_fewshot_data(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt fewshot-data` and its flags."""
+    seed = seed_type()
+    p = sub.add_parser("fewshot-data", help="write the synthetic in-context-learning task's data",
+                       description=cmd_fewshot_data.__doc__)
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for train.txt and task.jsonl")
+    p.add_argument("--episodes", type=POSITIVE, default=40000, help="training episodes, each a fresh mapping (40000)")
+    p.add_argument("--seed", type=seed, default=0, help="the draw of the episodes and of task.jsonl (0)")
+    p.set_defaults(func=cmd_fewshot_data)

@@ -1,0 +1,133 @@
+"""Models in and out of tinygpt: `tinygpt export` (a Hugging Face GPT-2 folder or a GGUF file), `import` (a
+Hugging Face GPT-2 folder into a run) and `merge` (an adapter run's LoRA adapters into plain weights)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import ConfigError
+
+
+def _tokenizer_words(tokenizer) -> str:
+    return f"{tokenizer.kind} tokenizer, {tokenizer.vocab_size:,} tokens" if tokenizer is not None else "no tokenizer"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run as a Hugging Face GPT-2 folder (--format hf) or a GGUF file for llama.cpp (--format gguf).
+
+    Args (flags):
+        RUN: a run folder (or a Hugging Face GPT-2 folder).
+        --format hf: a folder that transformers' GPT2LMHeadModel, AutoTokenizer and
+            pipeline("text-generation") load: config.json, model.safetensors, generation_config.json,
+            tokenizer.json and tokenizer_config.json.
+        --format gguf: one .gguf file with GPT-2 metadata, the tokenizer and the weights.
+        --out: the folder (hf) or file (gguf) to write.
+        --dtype: with gguf, float32 (default) or float16 matrices.
+    """
+    from pathlib import Path
+
+    from ..calc import format_count
+    from ..checkpoint import TOKENIZER, load_run
+
+    src, out = Path(args.run), Path(args.out)
+    if out.resolve() == src.resolve():
+        raise ConfigError("--out must not be the folder being exported")
+    if args.dtype != "float32" and args.format != "gguf":
+        raise ConfigError("--dtype applies to --format gguf only")
+    model, tokenizer = load_run(src, "cpu", tokenizer_required=args.format == "gguf")
+    params = f"{format_count(model.num_params())} parameters"
+    tok = _tokenizer_words(tokenizer)
+    if args.format == "hf":
+        from ..interop.hf_gpt2 import export_hf
+
+        export_hf(model, tokenizer, out)
+        print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
+        print(f"  transformers: GPT2LMHeadModel.from_pretrained('{out}'), AutoTokenizer.from_pretrained('{out}')")
+        if tokenizer is None:
+            print(f"  note: {src} has no {TOKENIZER}, so {out} holds the model alone")
+    else:
+        from ..interop.gguf import export_gguf, gguf_notes
+
+        export_gguf(model, tokenizer, out, dtype=args.dtype)
+        size = out.stat().st_size
+        print(f"exported {src} to {out} (GGUF, architecture gpt2, {args.dtype}: {params}, {tok}; {size / 1e6:.1f} MB)")
+        for note in gguf_notes(model, tokenizer):
+            print(f"  note: {note}")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    """Turn a Hugging Face GPT-2 folder (config.json + model.safetensors) into a tinygpt run.
+
+    The tokenizer comes along: GPT-2's vocab.json + merges.txt (run by tiktoken), or a
+    tokenizer.json holding a byte-level BPE or a one-token-per-character vocabulary. A folder with
+    only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
+    """
+    from ..calc import format_count
+    from ..checkpoint import import_hf
+
+    model, tokenizer = import_hf(args.dir, args.out)
+    run, c = args.out, model.config
+    tok = _tokenizer_words(tokenizer)
+    print(
+        f"imported {args.dir} to {run}: {format_count(model.num_params())} parameters "
+        f"({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, context {c.block_size}), {tok}"
+    )
+    if tokenizer is None:
+        print(f"  note: {args.dir} has no tokenizer, so `tinygpt sample {run}` cannot run until one is added")
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    """Fold an adapter run's LoRA adapters into its base model's weights and write a plain run.
+
+    Args (flags):
+        RUN: an adapter run (adapter_config.json + adapter.safetensors, naming its base model).
+        --out MERGED: the run folder to create (model.safetensors, config.json, tokenizer.json):
+            a model like any other, which needs neither the adapters nor the base any more.
+    """
+    from ..calc import format_count
+    from ..checkpoint import merge_run, read_adapter_config
+
+    model, tokenizer = merge_run(args.run, args.out)
+    info = read_adapter_config(args.run)
+    lora = info.lora
+    print(f"merged {args.run} (LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}) into the "
+          f"weights of {info.shown_base}: wrote {args.out} ({format_count(model.num_params())} parameters"
+          f"{'' if tokenizer is not None else ', no tokenizer'})")
+    return 0
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt export` and its flags."""
+    p = sub.add_parser(
+        "export", help="write a run as a Hugging Face GPT-2 folder or a GGUF file",
+        description=cmd_export.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  tinygpt export runs/mine --format hf --out hf/mine\n"
+               "  tinygpt export runs/mine --format gguf --out mine.gguf",
+    )
+    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face GPT-2 folder)")
+    p.add_argument("--format", required=True, choices=("hf", "gguf"), help="hf (a folder) or gguf (a file)")
+    p.add_argument("--out", required=True, metavar="PATH", help="the folder (hf) or .gguf file (gguf) to write")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16"),
+                   help="gguf only: the matrices' dtype (norms and biases stay float32)")
+    p.set_defaults(func=cmd_export)
+
+
+def add_import(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt import` and its flags."""
+    p = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a run", description=cmd_import.__doc__)
+    p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
+    p.set_defaults(func=cmd_import)
+
+
+def add_merge(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt merge` and its flags."""
+    p = sub.add_parser("merge", help="fold an adapter run's LoRA adapters into a plain run",
+                       description=cmd_merge.__doc__.split("\n\n")[0],
+                       epilog="example:\n  tinygpt merge runs/lora --out runs/merged",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", metavar="RUN", help="an adapter run (it names its base model)")
+    p.add_argument("--out", required=True, metavar="MERGED", help="the plain run folder to create")
+    p.set_defaults(func=cmd_merge)

@@ -1,0 +1,124 @@
+"""`tinygpt prepare`: text into the token files training reads."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import Number
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Turn text into token files for training: train.bin, val.bin, tokenizer.json and meta.json.
+
+    SOURCE is a text file, a folder (every text file below it, binary files skipped), or a
+    built-in corpus: python-stdlib (this Python's standard library sources) or shakespeare
+    (downloaded once). Files are read as UTF-8; line endings are kept as they are. Without --out
+    the folder is data/NAME after the first source: data/python-stdlib, data/shakespeare, data/notes.
+    """
+    import time
+
+    from ..data import prepare
+
+    out = args.out or default_data_folder(args.sources[0])
+    start = time.perf_counter()
+    progress, close = _progress_bars() if args.progress else (None, lambda: None)
+    try:
+        meta = prepare(
+            args.sources,
+            out,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            val_fraction=args.val_fraction,
+            errors=args.errors,
+            tokenizer_file=args.tokenizer_file,
+            progress=progress,
+        )
+    finally:
+        close()
+    files = sum(s["files"] for s in meta["sources"])
+    size = sum(s["bytes"] for s in meta["sources"])
+    names = ", ".join(s["name"] for s in meta["sources"])
+    seconds = time.perf_counter() - start
+    plural = "s" if files != 1 else ""
+    print(f"prepared {out} in {seconds:.1f}s from {names} ({files:,} file{plural}, {size / 1e6:.1f} MB)")
+    vocab = f"{meta['vocab_size']:,}"
+    if meta.get("requested_vocab_size", meta["vocab_size"]) != meta["vocab_size"]:
+        vocab += f" (of {meta['requested_vocab_size']:,} asked: the corpus had no more merges)"
+    print(f"  tokenizer  {meta['tokenizer']}, vocab {vocab}, {meta['dtype']}")
+    for split in ("train", "val"):
+        print(
+            f"  {split:<5}      {meta[f'{split}_tokens']:>12,} tokens  {meta[f'{split}_chars']:>12,} chars"
+            f"  {meta[f'{split}_bytes']:>12,} bytes"
+        )
+    skipped = sum(s["skipped"] for s in meta["sources"])
+    if skipped:
+        print(f"  skipped {skipped:,} files (binary, or not decodable as Python source)")
+    if meta["errors"] == "replace":
+        print(f"  replaced {meta['replacements']:,} invalid byte sequences with U+FFFD")
+    return 0
+
+
+def default_data_folder(source: str) -> str:
+    """Where `prepare` writes without --out: data/NAME, NAME from the first source (a file's name without
+    its suffix, a folder's name, or the built-in corpus), so `prepare python-stdlib` makes data/python-stdlib.
+
+    Args:
+        source: the first SOURCE given to `prepare`.
+    """
+    from pathlib import Path
+
+    path = Path(source).expanduser()
+    name = path.stem if path.is_file() else path.resolve().name if path.is_dir() else path.name
+    return str(Path("data") / (name or "text"))
+
+
+def _progress_bars():
+    """A tqdm bar per phase of `prepare`, on stderr; returns (callback, close)."""
+    from tqdm import tqdm
+
+    bars: dict[str, tqdm] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        if phase not in bars:
+            for bar in bars.values():
+                bar.close()
+            bars[phase] = tqdm(total=total, desc=phase, unit="B", unit_scale=True, file=sys.stderr)
+        bars[phase].update(done - bars[phase].n)
+
+    def close() -> None:
+        for bar in bars.values():
+            bar.close()
+
+    return update, close
+
+
+def add_prepare(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt prepare` and its flags."""
+    from ..tokenizer import BPE_MAX_VOCAB, BPE_MIN_VOCAB
+
+    p = sub.add_parser("prepare", help="turn text into token files for training", description=cmd_prepare.__doc__)
+    p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, python-stdlib or shakespeare")
+    p.add_argument("--out", metavar="DIR",
+                   help="the data folder to write (default: data/NAME after the first source, e.g. data/shakespeare)")
+    p.add_argument(
+        "--tokenizer",
+        choices=("char", "bpe", "gpt2"),
+        help="char (default), bpe (trained on the corpus) or gpt2 (GPT-2's BPE)",
+    )
+    p.add_argument("--vocab-size", type=Number("int", BPE_MIN_VOCAB, BPE_MAX_VOCAB), metavar="N",
+                   help="BPE vocabulary size to train (default 4096)")
+    p.add_argument(
+        "--val-fraction", type=Number("float", 0, 0.5), default=0.1, metavar="F",
+        help="share held out for validation, 0-0.5 (0.1)"
+    )
+    p.add_argument(
+        "--errors", choices=("strict", "replace"), default="strict", help="invalid UTF-8: stop (default) or put U+FFFD"
+    )
+    p.add_argument(
+        "--tokenizer-file",
+        metavar="PATH",
+        help="GPT-2's vocab.json + merges.txt or .tiktoken file, or a tinygpt tokenizer.json / data folder to reuse",
+    )
+    p.add_argument("--progress", action="store_true", help="show progress bars")
+    p.set_defaults(func=cmd_prepare)

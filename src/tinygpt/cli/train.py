@@ -1,0 +1,193 @@
+"""`tinygpt train`: the flags and config file into a GPTConfig (or the sizing policy's choice) and a
+TrainConfig, then one training run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import ConfigError
+from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag, seed_type
+
+MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
+                "activation", "init")
+
+
+def _train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
+    """Model and training overrides from the config file, then the flags (flags win)."""
+    import dataclasses
+    import tomllib
+
+    from ..config import TrainConfig, parse_duration
+
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values: dict = {}
+    if args.config:
+        try:
+            with open(args.config, "rb") as f:
+                values = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{args.config}: not valid TOML ({e})") from None
+        unknown = sorted(set(values) - train_fields - set(MODEL_FIELDS) - {"preset"})
+        if unknown:
+            raise ConfigError(f"{args.config}: unknown key(s): {', '.join(unknown)}")
+    for name in (*MODEL_FIELDS, *train_fields, "preset"):
+        flag = getattr(args, name, None)
+        if flag is not None:
+            values[name] = flag
+    for name in ("max_time", "dist_timeout"):
+        if isinstance(values.get(name), str):
+            values[name] = parse_duration(values[name], "--" + name.replace("_", "-"))
+    preset = values.pop("preset", None)
+    model = {k: v for k, v in values.items() if k in MODEL_FIELDS}
+    train = {k: v for k, v in values.items() if k in train_fields}
+    return model, train, preset
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a GPT on a prepared data folder; checkpoints and metrics.jsonl go to the run folder.
+
+    Under `torchrun --nproc_per_node=N -m tinygpt train ...` the N processes train one model
+    (DDP, or FSDP2 with --fsdp); --batch-size is per process; rank 0 writes and prints.
+
+    Without --preset or size flags (--n-layer, --n-head, --n-embd) the model is chosen for you:
+    with --max-time it is sized for the compute that time buys on this machine (the speed measured
+    in a few seconds) by Chinchilla's rule, or by a sweep's fit with --sweep DIR, and the choice is
+    printed (on stderr) and kept in train_config.json; without it, a default for the size of the data.
+    """
+    from ..config import TrainConfig, from_mapping
+    from ..device import resolve_device
+    from ..distributed import process_group
+    from ..errors import NonFiniteError
+    from ..train import has_checkpoint, train
+
+    model_over, train_over, preset = _train_settings(args)
+    resume = args.resume and has_checkpoint(args.out)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.sweep and (resume or preset or distributed):
+        why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume
+               else "torchrun: each process would time itself; give the model (--preset or size flags)")
+        raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
+    if args.resume and not resume and os.environ.get("RANK", "0") == "0":
+        print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
+    if resume:
+        model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset)
+    else:
+        train_cfg = from_mapping(TrainConfig, train_over)
+        model_cfg = _new_model(args, train_cfg, model_over, preset, distributed)
+    # under torchrun the processes stay in one group until rank 0 has printed: torchrun ends the
+    # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
+    with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
+        try:
+            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
+        except NonFiniteError as e:
+            if ctx.is_main:
+                print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
+            return EXIT_NONFINITE
+        if ctx.is_main:
+            val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+            loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
+            procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
+            print(
+                f"{result.stopped}: {result.step} steps{procs}, {result.tokens:,} tokens in {result.elapsed:.1f}s"
+                f"{loss}{val}; saved to {result.run}",
+                flush=True,
+            )
+        ctx.barrier()
+    return EXIT_SIGNAL.get(result.stopped, 0)
+
+
+def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str | None):
+    """(GPTConfig or None, TrainConfig) to continue `run` with: its saved settings with the flags over
+    them; a new GPTConfig only when --preset or a model flag changes the saved one."""
+    from ..checkpoint import load_config
+    from ..config import GPTConfig, TrainConfig, from_mapping
+    from ..train import read_train_config
+
+    saved, _ = read_train_config(run)
+    train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
+    if not (model_over or preset):
+        return None, train_cfg
+    base = GPTConfig.from_preset(preset).to_dict() if preset else load_config(run).to_dict()
+    return from_mapping(GPTConfig, {**base, **model_over}), train_cfg
+
+
+def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: str | None, distributed: bool):
+    """The model of a new run: the preset with the model flags over it, else the one sizing chooses."""
+    import dataclasses
+
+    from ..config import GPTConfig, from_mapping
+    from ..data import load_data
+    from ..sizing import choose_model
+
+    meta = load_data(args.data).meta
+    vocab = int(meta["vocab_size"])
+    if preset:
+        base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
+        return from_mapping(GPTConfig, {**base, **model_over})
+    # one path for every default: sized for --max-time when no size flag is given, else for the
+    # data; under torchrun the data's default, which every process computes alike
+    sweep = None
+    if args.sweep:
+        from ..lab.sweep import load_fit
+
+        sweep = load_fit(args.sweep)
+    sizing = dataclasses.replace(train_cfg, max_time=None) if distributed else train_cfg
+    choice = choose_model(vocab, int(meta["train_tokens"]), int(meta["val_tokens"]), sizing,
+                          fixed=model_over, sweep=sweep)
+    if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
+        print(choice.reason, file=sys.stderr, flush=True)
+    return choice  # train() records it and trains at its learning rate unless --lr is given
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt train` and its flags."""
+    seed = seed_type()
+    p = sub.add_parser("train", help="train a GPT on a prepared data folder", description=cmd_train.__doc__)
+    p.add_argument("--data", required=True, help="a folder written by `tinygpt prepare`")
+    p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
+    p.add_argument("--preset", help="start from a preset: lesson, stretch, baby, gpt2, ...")
+    p.add_argument("--config", help="a TOML file with any of the settings below (flags override it)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--sweep", metavar="DIR",
+                   help="with --max-time and no size flags: size the model by this `tinygpt sweep` folder's fit "
+                        "(default: Chinchilla's rule)")
+    m = p.add_argument_group("model (default: sized for --max-time on this machine, else for the data)")
+    m.add_argument("--n-layer", type=POSITIVE)
+    m.add_argument("--n-head", type=POSITIVE)
+    m.add_argument("--n-embd", type=POSITIVE)
+    m.add_argument("--block-size", type=POSITIVE)
+    m.add_argument("--dropout", type=FRACTION)
+    m.add_argument("--vocab-size", type=POSITIVE, help="default: the data's vocabulary")
+    m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--activation", choices=["gelu", "gelu_tanh"])
+    m.add_argument("--init", choices=["gpt2", "torch"])
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=POSITIVE, help="sequences per micro-step, per process (12)")
+    t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")
+    t.add_argument("--lr", type=RATE,
+                   help="peak learning rate (1e-3; a model sized for --max-time gets one for its width)")
+    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine decay (lr/10)")
+    t.add_argument("--warmup", type=NATURAL, help="linear warmup steps (100)")
+    t.add_argument("--max-iters", type=POSITIVE, help="optimizer steps (2000 unless --max-time is given)")
+    t.add_argument("--max-time", type=Number("duration", keep_text=True), help="wall-clock budget, e.g. 90s, 5m, 1h")
+    t.add_argument("--weight-decay", type=Number("float", 0), help="AdamW weight decay on matrices (0.1)")
+    t.add_argument("--beta1", type=FRACTION)
+    t.add_argument("--beta2", type=FRACTION)
+    t.add_argument("--grad-clip", type=Number("float", 0), help="max gradient norm, 0 = off (1.0)")
+    t.add_argument("--eval-interval", type=POSITIVE, help="steps between evaluations and checkpoints (250)")
+    t.add_argument("--eval-iters", type=POSITIVE, help="batches per evaluation (20)")
+    t.add_argument("--seed", type=seed, help="initialization, dropout and batch order (1337)")
+    add_device_flag(t, None, help="auto, cpu, cuda, cuda:N, mps")
+    t.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype (auto: bfloat16 autocast where the hardware multiplies it natively, "
+                        "CUDA GPUs and CPUs with AVX-512 BF16 or AMX; else float32)")
+    t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
+    t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
+                   help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    t.add_argument("--dist-timeout", metavar="T", type=Number("duration", keep_text=True),
+                   help="under torchrun: how long a process waits for the others before the job fails (10m)")
+    p.set_defaults(func=cmd_train)
