@@ -320,3 +320,65 @@ def test_exported_chat_template_gives_tinygpts_ids_in_transformers_and_gguf(kind
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
     assert fields["tokenizer.chat_template"] == tok.chat_template.jinja()
     assert fields["tokenizer.ggml.eot_token_id"] == tok.special_ids()["<|end|>"]
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_prepare_chat_train_and_chat_prompt_equals_the_server(tmp_path, capsys):
+    from fastapi.testclient import TestClient
+    from server_util import NAME, stopping_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+    from tinygpt.server import create_app
+
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(30)], ["{broken"])
+    assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d")]) == 2
+    assert "c.jsonl:31: not JSON" in capsys.readouterr().err
+    assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d"), "--errors", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "30 conversations" in out and "skipped 1 malformed lines (31)" in out
+    assert main(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), "--max-iters", "2", "--n-layer", "1",
+                 "--n-embd", "16", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+                 "--eval-iters", "1"]) == 0
+    capsys.readouterr()
+    # --prompt answers one message exactly as the server does at temperature 0, up to the end of turn
+    tok = with_chat_template(tiny_tokenizer())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    model, expected = stopping_model(tok, render_chat_prompt(tok, messages))
+    tinygpt.save(model, tmp_path / "chat-run", tok)
+    with TestClient(create_app(model, tok, model_name=NAME)) as http:
+        served = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "temperature": 0,
+                                                         "max_tokens": 20}).json()
+    assert served["choices"][0]["message"]["content"] == expected
+    assert main(["chat", str(tmp_path / "chat-run"), "--system", "Be brief.", "--prompt", "hello there",
+                 "--temperature", "0", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["chat", str(tmp_path / "chat-run"), "--prompt", "caf\u00e9", "--temperature", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tinygpt: error:") and "vocabulary" in err and err.count("\n") == 1
+
+
+def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path, capsys, monkeypatch):
+    import io
+
+    from server_util import tiny_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=48, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    lines = ["hello", "/system Be kind.", "a second, longer message to fill the context", "/reset", "/nope", "bye"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("bot> ") == 3
+    assert "(system message set)" in captured.err and "(conversation reset)" in captured.err
+    assert "(dropped the 2 oldest messages to stay within the model's context of 48 tokens)" in captured.err
+    assert "unknown command /nope" in captured.err
+    # a run without a template cannot chat: one line says what to do
+    tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
+    assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
+    assert "has no chat template" in capsys.readouterr().err

@@ -946,6 +946,31 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> 
     return ids + [tokenizer.special_ids()[template.start_token("assistant")]]
 
 
+def fit_chat_prompt(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[list[dict[str, str]], list[int], int]:
+    """The conversation trimmed oldest-first until its prompt (render_chat_prompt) holds at most
+    `max_tokens` ids: a leading system message stays, and so does the last message, even alone
+    over the limit (generation then sees the prompt's last tokens only).
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        messages: the conversation so far, ending with the message to answer.
+        max_tokens: the prompt's budget (the model's context less room for the reply).
+
+    Returns:
+        (the messages kept, their prompt's ids, how many messages were dropped).
+    """
+    system = messages[:1] if messages and messages[0].get("role") == "system" else []
+    rest = messages[len(system):]
+    dropped = 0
+    while True:
+        ids = render_chat_prompt(tokenizer, system + rest)
+        if len(ids) <= max_tokens or len(rest) <= 1:
+            return system + rest, ids, dropped
+        rest, dropped = rest[1:], dropped + 1
+
+
 def _render(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
     special = tokenizer.special_ids()
     end = special[template.end]
