@@ -382,3 +382,25 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
     assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_fact_task_and_exact_match():
+    from server_util import stopping_model, tiny_tokenizer
+
+    from tinygpt.lab.chat_task import exact_match, fact_conversations, fact_text
+
+    convs = fact_conversations(5, seed=3)
+    for c in convs:
+        system, user, assistant = c["messages"]
+        table = dict(pair.split("=") for pair in system["content"].split())
+        assert len(table) == 3 and table[user["content"].rstrip("?")] == assistant["content"]
+    assert fact_text(convs).splitlines()[0] == " ".join(m["content"] for m in convs[0]["messages"])
+    assert fact_conversations(5, seed=3) == convs
+    others = fact_conversations(200, seed=4, exclude=convs)
+    assert not {c["messages"][0]["content"] for c in convs} & {c["messages"][0]["content"] for c in others}
+    tok = with_chat_template(tiny_tokenizer())
+    model, reply = stopping_model(tok, render_chat_prompt(tok, convs[0]["messages"][:2]))
+    right = {"messages": convs[0]["messages"][:2] + [{"role": "assistant", "content": reply}]}
+    result = exact_match(model, tok, [right, convs[0]])
+    assert (result.correct, result.total) == (1, 2) and result.examples[0] == (convs[0]["messages"][1]["content"],
+                                                                            reply, reply)
