@@ -316,6 +316,11 @@ def test_exported_chat_template_gives_tinygpts_ids_in_transformers_and_gguf(kind
     assert hf_ids(messages[:3]) == render_chat(tok, messages[:3]).ids
     assert hf_ids(messages, add_generation_prompt=True) == render_chat_prompt(tok, messages)
     assert hf_tok.eos_token == "<|end|>"
+    # and back: `tinygpt import` of the folder gives the same tokenizer, template included
+    from tinygpt.interop.hf_tokenizer import load_hf_tokenizer
+
+    back = load_hf_tokenizer(tmp_path / "hf")
+    assert back.chat_template == tok.chat_template and back.fingerprint() == tok.fingerprint()
     path = export_gguf(model, tok, tmp_path / "m.gguf")
     fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
     assert fields["tokenizer.chat_template"] == tok.chat_template.jinja()

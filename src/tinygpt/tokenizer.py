@@ -596,16 +596,24 @@ class GPT2Tokenizer(_TokenizerBase):
 
     @classmethod
     def from_vocab_merges(
-        cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, *, vocab: Any = None
+        cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, *, vocab: Any = None,
+        specials: Sequence[str] = (),
     ) -> GPT2Tokenizer:
-        """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them."""
+        """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them.
+
+        Args:
+            vocab_path, merges_path: the two files.
+            vocab: vocab.json's contents, when already read.
+            specials: tokens of the vocabulary that are special besides <|endoftext|> (a chat
+                template's, which an export writes into vocab.json after it).
+        """
         if vocab is None:
             vocab = read_json(Path(vocab_path), TokenizerError)
         if not isinstance(vocab, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
         ):
             raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> id")
-        special = {EOT: vocab[EOT]} if EOT in vocab else {}
+        special = {t: vocab[t] for t in (EOT, *specials) if t in vocab}
         try:
             ranks = {_token_bytes(t): i for t, i in vocab.items() if t not in special}
         except TokenizerError as e:
