@@ -25,6 +25,22 @@ def start(*args):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.fixture
+def cli(capsys):
+    """tinygpt's main() in this process, answering as subprocess.run does: a failure that escaped as a
+    traceback fails the test; a process of its own costs seconds for torch's import (tests of the
+    real process: above)."""
+    from tinygpt.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
 def assert_clean_error(r, *fragments):
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr, r.stderr
@@ -98,41 +114,41 @@ def test_signal_finishes_step_saves_and_exits(data, tmp_path, sig, code):
     assert r.returncode == 0, r.stderr
 
 
-def test_bad_inputs(data, tmp_path):
-    assert_clean_error(tinygpt("train", "--data", tmp_path / "nope", "--out", tmp_path / "r", *SMALL))
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--n-embd", "30", "--n-head", "4"),
+def test_bad_inputs(data, tmp_path, cli):
+    assert_clean_error(cli("train", "--data", tmp_path / "nope", "--out", tmp_path / "r", *SMALL))
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--n-embd", "30", "--n-head", "4"),
                        "n_embd")
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--block-size", "100000"),
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--block-size", "100000"),
                        "block_size")
     bad = tmp_path / "bad.toml"
     bad.write_text("n_layers = 2\n")
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layers")
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layers")
     bad.write_text('n_layer = "two"\n')
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layer")
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "n_layer")
     bad.write_text("n_layer = \n")
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "TOML")
-    assert_clean_error(tinygpt("train", "--data", data, "--out", tmp_path / "r", "--max-time", "soon"), "--max-time")
-    assert_clean_error(tinygpt("sample", tmp_path), "not a tinygpt run")
-    assert_clean_error(tinygpt("eval", tmp_path / "missing"), "no such run folder")
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "TOML")
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--max-time", "soon"), "--max-time")
+    assert_clean_error(cli("sample", tmp_path), "not a tinygpt run")
+    assert_clean_error(cli("eval", tmp_path / "missing"), "no such run folder")
     # --resume where there is nothing to resume yet starts a new run
-    r = tinygpt("train", "--data", data, "--out", tmp_path / "x", "--resume", "--max-iters", 1, *SMALL)
+    r = cli("train", "--data", data, "--out", tmp_path / "x", "--resume", "--max-iters", 1, *SMALL)
     assert r.returncode == 0 and "starting a new run" in r.stderr
 
 
-def test_bad_run_files(data, tmp_path):
+def test_bad_run_files(data, tmp_path, cli):
     run = tmp_path / "run"
-    assert tinygpt("train", "--data", data, "--out", run, "--max-iters", 2, *SMALL).returncode == 0
-    assert_clean_error(tinygpt("sample", run, "--prompt", "\u2603"), "\u2603")  # a character outside the vocabulary
-    assert_clean_error(tinygpt("sample", run, "--temperature", "-1"), "temperature")
+    assert cli("train", "--data", data, "--out", run, "--max-iters", 2, *SMALL).returncode == 0
+    assert_clean_error(cli("sample", run, "--prompt", "\u2603"), "\u2603")  # a character outside the vocabulary
+    assert_clean_error(cli("sample", run, "--temperature", "-1"), "temperature")
     weights = (run / "model.safetensors").read_bytes()
     (run / "model.safetensors").write_bytes(weights[:100])
-    assert_clean_error(tinygpt("sample", run), "corrupt or truncated")
+    assert_clean_error(cli("sample", run), "corrupt or truncated")
     (run / "model.safetensors").write_bytes(weights)
     cfg = json.loads((run / "config.json").read_text())
     (run / "config.json").write_text(json.dumps({**cfg, "n_embd": 64}))
-    assert_clean_error(tinygpt("eval", run), "disagrees with the weights")
+    assert_clean_error(cli("eval", run), "disagrees with the weights")
     (run / "config.json").write_text("nope")
-    assert_clean_error(tinygpt("sample", run), "not valid JSON")
+    assert_clean_error(cli("sample", run), "not valid JSON")
 
 
 @pytest.mark.parametrize("line", ["weight_decay = inf", "grad_clip = inf", "lr = nan", "beta2 = nan", "min_lr = inf"])
