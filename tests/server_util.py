@@ -56,6 +56,20 @@ def save_tiny_run(path, block_size: int = 32):
     return tinygpt.save(tiny_model(block_size), path, tiny_tokenizer())
 
 
+def stopping_model(tok, prompt: list[int], block_size: int = 64):
+    """A tiny random model that, at temperature 0, answers `prompt` with a few tokens and then its end of
+    turn: lm_head's rows of the end token and of the first new token of its greedy answer trade places,
+    which changes nothing before that point (the input embeddings are untied and stay)."""
+    model = tiny_model(block_size, vocab_size=tok.vocab_size)
+    end = tok.special_ids()[tok.chat_template.end]
+    answer = tinygpt.generate(model, torch.tensor([prompt]), 6, greedy=True)[0, len(prompt):].tolist()
+    k = next(k for k in range(1, len(answer)) if answer[k] not in answer[:k] and end not in answer[: k + 1])
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[[end, answer[k]]] = w[[answer[k], end]]
+    return model, tok.decode(answer[:k])
+
+
 @contextlib.contextmanager
 def running(app) -> Iterator[str]:
     """Serve `app` with uvicorn on a free port in a background thread; yields the base URL."""

@@ -121,3 +121,33 @@ def test_playground_says_when_the_models_vocabulary_cannot_chat(browser):
         browser.find_element(By.ID, "prompt").send_keys("the cat")  # completions still work
         browser.find_element(By.ID, "generate").click()
         wait.until(lambda d: text_of(d, "status").startswith("done"))
+
+
+def test_playground_chat_tab_for_a_run_with_a_template(browser):
+    from server_util import stopping_model
+
+    from tinygpt.tokenizer import render_chat_prompt, with_chat_template
+
+    tok = with_chat_template(tiny_tokenizer())
+    messages = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hello there"}]
+    model, expected = stopping_model(tok, render_chat_prompt(tok, messages))
+    with running(create_app(model, tok, model_name=NAME, max_tokens=20)) as base:
+        wait = WebDriverWait(browser, 60)
+        browser.get(base + "/")
+        wait.until(lambda d: f"model {NAME}" in text_of(d, "model-info"))
+        wait.until(lambda d: d.find_element(By.ID, "tab-chat").is_displayed())
+        browser.find_element(By.ID, "tab-chat").click()
+        set_slider(browser, "temperature", 0)
+        browser.find_element(By.ID, "chat-system").send_keys("Be kind.")
+        browser.find_element(By.ID, "chat-input").send_keys("hello there")
+        browser.find_element(By.ID, "chat-send").click()
+        wait.until(lambda d: text_of(d, "chat-status").startswith("done"))
+        assert "finish reason stop" in text_of(browser, "chat-status")  # at the end-of-turn token
+        replies = browser.find_elements(By.CSS_SELECTOR, "#chat-log .msg.assistant")
+        assert [r.get_attribute("textContent") for r in replies] == [expected]
+
+
+def test_playground_has_no_chat_tab_without_a_template(browser, url):
+    browser.get(url + "/")
+    WebDriverWait(browser, 60).until(lambda d: f"model {NAME}" in text_of(d, "model-info"))
+    assert not browser.find_element(By.ID, "tab-chat").is_displayed()

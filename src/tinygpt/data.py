@@ -37,6 +37,7 @@ How text is read:
 from __future__ import annotations
 
 import codecs
+import json
 import math
 import os
 import re
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .errors import DataError, TokenizerError
+from .errors import ChatError, DataError, TokenizerError
 from .fileio import read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
@@ -60,8 +61,12 @@ from .tokenizer import (
     CharTokenizer,
     GPT2Tokenizer,
     Tokenizer,
+    ChatTemplate,
     check_bpe_vocab_size,
+    check_messages,
     load_tokenizer,
+    render_chat,
+    with_chat_template,
 )
 
 if TYPE_CHECKING:
@@ -70,6 +75,10 @@ if TYPE_CHECKING:
 FORMAT = "tinygpt-data"
 VERSION = 1
 DATA_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
+# a chat data folder (prepare_chat) also holds, per split, the loss mask (uint8, one per token) and
+# where each conversation starts (uint64 token offsets)
+CHAT_FILES = ("train.mask", "val.mask", "train.starts", "val.starts")
+CHAT_ERRORS = ("strict", "skip")
 BUILTIN_CORPORA = ("python-stdlib", "shakespeare")
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DOWNLOAD_TIMEOUT_S = 10.0
@@ -712,7 +721,7 @@ def _check_out_dir(out: Path) -> None:
     entries = set(os.listdir(out))
     if not entries:
         return
-    if "meta.json" in entries and entries <= set(DATA_FILES):
+    if "meta.json" in entries and entries <= set(DATA_FILES + CHAT_FILES):
         try:
             if read_json(out / "meta.json", DataError).get("format") == FORMAT:
                 return
@@ -734,6 +743,188 @@ def _replace_folder(new: Path, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Chat data: conversations -> token files + loss masks
+
+
+@dataclass
+class Conversations:
+    """The conversations of a JSONL file, with the line each came from, and the lines left out."""
+
+    messages: list[list[dict[str, str]]]
+    lines: list[int]
+    malformed: list[tuple[int, str]]  # (line number, why)
+
+
+def read_conversations(path: str | os.PathLike, roles: Iterable[str] = ("system", "user", "assistant")) -> Conversations:
+    """Parse a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]}, one conversation a line.
+
+    Blank lines are skipped. A line that is not such an object (bad JSON, an unknown role, empty
+    content, no assistant turn) is listed in `malformed` with its 1-based number and why.
+
+    Args:
+        path: the JSONL file (UTF-8).
+        roles: the roles a message may have.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"chat file not found: {p}")
+    roles = tuple(roles)
+    out = Conversations([], [], [])
+    try:
+        with open(p, encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    out.malformed.append((n, f"not JSON ({e.msg})"))
+                    continue
+                messages = record.get("messages") if isinstance(record, dict) else None
+                try:
+                    check_messages(messages, roles)
+                except ChatError as e:
+                    out.malformed.append((n, str(e) if messages is not None else 'no "messages" list'))
+                    continue
+                out.messages.append([{"role": m["role"], "content": m["content"]} for m in messages])
+                out.lines.append(n)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    return out
+
+
+def _malformed_message(path: Path, malformed: list[tuple[int, str]]) -> str:
+    n, why = malformed[0]
+    more = ""
+    if len(malformed) > 1:
+        shown = ", ".join(str(k) for k, _ in malformed[1:6]) + (", ..." if len(malformed) > 6 else "")
+        more = f" (and {len(malformed) - 1} more malformed line{'s' if len(malformed) > 2 else ''}: {shown})"
+    return f"{path}:{n}: {why}{more}; fix it, or pass --errors skip to leave such lines out"
+
+
+def _chat_tokenizer(
+    kind: str | Tokenizer | None, tokenizer_file: str | os.PathLike | None, convs: Conversations,
+    vocab_size: int | None, template: ChatTemplate | None,
+) -> Tokenizer:
+    """The tokenizer chat data is written with: a char vocabulary of the conversations' characters, BPE
+    trained on them, GPT-2's, or a reused one; with the chat template's special tokens (unless it has them)."""
+    tok = _make_tokenizer(kind, tokenizer_file)
+    contents = [m["content"] for c in convs.messages for m in c]
+    if tok == "char":
+        tok = CharTokenizer.from_text("".join(contents))
+    elif tok == "bpe":
+        tok = BPETokenizer.train(contents, vocab_size or DEFAULT_BPE_VOCAB)
+    if tok.chat_template is not None and (template is None or template == tok.chat_template):
+        return tok
+    return with_chat_template(tok, template)
+
+
+def prepare_chat(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str | Tokenizer | None = "char",
+    vocab_size: int | None = None,
+    tokenizer_file: str | os.PathLike | None = None,
+    val_fraction: float = 0.1,
+    errors: str = "strict",
+    template: ChatTemplate | None = None,
+) -> dict[str, Any]:
+    """Render the conversations of a JSONL file into a chat data folder for supervised fine-tuning.
+    Returns the meta.json contents.
+
+    Each conversation becomes its template's tokens (tinygpt.tokenizer.render_chat) and a loss mask
+    beside them, 1 on the assistant's content and end-of-turn token, 0 elsewhere; the last
+    `val_fraction` of the conversations are the validation split. meta.json counts conversations,
+    tokens and trained tokens (the mask's sum) per split.
+
+    Args:
+        path: one conversation per line: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}.
+        out_dir: the data folder to write (an existing one is replaced only if it is a tinygpt data folder).
+        tokenizer: "char" (the conversations' characters), "bpe" (trained on them), "gpt2", a ready
+            Tokenizer, or None to take the kind from `tokenizer_file`. The template's special tokens
+            are added to it unless it carries that template already.
+        vocab_size: the BPE vocabulary to train.
+        tokenizer_file: GPT-2's files, or a tinygpt tokenizer.json / data or run folder to reuse.
+        val_fraction: the share of conversations, from the end, held out (0 to 0.5).
+        errors: "strict" stops at the first malformed line (naming it and counting the others);
+            "skip" leaves malformed lines out and counts them in meta.json (skipped, skipped_lines).
+        template: the chat template (ChatTemplate() when the tokenizer has none).
+
+    Raises:
+        DataError: a malformed line (strict), no conversation left, or content the tokenizer cannot encode.
+    """
+    if errors not in CHAT_ERRORS:
+        raise DataError(f"errors must be one of {', '.join(CHAT_ERRORS)} for chat data, got {errors!r}")
+    _check_prepare_args(val_fraction, "strict")
+    src = Path(path).expanduser().resolve()
+    out = Path(out_dir).expanduser().resolve()
+    _check_out_dir(out)
+    _check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
+    convs = read_conversations(src, template.roles if template is not None else ("system", "user", "assistant"))
+    if convs.malformed and errors == "strict":
+        raise DataError(_malformed_message(src, convs.malformed))
+    if not convs.messages:
+        raise DataError(f"{src}: no conversations" + (f" ({len(convs.malformed)} malformed lines)" if convs.malformed else ""))
+    tok = _chat_tokenizer(tokenizer, tokenizer_file, convs, vocab_size, template)
+    n_val = len(convs.messages) - _split_point(len(convs.messages), val_fraction)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        counts = {}
+        for split, part, lines in (
+            ("train", convs.messages[: len(convs.messages) - n_val], convs.lines[: len(convs.lines) - n_val]),
+            ("val", convs.messages[len(convs.messages) - n_val :], convs.lines[len(convs.lines) - n_val :]),
+        ):
+            counts.update(_write_chat_split(tok, part, lines, src, tmp, split))
+        meta = {
+            "format": FORMAT, "version": VERSION, "content": "chat",
+            "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
+            "dtype": token_dtype(tok.vocab_size).name, **counts,
+            "conversations": len(convs.messages),
+            "trained_tokens": counts["train_trained_tokens"] + counts["val_trained_tokens"],
+            "val_fraction": val_fraction, "eot_id": tok.eot_id, "chat_template": tok.chat_template.to_dict(),
+            "sources": [{"name": str(path), "path": str(src), "bytes": src.stat().st_size}],
+            "errors": errors, "skipped": len(convs.malformed), "skipped_lines": [n for n, _ in convs.malformed[:100]],
+        }
+        if tokenizer_file is not None:
+            meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
+        tok.save(tmp / "tokenizer.json")
+        write_json(tmp / "meta.json", meta)
+        _replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def _write_chat_split(
+    tok: Tokenizer, convs: list[list[dict[str, str]]], lines: list[int], src: Path, folder: Path, split: str
+) -> dict[str, int]:
+    """One split's tokens, mask and conversation starts into folder; its counts for meta.json."""
+    ids: list[int] = []
+    mask: list[int] = []
+    starts: list[int] = []
+    chars = 0
+    for conv, line in zip(convs, lines):
+        try:
+            rendered = render_chat(tok, conv)
+        except TokenizerError as e:
+            raise DataError(f"{src}:{line}: the tokenizer cannot encode this conversation: {e}") from None
+        starts.append(len(ids))
+        ids += rendered.ids
+        mask += rendered.mask
+        chars += sum(len(m["content"]) for m in conv)
+    np.asarray(ids, dtype=token_dtype(tok.vocab_size)).tofile(folder / f"{split}.bin")
+    np.asarray(mask, dtype=np.uint8).tofile(folder / f"{split}.mask")
+    np.asarray(starts, dtype=np.uint64).tofile(folder / f"{split}.starts")
+    text_bytes = sum(len(m["content"].encode("utf-8")) for conv in convs for m in conv)
+    return {f"{split}_tokens": len(ids), f"{split}_chars": chars, f"{split}_bytes": text_bytes,
+            f"{split}_conversations": len(convs), f"{split}_trained_tokens": int(sum(mask))}
+
+
+# ---------------------------------------------------------------------------------------------
 # Loading and batches
 
 
@@ -746,6 +937,14 @@ class DataSet:
     train: np.ndarray
     val: np.ndarray
     tokenizer: Tokenizer
+    # chat data only: per split, the loss mask (1 where the model learns the token) and conversation starts
+    masks: dict[str, np.ndarray] | None = None
+    starts: dict[str, np.ndarray] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        """Conversations with a loss mask (prepare_chat), not running text."""
+        return self.masks is not None
 
     @property
     def vocab_size(self) -> int:
@@ -847,7 +1046,31 @@ def load_data(path: str | os.PathLike) -> DataSet:
         split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"])
         for split in ("train", "val")
     }
-    return DataSet(p, meta, arrays["train"], arrays["val"], tok)
+    if meta.get("content") != "chat":
+        return DataSet(p, meta, arrays["train"], arrays["val"], tok)
+    masks, starts = _open_chat(p, meta, tok)
+    return DataSet(p, meta, arrays["train"], arrays["val"], tok, masks, starts)
+
+
+def _open_chat(p: Path, meta: dict[str, Any], tok: Tokenizer) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """A chat folder's masks and conversation starts, checked against meta.json and the token files."""
+    if tok.chat_template is None:
+        raise DataError(f"{p}: meta.json says chat data but tokenizer.json has no chat template")
+    masks, starts = {}, {}
+    for split in ("train", "val"):
+        n_tokens, n_conv = meta[f"{split}_tokens"], meta.get(f"{split}_conversations")
+        if not isinstance(n_conv, int) or n_conv < 0:
+            raise DataError(f"{p / 'meta.json'}: {split}_conversations must be a non-negative integer")
+        for name, dtype, n in (("mask", np.uint8, n_tokens), ("starts", np.uint64, n_conv)):
+            f = p / f"{split}.{name}"
+            if not f.is_file() or f.stat().st_size != n * np.dtype(dtype).itemsize:
+                raise DataError(f"{f} is missing or does not hold {n:,} entries as meta.json says")
+        masks[split] = np.fromfile(p / f"{split}.mask", dtype=np.uint8)
+        starts[split] = np.fromfile(p / f"{split}.starts", dtype=np.uint64).astype(np.int64)
+        s = starts[split]
+        if n_conv and (s[0] != 0 or (np.diff(s) <= 0).any() or s[-1] >= n_tokens):
+            raise DataError(f"{p / f'{split}.starts'}: conversation starts are not increasing offsets from 0")
+    return masks, starts
 
 
 def _open_tokens(path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> np.ndarray:
@@ -899,3 +1122,71 @@ def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int) -> tup
     windows = np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[offs]  # (B, T+1)
     chunk = torch.from_numpy(windows.astype(np.int64))  # (B, T+1)
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+def pack_conversations(starts: np.ndarray, n_tokens: int, block_size: int) -> list[list[tuple[int, int]]]:
+    """Rows of a chat batch: whole conversations, in order, packed while they fit one row.
+
+    A row holds at most block_size + 1 tokens (block_size inputs, each with its next token as the
+    target). A conversation that fits is never cut; one longer than a row is cut into pieces of
+    block_size + 1 tokens that overlap by one, each alone in a row, so each of its tokens is still
+    a target once.
+
+    Args:
+        starts: where each conversation begins in the split's tokens.
+        n_tokens: the split's length (the last conversation ends there).
+        block_size: the model's context.
+
+    Returns:
+        Per row, its (start, end) token spans, one per conversation or piece.
+    """
+    room = block_size + 1
+    ends = [*starts[1:].tolist(), n_tokens]
+    rows: list[list[tuple[int, int]]] = []
+    row: list[tuple[int, int]] = []
+    used = 0
+    for start, end in zip(starts.tolist(), ends):
+        if end - start > room:
+            rows += [[(s, min(s + room, end))] for s in range(start, end - 1, block_size)]
+            continue
+        if used + end - start > room:
+            rows.append(row)
+            row, used = [], 0
+        row.append((start, end))
+        used += end - start
+    if row:
+        rows.append(row)
+    return rows
+
+
+def get_chat_batch(
+    tokens: np.ndarray, mask: np.ndarray, rows: list[list[tuple[int, int]]], indices: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, targets, target weights and document ids of the packed rows `indices` (pack_conversations).
+
+    A target counts (weight 1) where the loss mask says the model learns that token and it belongs
+    to the same conversation as its input; the last token of one conversation never learns the first
+    of the next, and padding counts for nothing. `documents` numbers the conversations of a row
+    (padding -1), for the model's attention to stay inside each (GPT.forward's documents).
+
+    Returns:
+        x, y, weights (float32), documents: tensors of shape (B, T) on the CPU.
+    """
+    import torch
+
+    room = block_size + 1
+    idx = indices.tolist() if hasattr(indices, "tolist") else list(indices)
+    x = np.zeros((len(idx), room), dtype=np.int64)
+    w = np.zeros((len(idx), room), dtype=np.float32)
+    doc = np.full((len(idx), room), -1, dtype=np.int64)
+    for b, r in enumerate(idx):
+        at = 0
+        for d, (start, end) in enumerate(rows[r]):
+            x[b, at : at + end - start] = tokens[start:end]
+            w[b, at : at + end - start] = mask[start:end]
+            doc[b, at : at + end - start] = d
+            at += end - start
+    same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, 1:] >= 0)
+    weights = w[:, 1:] * same
+    return (torch.from_numpy(x[:, :-1].copy()), torch.from_numpy(x[:, 1:].copy()),
+            torch.from_numpy(weights.astype(np.float32)), torch.from_numpy(doc[:, :-1].copy()))

@@ -39,3 +39,8 @@ class MissingDependencyError(TinyGPTError, ImportError):
 
 class SweepError(TinyGPTError):
     """A sweep folder cannot be used or continued (other settings, other data, a damaged results file)."""
+
+
+class ChatError(TinyGPTError, ValueError):
+    """A conversation cannot be rendered: an unknown role, empty content, no assistant turn, a
+    tokenizer without a chat template."""

@@ -8,6 +8,7 @@ Hugging Face checkpoints is a key map.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -92,6 +93,15 @@ def _sdpa_is_slow(q: torch.Tensor, k: torch.Tensor) -> bool:
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits (B, T, V) against targets (B, T), in float32."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy averaged over the targets with weight 1 (B, T): the others (a user's
+    words, padding) add nothing to the loss or its gradient. 0 when no target counts."""
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="none")
+    w = weights.reshape(-1).to(ce.dtype)
+    # where, not a product alone: a masked target's loss may be inf, and inf * 0 would be nan
+    return torch.where(w > 0, ce * w, 0.0).sum() / w.sum().clamp_min(1.0)
 
 
 class CausalSelfAttention(nn.Module):
@@ -210,6 +220,7 @@ class GPT(nn.Module):
         *,
         last_only: bool = False,
         return_attention: bool = False,
+        documents: torch.Tensor | None = None,
     ):
         """Logits for token ids `idx` (B, T).
 
@@ -220,6 +231,10 @@ class GPT(nn.Module):
             last_only: compute the logits of the last position only (B, 1, vocab_size).
             return_attention: use the explicit attention path and also return each layer's
                 weights, a list of (B, n_head, T, T_keys).
+            documents: (B, T) ids of the documents packed into each row (conversations of a
+                chat batch; no cache): a position attends only to earlier positions of its own
+                document, and positions restart at 0 where a document begins, so each one is
+                computed exactly as it would be alone.
 
         Returns:
             logits (B, T, vocab_size), or (logits, weights) with return_attention.
@@ -228,7 +243,11 @@ class GPT(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         mask, kv_len = None, None
-        if kv_cache is None:
+        if documents is not None:
+            if kv_cache is not None:
+                raise ValueError("documents apply to a forward pass without a kv_cache")
+            pos, mask = _document_positions(documents)
+        elif kv_cache is None:
             pos = torch.arange(T, device=idx.device)
             if not self.causal:
                 mask = torch.ones(T, T, dtype=torch.bool, device=idx.device)  # every query sees every key
@@ -259,3 +278,58 @@ class GPT(nn.Module):
             x = x[:, -1:]
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         return (logits, weights) if return_attention else logits
+
+
+def _document_positions(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) that restart where each document begins, and the attention mask (B, 1, T, T)
+    that keeps each position causal within its own document."""
+    B, T = documents.shape
+    at = torch.arange(T, device=documents.device).expand(B, T)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    pos = at - torch.where(first, at, 0).cummax(dim=1).values
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    mask = (documents[:, :, None] == documents[:, None, :]) & causal
+    return pos, mask[:, None]
+
+
+@torch.no_grad()
+def grow_vocab(model: GPT, vocab_size: int) -> GPT:
+    """Give a built model room for new tokens (a chat template's special tokens after GPT-2's 50,257),
+    in place: wte and lm_head get rows for ids vocab_size_old .. vocab_size - 1, and config.vocab_size
+    becomes vocab_size.
+
+    Each new row starts as the mean of the old rows (of wte; of lm_head when it is not tied), a common
+    practice: a new token starts as an average token instead of a random direction, so the loss on
+    the old tokens does not jump when training on the new ones begins. A tied head stays tied.
+
+    Args:
+        model: the GPT.
+        vocab_size: the new size, at least the current one (equal: nothing changes).
+
+    Returns:
+        The same model.
+
+    Raises:
+        ValueError: a smaller vocab_size.
+    """
+    old = model.config.vocab_size
+    if vocab_size < old:
+        raise ValueError(f"cannot shrink a vocabulary of {old} tokens to {vocab_size}")
+    if vocab_size == old:
+        return model
+    tied = model.lm_head.weight is model.wte.weight
+
+    def grown(weight: torch.Tensor) -> nn.Parameter:
+        rows = weight.mean(dim=0, keepdim=True).expand(vocab_size - old, -1)
+        return nn.Parameter(torch.cat([weight, rows]), requires_grad=weight.requires_grad)
+
+    wte = nn.Embedding(vocab_size, model.config.n_embd, device=model.wte.weight.device, dtype=model.wte.weight.dtype)
+    wte.weight = grown(model.wte.weight)
+    model.wte = wte
+    head = nn.Linear(model.config.n_embd, vocab_size, bias=False,
+                     device=model.lm_head.weight.device, dtype=model.lm_head.weight.dtype)
+    head.weight = model.wte.weight if tied else grown(model.lm_head.weight)
+    model.lm_head = head
+    model.config = dataclasses.replace(model.config, vocab_size=vocab_size)
+    return model

@@ -16,6 +16,12 @@ tokenizer is refused rather than trained on (`tinygpt.data.check_same_tokenizer`
 Encoding treats all text as text: the literal string "<|endoftext|>" is never turned into the
 separator token (tiktoken's `encode_ordinary`). Documents are separated by the data pipeline,
 which inserts `eot_id` between them. Decoding renders the separator as "<|endoftext|>".
+
+Chat: a tokenizer may carry a `ChatTemplate` (`with_chat_template`), saved in its JSON. The template
+names special tokens (one per role's start, one for the end of a turn) that get ids of their own:
+reserved ids after the characters (char), added special tokens (bpe), new ids after GPT-2's 50,256
+(gpt2). Like "<|endoftext|>", they are never produced by encoding text: only `render_chat` places
+them, so a user who types "<|end|>" gets the characters, not the end of their turn.
 """
 
 from __future__ import annotations
@@ -30,12 +36,13 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .errors import TokenizerError
+from .errors import ChatError, TokenizerError
 from .fileio import read_json, write_json
 
 FORMAT = "tinygpt-tokenizer"
@@ -58,6 +65,7 @@ class Tokenizer(Protocol):
     kind: str
     vocab_size: int
     eot_id: int | None
+    chat_template: ChatTemplate | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -87,7 +95,15 @@ class _TokenizerBase:
     kind: str = ""
     vocab_size: int = 0
     eot_id: int | None = None
+    chat_template: ChatTemplate | None = None  # set by with_chat_template
     _fingerprint: str | None = None  # computed once, on first use
+
+    def special_ids(self) -> dict[str, int]:  # pragma: no cover - overridden
+        """Text -> id of the tokens encoding never produces (<|endoftext|>, a chat template's)."""
+        raise NotImplementedError
+
+    def _with_specials(self, tokens: list[str]) -> _TokenizerBase:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
@@ -130,7 +146,10 @@ class _TokenizerBase:
         the same kind and size with other characters (text upper-cased) gives another.
         """
         if self._fingerprint is None:
-            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(self._canonical())).hexdigest()
+            canonical = self._canonical()
+            if self.chat_template is not None:  # it decides the ids a conversation renders to
+                canonical["chat_template"] = self.chat_template.to_dict()
+            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(canonical)).hexdigest()
         return self._fingerprint
 
     def describe(self) -> str:
@@ -160,7 +179,10 @@ class _TokenizerBase:
         return out
 
     def _header(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "kind": self.kind, "vocab_size": self.vocab_size}
+        header = {"format": FORMAT, "version": VERSION, "kind": self.kind, "vocab_size": self.vocab_size}
+        if self.chat_template is not None:
+            header["chat_template"] = self.chat_template.to_dict()
+        return header
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
@@ -175,11 +197,15 @@ class CharTokenizer(_TokenizerBase):
 
     kind = "char"
 
-    def __init__(self, chars: Iterable[str]) -> None:
+    def __init__(self, chars: Iterable[str], specials: Sequence[str] = ()) -> None:
         """Args:
         chars: the vocabulary, one single-character string per id.
+        specials: special tokens (a chat template's), given the ids after the characters. Text
+            never encodes to them, even when it spells one.
         """
-        chars = list(chars)
+        chars, specials = list(chars), list(specials)
+        if any(not isinstance(t, str) or not t for t in specials) or len(set(specials)) != len(specials):
+            raise TokenizerError("special tokens must be distinct non-empty strings")
         if not chars:
             raise TokenizerError("a character vocabulary needs at least one character")
         for c in chars:
@@ -190,9 +216,17 @@ class CharTokenizer(_TokenizerBase):
         if len(set(chars)) != len(chars):
             raise TokenizerError("character vocabulary has duplicate entries")
         self.chars = chars
-        self.vocab_size = len(chars)
+        self.specials = specials
+        self._pieces = chars + specials  # id -> text
+        self.vocab_size = len(chars) + len(specials)
         self.eot_id = None
         self._table: np.ndarray | None = None
+
+    def special_ids(self) -> dict[str, int]:
+        return {t: len(self.chars) + i for i, t in enumerate(self.specials)}
+
+    def _with_specials(self, tokens: list[str]) -> CharTokenizer:
+        return CharTokenizer(self.chars, self.specials + [t for t in tokens if t not in self.specials])
 
     @classmethod
     def from_text(cls, text: str) -> CharTokenizer:
@@ -204,7 +238,7 @@ class CharTokenizer(_TokenizerBase):
         """Code point -> id lookup (int32, -1 for characters outside the vocabulary)."""
         if self._table is None:
             table = np.full(MAX_CODEPOINT + 1, -1, dtype=np.int32)
-            table[[ord(c) for c in self.chars]] = np.arange(self.vocab_size, dtype=np.int32)
+            table[[ord(c) for c in self.chars]] = np.arange(len(self.chars), dtype=np.int32)
             self._table = table
         return self._table
 
@@ -221,23 +255,24 @@ class CharTokenizer(_TokenizerBase):
         return [self.encode_to_array(t).tolist() for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
-        return "".join(map(self.chars.__getitem__, self._check_ids(ids)))
+        return "".join(map(self._pieces.__getitem__, self._check_ids(ids)))
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self.decode(ids).encode("utf-8")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self._header(), "chars": self.chars}
+        return {**self._header(), "chars": self.chars, **({"specials": self.specials} if self.specials else {})}
 
     def _canonical(self) -> dict[str, Any]:
-        return {"kind": self.kind, "chars": self.chars}
+        # "specials" only when there are some: a plain vocabulary keeps the fingerprint it always had
+        return {"kind": self.kind, "chars": self.chars, **({"specials": self.specials} if self.specials else {})}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
-        chars = data.get("chars")
-        if not isinstance(chars, list):
-            raise TokenizerError('a char tokenizer needs "chars", a list of characters')
-        return cls(chars)
+        chars, specials = data.get("chars"), data.get("specials", [])
+        if not isinstance(chars, list) or not isinstance(specials, list):
+            raise TokenizerError('a char tokenizer needs "chars", a list of characters (and "specials" a list)')
+        return cls(chars, specials)
 
 
 def encode_skipping_unknown(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray, list[tuple[int, int]], int]:
@@ -416,6 +451,20 @@ class BPETokenizer(_TokenizerBase):
         """The underlying `tokenizers.Tokenizer` (for export to Hugging Face formats)."""
         return self._tok
 
+    def special_ids(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def _with_specials(self, tokens: list[str]) -> BPETokenizer:
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_str(self._tok.to_str())  # a copy: this tokenizer stays as it is
+        have = self.special_ids()
+        for t in tokens:  # one by one, in order, so each lands on the next id
+            if t not in have:
+                tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+        return BPETokenizer(tok)
+
     def to_dict(self) -> dict[str, Any]:
         return {**self._header(), "eot": EOT, "tokenizer": json.loads(self._tok.to_str())}
 
@@ -547,16 +596,24 @@ class GPT2Tokenizer(_TokenizerBase):
 
     @classmethod
     def from_vocab_merges(
-        cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, *, vocab: Any = None
+        cls, vocab_path: str | os.PathLike, merges_path: str | os.PathLike, *, vocab: Any = None,
+        specials: Sequence[str] = (),
     ) -> GPT2Tokenizer:
-        """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them."""
+        """GPT-2's files as Hugging Face (vocab.json + merges.txt) and OpenAI (encoder.json + vocab.bpe) ship them.
+
+        Args:
+            vocab_path, merges_path: the two files.
+            vocab: vocab.json's contents, when already read.
+            specials: tokens of the vocabulary that are special besides <|endoftext|> (a chat
+                template's, which an export writes into vocab.json after it).
+        """
         if vocab is None:
             vocab = read_json(Path(vocab_path), TokenizerError)
         if not isinstance(vocab, dict) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()
         ):
             raise TokenizerError(f"{vocab_path}: expected a JSON object of token -> id")
-        special = {EOT: vocab[EOT]} if EOT in vocab else {}
+        special = {t: vocab[t] for t in (EOT, *specials) if t in vocab}
         try:
             ranks = {_token_bytes(t): i for t, i in vocab.items() if t not in special}
         except TokenizerError as e:
@@ -625,6 +682,15 @@ class GPT2Tokenizer(_TokenizerBase):
     def special_tokens(self) -> Mapping[str, int]:
         """Text -> id of the tokens outside the merges (GPT-2's <|endoftext|>), read-only."""
         return MappingProxyType(self._special)
+
+    def special_ids(self) -> dict[str, int]:
+        return dict(self._special)
+
+    def _with_specials(self, tokens: list[str]) -> GPT2Tokenizer:
+        special = dict(self._special)
+        for t in tokens:  # new ids after the last one (50,256 for GPT-2's own)
+            special.setdefault(t, len(self._ranks) + len(special))
+        return GPT2Tokenizer(self._ranks, special, pat_str=self._pat_str, name=f"{self._enc.name}-chat")
 
     def to_dict(self) -> dict[str, Any]:
         by_rank = sorted(self._ranks.items(), key=lambda kv: kv[1])
@@ -706,6 +772,227 @@ def _as_gpt2(tokenizer: Tokenizer, where: Path) -> GPT2Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------------
+# Chat templates
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How a conversation becomes tokens: each message is its role's start token, the content's
+    ids, and the end-of-turn token; a prompt for a reply ends with the assistant's start token.
+
+        <|system|>You answer briefly.<|end|><|user|>Hi<|end|><|assistant|>Hello!<|end|>
+
+    Args:
+        start: the spelling of a role's start token, with "{role}" where the role's name goes.
+        end: the spelling of the end-of-turn token (the one generation stops at).
+        roles: the roles a message may have.
+    """
+
+    start: str = "<|{role}|>"
+    end: str = "<|end|>"
+    roles: tuple[str, ...] = ROLES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.start, str) or self.start.count("{role}") != 1:
+            raise ChatError(f'a chat template\'s start must hold "{{role}}" once, got {self.start!r}')
+        if not isinstance(self.end, str) or not self.end:
+            raise ChatError("a chat template's end-of-turn token must be a non-empty string")
+        roles = tuple(self.roles)
+        if "assistant" not in roles or not all(isinstance(r, str) and r for r in roles) or len(set(roles)) != len(roles):
+            raise ChatError(f"a chat template's roles must be distinct names including assistant, got {roles!r}")
+        object.__setattr__(self, "roles", roles)
+        if len(set(self.special_tokens())) != len(roles) + 1:
+            raise ChatError("a chat template's special tokens must all differ")
+
+    def start_token(self, role: str) -> str:
+        """The spelling of `role`'s start token."""
+        return self.start.replace("{role}", role)
+
+    def special_tokens(self) -> list[str]:
+        """Every special token the template uses, in id order: the roles' starts, then the end of turn."""
+        return [self.start_token(r) for r in self.roles] + [self.end]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "end": self.end, "roles": list(self.roles)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ChatTemplate:
+        """The template from its `to_dict()` form.
+
+        Raises:
+            ChatError: not a template's form.
+        """
+        if not isinstance(data, dict) or not isinstance(data.get("roles", []), list):
+            raise ChatError('a chat template is an object with "start", "end" and "roles"')
+        return cls(data.get("start", cls.start), data.get("end", cls.end), tuple(data.get("roles", ROLES)))
+
+    def jinja(self) -> str:
+        """The template in Jinja, as transformers' `apply_chat_template` runs it (tokenizer_config.json's
+        `chat_template`): messages with another role raise, `add_generation_prompt` appends the
+        assistant's start. The special tokens it writes are split out by the tokenizer before the
+        contents are encoded, so the ids equal `render_chat`'s."""
+        before, after = self.start.split("{role}")
+        roles = "[" + ", ".join(map(_jinja_str, self.roles)) + "]"
+        return (
+            "{% for message in messages %}"
+            f"{{% if message['role'] not in {roles} %}}"
+            "{{ raise_exception('unknown role: ' + message['role']) }}{% endif %}"
+            f"{{{{ {_jinja_str(before)} + message['role'] + {_jinja_str(after)} + message['content'] + "
+            f"{_jinja_str(self.end)} }}}}"
+            "{% endfor %}"
+            f"{{% if add_generation_prompt %}}{{{{ {_jinja_str(self.start_token('assistant'))} }}}}{{% endif %}}"
+        )
+
+
+def _jinja_str(text: str) -> str:
+    """A Jinja string literal of `text` (its escapes are Python's)."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def with_chat_template(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> Tokenizer:
+    """A copy of `tokenizer` that carries a chat template, its special tokens added where missing.
+
+    Char vocabularies get them as ids after the characters, BPE as added special tokens, GPT-2 as
+    ids after 50,256 (a model trained before needs its embedding grown: `tinygpt.model.grow_vocab`).
+    The tokenizer given is not changed.
+
+    Args:
+        tokenizer: any tinygpt tokenizer.
+        template: the template (ChatTemplate(): <|system|>, <|user|>, <|assistant|>, <|end|>).
+    """
+    template = template or ChatTemplate()
+    tok = tokenizer._with_specials(template.special_tokens())
+    tok.chat_template = template
+    return tok
+
+
+def _checked_template(tokenizer: Tokenizer, template: ChatTemplate) -> ChatTemplate:
+    missing = [t for t in template.special_tokens() if t not in tokenizer.special_ids()]
+    if missing:
+        raise TokenizerError(f"the chat template's tokens {', '.join(missing)} are not special tokens of the vocabulary")
+    return template
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A conversation as token ids, and its loss mask: 1 where a model learns to write the token
+    (the assistant's content and end of turn), 0 elsewhere."""
+
+    ids: list[int]
+    mask: list[int]
+
+
+def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, need_assistant: bool = True) -> None:
+    """Refuse a conversation that is not a list of {"role", "content"} messages with known roles and
+    non-empty text content.
+
+    Args:
+        messages: the conversation.
+        roles: the roles allowed (the template's).
+        need_assistant: also require an assistant turn (training data needs something to learn).
+
+    Raises:
+        ChatError: what is wrong, naming the message (1-based).
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ChatError('"messages" must be a non-empty list')
+    for n, m in enumerate(messages, start=1):
+        if not isinstance(m, dict):
+            raise ChatError(f"message {n} is not an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in roles:
+            raise ChatError(f"message {n} has an unknown role {role!r} (expected {', '.join(roles)})")
+        if not isinstance(content, str):
+            raise ChatError(f"message {n} ({role}) has no text content")
+        if not content.strip():
+            raise ChatError(f"message {n} ({role}) has empty content")
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ChatError("the conversation has no assistant turn")
+
+
+def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
+    """The tokenizer's chat template.
+
+    Raises:
+        ChatError: it has none.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise ChatError("the tokenizer has no chat template (prepare the data with --format chat)")
+    return template
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Rendered:
+    """A whole conversation as ids and loss mask, with the tokenizer's chat template.
+
+    Args:
+        tokenizer: a tokenizer with a chat template (with_chat_template).
+        messages: [{"role": "system" | "user" | "assistant", "content": "..."}, ...], with an
+            assistant turn.
+
+    Raises:
+        ChatError: a malformed conversation or a tokenizer without a template.
+        TokenizerError: content the vocabulary cannot encode.
+    """
+    template = chat_template_of(tokenizer)
+    check_messages(messages, template.roles)
+    ids, mask = _render(tokenizer, template, messages)
+    return Rendered(ids, mask)
+
+
+def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The ids a model continues to write the assistant's next turn: the messages, then the assistant's start.
+
+    Raises:
+        ChatError, TokenizerError: as render_chat (no assistant turn is needed).
+    """
+    template = chat_template_of(tokenizer)
+    check_messages(messages, template.roles, need_assistant=False)
+    ids, _ = _render(tokenizer, template, messages)
+    return ids + [tokenizer.special_ids()[template.start_token("assistant")]]
+
+
+def fit_chat_prompt(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[list[dict[str, str]], list[int], int]:
+    """The conversation trimmed oldest-first until its prompt (render_chat_prompt) holds at most
+    `max_tokens` ids: a leading system message stays, and so does the last message, even alone
+    over the limit (generation then sees the prompt's last tokens only).
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        messages: the conversation so far, ending with the message to answer.
+        max_tokens: the prompt's budget (the model's context less room for the reply).
+
+    Returns:
+        (the messages kept, their prompt's ids, how many messages were dropped).
+    """
+    system = messages[:1] if messages and messages[0].get("role") == "system" else []
+    rest = messages[len(system):]
+    dropped = 0
+    while True:
+        ids = render_chat_prompt(tokenizer, system + rest)
+        if len(ids) <= max_tokens or len(rest) <= 1:
+            return system + rest, ids, dropped
+        rest, dropped = rest[1:], dropped + 1
+
+
+def _render(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    special = tokenizer.special_ids()
+    end = special[template.end]
+    contents = tokenizer.encode_batch([m["content"] for m in messages])  # text only: never a special token
+    ids: list[int] = []
+    mask: list[int] = []
+    for m, content in zip(messages, contents):
+        learn = int(m["role"] == "assistant")
+        ids += [special[template.start_token(m["role"])], *content, end]
+        mask += [0] + [learn] * (len(content) + 1)
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
 # Files
 
 
@@ -730,6 +1017,11 @@ def tokenizer_from_dict(data: Any, *, where: str = "tokenizer") -> Tokenizer:
         raise TokenizerError(f"{where}: {e}") from None
     except Exception as e:  # anything else in a damaged file is still a damaged file
         raise TokenizerError(f"{where}: corrupt {kind} tokenizer ({type(e).__name__}: {e})") from None
+    if "chat_template" in data:
+        try:
+            tok.chat_template = _checked_template(tok, ChatTemplate.from_dict(data["chat_template"]))
+        except (ChatError, TokenizerError) as e:
+            raise TokenizerError(f"{where}: {e}") from None
     if "vocab_size" in data and data["vocab_size"] != tok.vocab_size:
         raise TokenizerError(f"{where}: says vocab_size {data['vocab_size']} but holds {tok.vocab_size} tokens")
     return tok

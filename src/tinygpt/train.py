@@ -30,7 +30,7 @@ import torch
 
 from . import checkpoint, distributed
 from .config import DEFAULT_LR, GPTConfig, TrainConfig
-from .data import DataSet, check_same_tokenizer, get_batch, load_data
+from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
@@ -40,7 +40,7 @@ from .errors import (
     TrainingError,
 )
 from .fileio import atomic_write, read_json, write_json
-from .model import GPT, lm_loss
+from .model import GPT, lm_loss, masked_lm_loss
 from .optim import BudgetSchedule, lr_at, make_optimizer
 from .sizing import ModelChoice
 
@@ -205,25 +205,71 @@ def share(offsets: torch.Tensor, rank: int, batch_size: int) -> torch.Tensor:
     return offsets[rank * batch_size : (rank + 1) * batch_size]
 
 
+class Batches:
+    """Where a split's training batches come from: `sample` draws a batch's positions from a
+    generator, `get` builds it. Running text gives windows at random offsets (x, y); chat data gives
+    packed rows of whole conversations (x, y, target weights, document ids), so the loss counts the
+    assistant's tokens only and nothing is learned across a conversation's boundary."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, mask: np.ndarray | None = None,
+                 starts: np.ndarray | None = None) -> None:
+        """Args:
+        tokens: a split's token ids.
+        block_size: the model's context.
+        mask, starts: chat data's loss mask and conversation starts (None for text).
+        """
+        self.tokens, self.block, self.mask = tokens, block_size, mask
+        self.rows = pack_conversations(starts, len(tokens), block_size) if starts is not None else None
+
+    @classmethod
+    def of(cls, dataset: DataSet, split: str, block_size: int) -> Batches:
+        """A data folder's split ("train" or "val"), chat or text as it was prepared."""
+        if not dataset.is_chat:
+            return cls(getattr(dataset, split), block_size)
+        return cls(getattr(dataset, split), block_size, dataset.masks[split], dataset.starts[split])
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n window offsets (text) or packed-row indices (chat)."""
+        if self.rows is None:
+            return sample_offsets(len(self.tokens), self.block, n, generator)
+        return torch.randint(0, len(self.rows), (n,), generator=generator)
+
+    def get(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The batch at `positions`: (x, y) for text, (x, y, weights, documents) for chat."""
+        if self.rows is None:
+            return get_batch(self.tokens, positions, self.block)
+        return get_chat_batch(self.tokens, self.mask, self.rows, positions, self.block)
+
+
+def batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], device) -> torch.Tensor:
+    """The loss of one batch from Batches.get: every target's for text; the weighted targets' (the
+    assistant's tokens), each conversation seeing only itself, for chat."""
+    if len(batch) == 2:
+        x, y = batch
+        return lm_loss(model(x.to(device)), y.to(device))
+    x, y, weights, documents = (t.to(device) for t in batch)
+    return masked_lm_loss(model(x, documents=documents), y, weights)
+
+
 @torch.no_grad()
 def estimate_loss(
-    model: GPT, tokens: np.ndarray, cfg: TrainConfig, device, dtype, *, rank: int = 0, world_size: int = 1,
-    iters: int | None = None,
+    model: GPT, tokens: np.ndarray | Batches, cfg: TrainConfig, device, dtype, *, rank: int = 0,
+    world_size: int = 1, iters: int | None = None,
 ) -> float:
     """Mean loss over eval_iters random batches (the first `iters` of them when given); the same
-    batches at every evaluation.
+    batches at every evaluation. On chat data (a Batches of it) the loss is the assistant's tokens'.
 
     With several processes each batch holds batch_size x world_size sequences and this process
     evaluates its own slice; the mean of the processes' results is the loss over the whole batch.
     """
-    block = model.config.block_size
+    batches = tokens if isinstance(tokens, Batches) else Batches(tokens, model.config.block_size)
     g = torch.Generator().manual_seed(cfg.seed + 1)
     losses = []
     for _ in range(cfg.eval_iters if iters is None else iters):
-        offsets = sample_offsets(len(tokens), block, cfg.batch_size * world_size, g)
-        x, y = get_batch(tokens, share(offsets, rank, cfg.batch_size), block)
+        positions = batches.sample(cfg.batch_size * world_size, g)
+        batch = batches.get(share(positions, rank, cfg.batch_size))
         with autocast(device, dtype):
-            losses.append(lm_loss(model(x.to(device)), y.to(device)).item())
+            losses.append(batch_loss(model, batch, device).item())
     return float(np.mean(losses))
 
 
@@ -406,10 +452,17 @@ def _settings(
 
 
 def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
-    """The model must cover the data's vocabulary, and each split must hold one window of its context."""
+    """The model must cover the data's vocabulary, and each split must hold one window of its context
+    (chat data: one conversation)."""
     vocab = int(dataset.meta["vocab_size"])
     if model_config.vocab_size < vocab:
         raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
+    if dataset.is_chat:
+        for split in ("train", "val"):
+            if not dataset.meta[f"{split}_conversations"]:
+                raise TrainingError(f"the {split} split of {dataset.path} holds no conversation; "
+                                    "prepare more conversations or another --val-fraction")
+        return
     block = model_config.block_size
     for split in ("train", "val"):
         n = len(getattr(dataset, split))
@@ -444,6 +497,7 @@ class _Run:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
         self.data_rng = torch.Generator().manual_seed(cfg.seed)
         self.block = setup.model_config.block_size
+        self.batches = {s: Batches.of(self.dataset, s, self.block) for s in ("train", "val")}
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.block * ctx.world_size
         self.step, self.tokens, self.horizon = 0, 0, cfg.max_iters
         self.keep_best = setup.start is not None and setup.start.keep == "best"
@@ -496,10 +550,11 @@ class _Run:
         if fresh:
             (run / METRICS).write_text("")
 
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The training loss of one micro-batch (inputs x, targets y), under autocast."""
+    def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The training loss of one micro-batch (Batches.get: inputs x, targets y, and for chat the
+        targets' weights and document ids), under autocast."""
         with autocast(self.device, self.dtype):
-            return lm_loss(self.step_model(x.to(self.device)), y.to(self.device))
+            return batch_loss(self.step_model, batch, self.device)
 
     def train_step(self, hooks: TrainCallback) -> dict[str, Any]:
         """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
@@ -510,13 +565,13 @@ class _Run:
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             # every process draws the whole global batch from the same generator and takes its slice
-            offsets = sample_offsets(len(self.dataset.train), self.block, cfg.batch_size * ctx.world_size, self.data_rng)
+            offsets = self.batches["train"].sample(cfg.batch_size * ctx.world_size, self.data_rng)
             offsets = share(offsets, ctx.rank, cfg.batch_size)
             hooks.on_batch(offsets)
-            x, y = get_batch(self.dataset.train, offsets, self.block)
+            batch = self.batches["train"].get(offsets)
             # gradients are reduced across processes once, in the last micro-step's backward
             with distributed.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
-                loss = self.loss(x, y) / cfg.grad_accum
+                loss = self.loss(batch) / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
         loss_value = ctx.mean(loss_sum)  # the global batch's loss, the same in every process
@@ -540,7 +595,7 @@ class _Run:
         """Phase 4a: the loss on both splits (eval_iters batches, or the first `iters`); its metrics line."""
         self.model.eval()
         losses = {
-            s: self.ctx.mean(estimate_loss(self.model, getattr(self.dataset, s), self.cfg, self.device, self.dtype,
+            s: self.ctx.mean(estimate_loss(self.model, self.batches[s], self.cfg, self.device, self.dtype,
                                            rank=self.ctx.rank, world_size=self.ctx.world_size, iters=iters))
             for s in ("train", "val")
         }

@@ -13,7 +13,7 @@ import os
 import sys
 
 from ..errors import TinyGPTError
-from . import bench, finetune, inspect, interchange, prepare, run, scale, serve, sweep, train
+from . import bench, chat, finetune, inspect, interchange, prepare, run, scale, serve, sweep, train
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SIGNAL, MAX_INT, Number
 from .prepare import default_data_folder
 
@@ -22,10 +22,10 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_SIGNAL", "M
 
 # every command's parser, in the order `tinygpt --help` lists them
 COMMANDS = (
-    inspect.add_lesson, train.add_train, finetune.add_finetune, finetune.add_report, run.add_sample, inspect.add_attention, inspect.add_plot,
-    inspect.add_fewshot, inspect.add_fewshot_data, run.add_eval, scale.add_params, scale.add_chinchilla,
-    sweep.add_sweep, prepare.add_prepare, interchange.add_export, interchange.add_import, interchange.add_merge,
-    serve.add_serve, bench.add_bench,
+    inspect.add_lesson, train.add_train, finetune.add_finetune, finetune.add_report, run.add_sample,
+    inspect.add_attention, inspect.add_plot, inspect.add_fewshot, inspect.add_fewshot_data, run.add_eval,
+    scale.add_params, scale.add_chinchilla, sweep.add_sweep, prepare.add_prepare, interchange.add_export,
+    interchange.add_import, interchange.add_merge, serve.add_serve, chat.add_chat, bench.add_bench,
 )
 
 

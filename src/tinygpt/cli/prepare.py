@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ConfigError
 from .common import Number
 
 
@@ -15,11 +16,20 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     built-in corpus: python-stdlib (this Python's standard library sources) or shakespeare
     (downloaded once). Files are read as UTF-8; line endings are kept as they are. Without --out
     the folder is data/NAME after the first source: data/python-stdlib, data/shakespeare, data/notes.
+
+    With --format chat, SOURCE is one JSONL file of conversations; each is written with the
+    tokenizer's chat template and a loss mask (train.mask, val.mask) so training learns the
+    assistant's turns only.
     """
     import time
 
     from ..data import prepare
 
+    if args.format == "chat":
+        return _prepare_chat(args)
+    if args.errors == "skip":
+        raise ConfigError("--errors skip applies to --format chat (malformed conversation lines); text takes "
+                          "strict or replace")
     out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
     progress, close = _progress_bars() if args.progress else (None, lambda: None)
@@ -56,6 +66,30 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"  skipped {skipped:,} files (binary, or not decodable as Python source)")
     if meta["errors"] == "replace":
         print(f"  replaced {meta['replacements']:,} invalid byte sequences with U+FFFD")
+    return 0
+
+
+def _prepare_chat(args: argparse.Namespace) -> int:
+    """`prepare FILE.jsonl --format chat`: conversations into token files and loss masks."""
+    from ..data import prepare_chat
+
+    if len(args.sources) != 1:
+        raise ConfigError("--format chat reads one JSONL file of conversations")
+    if args.errors == "replace":
+        raise ConfigError("--errors replace applies to text; chat data takes strict or skip")
+    out = args.out or default_data_folder(args.sources[0])
+    meta = prepare_chat(args.sources[0], out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                        tokenizer_file=args.tokenizer_file, val_fraction=args.val_fraction,
+                        errors="skip" if args.errors == "skip" else "strict")
+    print(f"prepared {out} from {args.sources[0]}: {meta['conversations']:,} conversations "
+          f"({meta['train_conversations']:,} train, {meta['val_conversations']:,} val)")
+    print(f"  tokenizer  {meta['tokenizer']} with a chat template, vocab {meta['vocab_size']:,}, {meta['dtype']}")
+    for split in ("train", "val"):
+        print(f"  {split:<5}      {meta[f'{split}_tokens']:>12,} tokens  {meta[f'{split}_trained_tokens']:>12,} "
+              "trained (the assistant's)")
+    if meta["skipped"]:
+        lines = ", ".join(map(str, meta["skipped_lines"][:10])) + (", ..." if meta["skipped"] > 10 else "")
+        print(f"  skipped {meta['skipped']:,} malformed lines ({lines})")
     return 0
 
 
@@ -113,8 +147,12 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
         help="share held out for validation, 0-0.5 (0.1)"
     )
     p.add_argument(
-        "--errors", choices=("strict", "replace"), default="strict", help="invalid UTF-8: stop (default) or put U+FFFD"
+        "--errors", choices=("strict", "replace", "skip"), default="strict",
+        help="invalid UTF-8: stop (default) or put U+FFFD; --format chat: stop at a malformed line (default) or skip"
     )
+    p.add_argument("--format", choices=("text", "chat"), default="text",
+                   help="text (default), or chat: one JSONL file, a conversation per line "
+                        '({"messages": [{"role": ..., "content": ...}]}), trained on the assistant\'s turns')
     p.add_argument(
         "--tokenizer-file",
         metavar="PATH",

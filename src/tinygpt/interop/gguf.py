@@ -67,7 +67,7 @@ def gguf_notes(model: GPT, tokenizer: Tokenizer) -> list[str]:
             "llama.cpp computes GPT-2's MLP with the tanh approximation of GELU and this model uses exact "
             "GELU, so its outputs there differ slightly from tinygpt's"
         )
-    if tokenizer.eot_id is None and tokenizer.vocab_size > LLAMA_CPP_DEFAULT_EOS:
+    if tokenizer.eot_id is None and tokenizer.chat_template is None and tokenizer.vocab_size > LLAMA_CPP_DEFAULT_EOS:
         token = tokenizer.decode([LLAMA_CPP_DEFAULT_EOS])
         notes.append(
             f"the vocabulary has no end-of-text token, so llama.cpp stops at token {LLAMA_CPP_DEFAULT_EOS} "
@@ -139,6 +139,12 @@ def export_gguf(
         if tokenizer.eot_id is not None:
             writer.add_bos_token_id(tokenizer.eot_id)
             writer.add_eos_token_id(tokenizer.eot_id)
+        if tokenizer.chat_template is not None:  # llama.cpp's chat renders it and stops at the end of turn
+            end = tokenizer.special_ids()[tokenizer.chat_template.end]
+            writer.add_chat_template(tokenizer.chat_template.jinja())
+            writer.add_eot_token_id(end)
+            if tokenizer.eot_id is None:
+                writer.add_eos_token_id(end)
         writer.add_add_bos_token(False)
         for tensor_name, array in tensors.items():
             writer.add_tensor(tensor_name, np.ascontiguousarray(array))

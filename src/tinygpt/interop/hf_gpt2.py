@@ -344,6 +344,10 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
     state = to_hf_state_dict(model)
     atomic_write(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     generation = {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot} if eot is not None else {}
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None:  # a chat run's replies end at its end of turn (and at <|endoftext|>, where there is one)
+        end = tokenizer.special_ids()[template.end]
+        generation["eos_token_id"] = [end, eot] if eot is not None else end
     write_json(out / GENERATION_CONFIG, generation)
     save_hf_tokenizer(tokenizer, out, model.config.block_size)
     write_json(out / CONFIG, hf_config(model.config, eot))  # last: a folder without it is not a model yet

@@ -20,9 +20,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import TokenizerError
+from ..errors import ChatError, TokenizerError
 from ..fileio import atomic_write, read_json, write_json
-from ..tokenizer import EOT, BPETokenizer, CharTokenizer, GPT2Tokenizer, Tokenizer, byte_to_unicode
+from ..tokenizer import (
+    EOT,
+    BPETokenizer,
+    ChatTemplate,
+    CharTokenizer,
+    GPT2Tokenizer,
+    Tokenizer,
+    byte_to_unicode,
+    with_chat_template,
+)
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -31,6 +40,7 @@ GPT2_MERGES = "merges.txt"
 # every tokenizer file of a folder: an export removes those it does not write, which would be read
 # in place of its own
 TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GPT2_VOCAB, GPT2_MERGES, "special_tokens_map.json")
+TINYGPT_TEMPLATE = "tinygpt_chat_template"  # tokenizer_config.json: the template in tinygpt's form
 # The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
 CHAR_SPLIT = r"[\s\S]"
 _SPELLING = byte_to_unicode()
@@ -102,7 +112,8 @@ def byte_level_vocab(tokenizer: Tokenizer) -> tuple[list[str], list[tuple[str, s
     multi-byte characters, so it still encodes one id per character.
     """
     if isinstance(tokenizer, CharTokenizer):
-        return [spell_bytes(c.encode("utf-8")) for c in tokenizer.chars], _char_merges(tokenizer.chars), set()
+        tokens = [spell_bytes(c.encode("utf-8")) for c in tokenizer.chars] + list(tokenizer.specials)
+        return tokens, _char_merges(tokenizer.chars), set(range(len(tokenizer.chars), tokenizer.vocab_size))
     if isinstance(tokenizer, GPT2Tokenizer):
         tokens = [""] * tokenizer.vocab_size
         ranks, special = tokenizer.ranks, tokenizer.special_tokens
@@ -141,6 +152,10 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
         tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
         tok.pre_tokenizer = pre_tokenizers.Split(Regex(CHAR_SPLIT), behavior="isolated")
         tok.decoder = decoders.Fuse()
+        for i, text in enumerate(tokenizer.specials, start=len(tokenizer.chars)):  # a chat template's, in id order
+            tok.add_special_tokens([AddedToken(text, special=True, normalized=False)])
+            if tok.token_to_id(text) != i:
+                raise TokenizerError(f"special token {text!r} does not land on its id {i}")
         return tok
     if isinstance(tokenizer, BPETokenizer):
         return HFTokenizer.from_str(tokenizer.hf_tokenizer.to_str())
@@ -163,14 +178,17 @@ def _char_from_hf(data: dict[str, Any], where: str) -> CharTokenizer:
     split = {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
     vocab = data["model"].get("vocab") or {}
     chars = sorted(vocab, key=vocab.get)
+    # special tokens after the characters (a chat template's), in id order
+    added = sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [] if t.get("special"))
     if (
         data.get("pre_tokenizer") != split
         or data.get("normalizer") is not None
         or sorted(vocab.values()) != list(range(len(vocab)))
         or not all(len(c) == 1 for c in chars)
+        or [i for i, _ in added] != list(range(len(chars), len(chars) + len(added)))
     ):
         raise TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
-    return CharTokenizer(chars)
+    return CharTokenizer(chars, [t for _, t in added])
 
 
 def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
@@ -178,13 +196,39 @@ def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
 
     GPT-2's own files (vocab.json + merges.txt) load as GPT-2's BPE through tiktoken; otherwise
     tokenizer.json: a one-character-per-token WordLevel loads as a char tokenizer, a byte-level BPE
-    as a bpe tokenizer.
+    as a bpe tokenizer. A chat template tinygpt exported (tokenizer_config.json's
+    tinygpt_chat_template) comes back with it.
     """
     path = Path(path)
+    template = _chat_template(path)
+    tokenizer = _load_hf_tokenizer(path, template)
+    if tokenizer is None or template is None:
+        return tokenizer
+    chat = with_chat_template(tokenizer, template)  # its tokens are there already: only the template is added
+    if chat.vocab_size != tokenizer.vocab_size:
+        raise TokenizerError(f"{path}: tokenizer_config.json names a chat template whose special tokens the "
+                             "tokenizer lacks")
+    return chat
+
+
+def _chat_template(path: Path) -> ChatTemplate | None:
+    """The tinygpt chat template an export recorded in tokenizer_config.json, if any."""
+    file = path / TOKENIZER_CONFIG
+    data = read_json(file, TokenizerError) if file.is_file() else None
+    if not isinstance(data, dict) or TINYGPT_TEMPLATE not in data:
+        return None
+    try:
+        return ChatTemplate.from_dict(data[TINYGPT_TEMPLATE])
+    except ChatError as e:
+        raise TokenizerError(f"{file}: {TINYGPT_TEMPLATE}: {e}") from None
+
+
+def _load_hf_tokenizer(path: Path, template: ChatTemplate | None) -> Tokenizer | None:
     gpt2_error = None
     if (path / GPT2_VOCAB).is_file() and (path / GPT2_MERGES).is_file():
         try:
-            return GPT2Tokenizer.from_vocab_merges(path / GPT2_VOCAB, path / GPT2_MERGES)
+            specials = template.special_tokens() if template is not None else ()
+            return GPT2Tokenizer.from_vocab_merges(path / GPT2_VOCAB, path / GPT2_MERGES, specials=specials)
         except TokenizerError as e:  # a BPE that is not rank-ordered like GPT-2's: try tokenizer.json
             gpt2_error = e
     file = path / TOKENIZER
@@ -219,6 +263,13 @@ def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
     }
     if tokenizer.eot_id is not None:
         config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+    template = tokenizer.chat_template
+    if template is not None:
+        # apply_chat_template renders a string and encodes it: the template's special tokens in it must
+        # be found as such, so special spellings are not split here (unlike tinygpt's render_chat, a
+        # message that spells one in its text gets the token); generation ends at the end of turn
+        config.update(chat_template=template.jinja(), split_special_tokens=False, eos_token=template.end)
+        config[TINYGPT_TEMPLATE] = template.to_dict()  # what `tinygpt import` reads back (the Jinja is for transformers)
     return config
 
 

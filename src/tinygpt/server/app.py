@@ -28,8 +28,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SampleConfig
-from ..errors import ConfigError, TokenizerError
-from ..tokenizer import IncrementalDecoder
+from ..errors import ChatError, ConfigError, TokenizerError
+from ..tokenizer import IncrementalDecoder, render_chat_prompt
 from .protocol import (
     CHAT_STOPS,
     APIError,
@@ -152,7 +152,8 @@ def create_app(
         body = {"status": "error" if failure else "draining" if draining else "ok", "model": model_name,
                 "block_size": cfg.block_size, "vocab_size": cfg.vocab_size, "n_layer": cfg.n_layer,
                 "n_head": cfg.n_head, "max_tokens": max_tokens, "auth": api_key is not None,
-                "chat": chat_error is None, **server.scheduler.stats()}
+                "chat": chat_error is None, "chat_template": server.chat_format()["kind"],
+                **server.scheduler.stats()}
         if chat_error:
             body["chat_error"] = chat_error
         if failure:
@@ -203,6 +204,12 @@ class _Server:
         # ids the tokenizer can decode (a model's vocabulary may be padded beyond it)
         self.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
         self.stop_tokens = frozenset() if tokenizer.eot_id is None else frozenset({tokenizer.eot_id})
+        # a run trained on chat data renders messages with its own template and stops at its end of turn;
+        # any other model gets the plain-text "User: ... Assistant:" prompt
+        self.template = getattr(tokenizer, "chat_template", None)
+        self.chat_stop_tokens = self.stop_tokens
+        if self.template is not None:
+            self.chat_stop_tokens = self.stop_tokens | {tokenizer.special_ids()[self.template.end]}
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.encodable = lru_cache(maxsize=4096)(self._encodable)
@@ -270,6 +277,8 @@ class _Server:
     def chat_error(self, roles: Iterable[str] = ("user",)) -> str | None:
         """Why the chat template cannot be written, for messages of these roles, in this model's
         vocabulary (a character model whose corpus lacks 'U' or ':'), or None when it can."""
+        if self.template is not None:  # its special tokens are in the vocabulary by construction
+            return None
         template = chat_prompt([Message(role=role, content="") for role in roles])
         missing = [c for c in sorted(set(template)) if not self.encodable(c)]
         if not missing:
@@ -356,12 +365,23 @@ class _Server:
         why = self.chat_error(m.role for m in req.messages)
         if why is not None:
             raise APIError(400, why, param="model", code="chat_template_unsupported")
-        text = chat_prompt(req.messages)
-        ids = await run_in_threadpool(self.encode, text, "messages")
         settings = self.settings(req, req.max_completion_tokens or req.max_tokens, self.max_tokens)
         top = req.top_logprobs or 0
-        settings.update(stop=CHAT_STOPS + req.stops, logprobs=top if req.logprobs else None)
+        if self.template is None:
+            ids = await run_in_threadpool(self.encode, chat_prompt(req.messages), "messages")
+            settings.update(stop=CHAT_STOPS + req.stops, logprobs=top if req.logprobs else None)
+        else:
+            ids = await run_in_threadpool(self.render, req.messages)
+            settings.update(stop=req.stops, logprobs=top if req.logprobs else None, stop_tokens=self.chat_stop_tokens)
         return await self.generate(request, req, [ids], settings, chat=True)
+
+    def render(self, messages: list[Message]) -> list[int]:
+        """The run's own template over the messages, ending with the assistant's start ("developer" is the system)."""
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        try:
+            return render_chat_prompt(self.tokenizer, plain)
+        except (ChatError, TokenizerError) as e:
+            raise APIError(400, f"Invalid value for 'messages': {e}", param="messages", code="invalid_value") from None
 
     def check_choices(self, count: int) -> None:
         """n times the number of prompts must fit; a full server answers 429 before any work."""
@@ -494,7 +514,14 @@ class _Server:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tinygpt",
-                "context_length": self.block_size}
+                "context_length": self.block_size, "chat_template": self.chat_format()}
+
+    def chat_format(self) -> dict:
+        """How /v1/chat/completions writes messages for this model: the run's template, or plain text."""
+        if self.template is None:
+            return {"kind": "plain", "prompt": chat_prompt([Message(role="user", content="...")]),
+                    "stops": list(CHAT_STOPS)}
+        return {"kind": "run", **self.template.to_dict(), "jinja": self.template.jinja()}
 
     def _token_text(self, token: int) -> str:
         """A token as text; bytes that are not UTF-8 on their own are written as OpenAI does: 'bytes:\\xe2\\x80'."""

@@ -1,0 +1,149 @@
+"""`tinygpt chat`: talk with a run trained on conversations, in the terminal or for one scripted turn."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TextIO
+
+from ..errors import ConfigError
+from .common import NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model, seed_type
+
+HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help; Ctrl-D quits"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Chat with a run trained on conversations (`prepare --format chat`, then `train`): messages are
+    written with the run's own chat template and each reply streams until its end-of-turn token.
+
+    Interactively: type a message and press Enter. Ctrl-C stops a reply (what was written stays in
+    the conversation) without leaving; Ctrl-D quits. /reset forgets the conversation, /system TEXT
+    sets the system message. The conversation is kept within the model's context: when it grows
+    past it, the oldest messages are dropped (the system message stays) and a note says so.
+
+    With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
+    same reply `tinygpt serve` gives).
+    """
+    from ..config import SampleConfig
+
+    SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
+    model, tokenizer = load_model(args.run, args.device, args.quantize)
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"{args.run} has no chat template: train a run on chat data "
+                          "(tinygpt prepare FILE.jsonl --format chat) to chat with it; use `tinygpt sample` here")
+    session = _Session(model, tokenizer, args)
+    if args.prompt is not None:
+        session.reply(args.prompt, sys.stdout)
+        return 0
+    return _interactive(session)
+
+
+class _Session:
+    """One conversation: its messages, the model, the sampling settings."""
+
+    def __init__(self, model, tokenizer, args: argparse.Namespace) -> None:
+        import torch
+
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.system = args.system
+        self.history: list[dict[str, str]] = []
+        self.max_new_tokens = args.max_new_tokens
+        self.sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.seed) if args.seed is not None else None
+        template = tokenizer.chat_template
+        self.stops = {tokenizer.special_ids()[template.end]} | ({tokenizer.eot_id} if tokenizer.eot_id is not None else set())
+        block = model.config.block_size
+        # the prompt leaves room for the reply: its max length, but at most half the context
+        self.budget = block - min(self.max_new_tokens, block // 2)
+
+    def messages(self) -> list[dict[str, str]]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+
+    def reply(self, text: str, out: TextIO) -> None:
+        """Answer `text`, streaming the reply to `out`; Ctrl-C stops it and keeps what was written."""
+        import torch
+
+        from ..generate import generate_stream
+        from ..tokenizer import IncrementalDecoder, fit_chat_prompt
+
+        self.history.append({"role": "user", "content": text})
+        kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget)
+        if dropped:
+            self.history = kept[1:] if self.system else kept
+            print(f"(dropped the {dropped} oldest message{'s' if dropped != 1 else ''} to stay within the model's "
+                  f"context of {self.model.config.block_size} tokens)", file=sys.stderr)
+        decoder, answer = IncrementalDecoder(self.tokenizer), []
+        try:
+            for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
+                                         stop_tokens=self.stops, generator=self.generator,
+                                         vocab_size=self.tokenizer.vocab_size, **self.sampling):
+                if int(token[0]) in self.stops:
+                    break
+                piece = decoder.push([int(token[0])])
+                answer.append(piece)
+                out.write(piece)
+                out.flush()
+        except KeyboardInterrupt:
+            out.write(" [stopped]")
+        answer.append(decoder.flush())
+        out.write(answer[-1] + "\n")
+        out.flush()
+        self.history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _interactive(session: _Session) -> int:
+    """The terminal loop: a line in, a streamed reply out, until Ctrl-D."""
+    from ..errors import ChatError, TokenizerError
+
+    print(f"chatting with {session.model.config.n_layer}-layer run (context {session.model.config.block_size} "
+          f"tokens). {HELP}", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            print(file=sys.stderr)
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            _command(session, text)
+            continue
+        sys.stdout.write("bot> ")
+        try:
+            session.reply(line, sys.stdout)
+        except (ChatError, TokenizerError) as e:  # a message the vocabulary cannot write: say so, go on
+            session.history.pop()
+            print(f"\n(cannot send that: {e})", file=sys.stderr)
+
+
+def _command(session: _Session, text: str) -> None:
+    name, _, rest = text.partition(" ")
+    if name == "/reset":
+        session.history = []
+        print("(conversation reset)", file=sys.stderr)
+    elif name == "/system":
+        session.system = rest.strip() or None
+        print(f"(system message {'set' if session.system else 'cleared'})", file=sys.stderr)
+    else:
+        print(f"(unknown command {name}) {HELP}" if name != "/help" else HELP, file=sys.stderr)
+
+
+def add_chat(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt chat` and its flags."""
+    p = sub.add_parser("chat", help="chat with a run trained on conversations", description=cmd_chat.__doc__)
+    p.add_argument("run", help="a run folder trained on chat data (prepare --format chat)")
+    p.add_argument("--prompt", metavar="TEXT", help="answer this one message, print the reply and exit")
+    p.add_argument("--system", metavar="TEXT", help="the system message")
+    p.add_argument("--max-new-tokens", type=NATURAL, default=256, help="longest reply, in tokens (256)")
+    p.add_argument("--temperature", type=Number("float", 0), default=0.8, help="0 always takes the likeliest token")
+    p.add_argument("--top-k", type=POSITIVE)
+    p.add_argument("--top-p", type=Number("float", 0, 1, low_open=True))
+    p.add_argument("--seed", type=seed_type(), help="makes sampling reproducible")
+    add_device_flag(p)
+    add_quantize_flag(p)
+    p.set_defaults(func=cmd_chat)

@@ -1,0 +1,411 @@
+"""Chat: templates and special tokens, chat data and its loss mask, SFT in the training loop."""
+
+import json
+
+import pytest
+import torch
+
+from tinygpt.config import GPTConfig
+from tinygpt.errors import ChatError, TokenizerError
+from tinygpt.model import GPT, grow_vocab
+from tinygpt.tokenizer import (
+    EOT,
+    BPETokenizer,
+    ChatTemplate,
+    CharTokenizer,
+    GPT2Tokenizer,
+    load_tokenizer,
+    render_chat,
+    render_chat_prompt,
+    with_chat_template,
+)
+
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "say <|end|> now"},
+    {"role": "assistant", "content": "ok <|user|>"},
+]
+TEXT = "".join(m["content"] for m in CONVO) + " abcdefghijklmnopqrstuvwxyz"
+
+
+def byte_gpt2() -> GPT2Tokenizer:
+    """GPT-2's shape in small: the 256 byte tokens and <|endoftext|> after them (no merges)."""
+    return GPT2Tokenizer({bytes([b]): b for b in range(256)}, {EOT: 256})
+
+
+def tokenizers():
+    return {
+        "char": CharTokenizer.from_text(TEXT),
+        "bpe": BPETokenizer.train([TEXT * 20], 300),
+        "gpt2": byte_gpt2(),
+    }
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "gpt2"])
+def test_special_tokens_get_ids_after_the_vocabulary_and_text_never_encodes_to_them(kind, tmp_path):
+    base = tokenizers()[kind]
+    tok = with_chat_template(base)
+    specials = ChatTemplate().special_tokens()
+    ids = tok.special_ids()
+    assert [ids[t] for t in specials] == list(range(tok.vocab_size - 4, tok.vocab_size))
+    assert tok.vocab_size == base.vocab_size + 4 and base.chat_template is None  # the original is untouched
+    if kind == "gpt2":
+        assert ids["<|system|>"] == 257  # right after <|endoftext|>
+    # a user typing the spelling of a special token gets its characters, not the token
+    for spelling in specials:
+        encoded = tok.encode(f"x{spelling}y")
+        assert not set(encoded) & set(ids.values()) and tok.decode(encoded) == f"x{spelling}y"
+    rendered = render_chat(tok, CONVO)
+    specials_in = [i for i in rendered.ids if i in ids.values()]
+    assert specials_in == [ids[t] for t in ("<|system|>", "<|end|>", "<|user|>", "<|end|>", "<|assistant|>", "<|end|>")]
+    assert tok.decode(rendered.ids) == "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in CONVO)
+    # the mask covers the assistant's content and its end of turn, nothing else
+    answer = tok.encode(CONVO[2]["content"])
+    assert sum(rendered.mask) == len(answer) + 1
+    assert rendered.mask[-len(answer) - 1 :] == [1] * (len(answer) + 1) and rendered.mask[: -len(answer) - 1] == [0] * (
+        len(rendered.ids) - len(answer) - 1
+    )
+    prompt = render_chat_prompt(tok, CONVO[:2])
+    assert prompt == rendered.ids[: len(prompt)] and prompt[-1] == ids["<|assistant|>"]
+    # saved and loaded, the template and its ids come back; the fingerprint tells it from the plain tokenizer
+    tok.save(tmp_path / "t.json")
+    again = load_tokenizer(tmp_path / "t.json")
+    assert again.chat_template == tok.chat_template and render_chat(again, CONVO) == rendered
+    assert again.fingerprint() == tok.fingerprint() != base.fingerprint()
+
+
+def test_malformed_conversations_and_templates_are_refused():
+    tok = with_chat_template(CharTokenizer.from_text(TEXT))
+    bad = [
+        ([], "non-empty list"),
+        ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
+        ([{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}], "empty content"),
+        ([{"role": "user", "content": "hi"}], "no assistant turn"),
+    ]
+    for messages, why in bad:
+        with pytest.raises(ChatError, match=why):
+            render_chat(tok, messages)
+    with pytest.raises(ChatError, match="no chat template"):
+        render_chat(CharTokenizer.from_text(TEXT), CONVO)
+    with pytest.raises(ChatError, match="role"):
+        ChatTemplate(start="<|start|>")
+    with pytest.raises(TokenizerError):  # content outside a char vocabulary
+        render_chat(tok, [{"role": "user", "content": "ZZZ"}, {"role": "assistant", "content": "a"}])
+    data = tok.to_dict()
+    data["specials"] = data["specials"][:-1]
+    data["vocab_size"] -= 1
+    with pytest.raises(TokenizerError, match="not special tokens"):
+        from tinygpt.tokenizer import tokenizer_from_dict
+
+        tokenizer_from_dict(data)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_grow_vocab_adds_mean_rows_and_keeps_the_old_logits(tie):
+    cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16, tie_weights=tie)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 20, (2, 8))
+    before = model(idx)
+    old_wte, old_head = model.wte.weight.clone(), model.lm_head.weight.clone()
+    grow_vocab(model, 24)
+    assert model.config.vocab_size == 24 and model.wte.weight.shape == (24, 16) == model.lm_head.weight.shape
+    assert torch.equal(model.wte.weight[:20], old_wte)
+    assert torch.allclose(model.wte.weight[20:], old_wte.mean(0).expand(4, -1))
+    assert torch.allclose(model.lm_head.weight[20:], old_head.mean(0).expand(4, -1))
+    assert (model.lm_head.weight is model.wte.weight) == tie
+    assert torch.allclose(model(idx)[..., :20], before, atol=1e-6)  # old tokens' logits unchanged
+    assert {n for n, p in model.named_parameters()} >= {"wte.weight"}  # the optimizer sees the new tensors
+    with pytest.raises(ValueError):
+        grow_vocab(model, 10)
+
+
+# --- chat data ------------------------------------------------------------------------------
+
+
+def qa(i: int) -> dict:
+    """A tiny instruction: reverse a word."""
+    word = "".join("abcdefgh"[(i * 7 + k * 3) % 8] for k in range(2 + i % 4))
+    return {"messages": [{"role": "user", "content": f"reverse {word}"}, {"role": "assistant", "content": word[::-1]}]}
+
+
+def write_jsonl(path, records, extra_lines=()):
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_prepare_chat_writes_tokens_masks_and_counts(tmp_path):
+    from tinygpt.data import load_data, prepare_chat
+
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(40)])
+    meta = prepare_chat(src, tmp_path / "d", val_fraction=0.1)
+    ds = load_data(tmp_path / "d")
+    assert ds.is_chat and meta["conversations"] == 40
+    assert (meta["train_conversations"], meta["val_conversations"]) == (36, 4)
+    assert meta["train_tokens"] == len(ds.train) and len(ds.masks["train"]) == len(ds.train)
+    # the trained tokens are the mask's sum: each answer's characters and its end of turn
+    answers = [len(qa(i)["messages"][1]["content"]) + 1 for i in range(40)]
+    assert meta["trained_tokens"] == int(ds.masks["train"].sum() + ds.masks["val"].sum()) == sum(answers)
+    assert meta["train_trained_tokens"] == sum(answers[:36])
+    first = ds.train[: ds.starts["train"][1]].tolist()
+    assert first == render_chat(ds.tokenizer, qa(0)["messages"]).ids
+    assert ds.tokenizer.chat_template == ChatTemplate() and ds.tokenizer.kind == "char"
+
+
+def test_prepare_chat_reports_malformed_lines_or_skips_them(tmp_path):
+    from tinygpt.data import prepare_chat
+    from tinygpt.errors import DataError
+
+    bad = [
+        "{not json",
+        json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(6)], bad)
+    with pytest.raises(DataError) as e:
+        prepare_chat(src, tmp_path / "d")
+    assert "c.jsonl:7: not JSON" in str(e.value) and "3 more malformed lines: 8, 9, 10" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+    meta = prepare_chat(src, tmp_path / "d", errors="skip")
+    assert meta["skipped"] == 4 and meta["skipped_lines"] == [7, 8, 9, 10] and meta["conversations"] == 6
+
+
+# --- training on chat data -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    from tinygpt.data import prepare_chat
+
+    root = tmp_path_factory.mktemp("chat")
+    prepare_chat(write_jsonl(root / "c.jsonl", [qa(i) for i in range(200)]), root / "data", val_fraction=0.1)
+    return root / "data"
+
+
+def test_packed_rows_hold_whole_conversations_and_never_learn_across_them(chat_data):
+    from tinygpt.data import get_chat_batch, load_data, pack_conversations
+
+    ds = load_data(chat_data)
+    starts, n, block = ds.starts["train"], len(ds.train), 40
+    rows = pack_conversations(starts, n, block)
+    ends = dict(zip(starts.tolist(), [*starts[1:].tolist(), n]))
+    spans = [span for row in rows for span in row]
+    assert all(ends[a] == b for a, b in spans) and len(spans) == len(starts)  # every conversation whole, once
+    assert all(sum(b - a for a, b in row) <= block + 1 for row in rows) and len(rows) < len(starts)  # packed
+    x, y, w, docs = get_chat_batch(ds.train, ds.masks["train"], rows, torch.arange(3), block)
+    for b in range(3):
+        flat = [t for a, e in rows[b] for t in ds.train[a:e].tolist()]
+        flat_mask = [t for a, e in rows[b] for t in ds.masks["train"][a:e].tolist()]
+        k = len(flat) - 1
+        assert x[b, :k].tolist() == flat[:-1] and y[b, :k].tolist() == flat[1:]
+        assert w[b, k:].sum() == 0 and docs[b, k + 1 :].eq(-1).all()  # padding counts for nothing
+        # the trained targets are the mask's tokens, except none of one conversation predicts the next's start
+        assert w[b].sum() == sum(flat_mask[1:])
+    # a packed row computes each conversation exactly as alone: attention and positions stay inside
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=block, n_layer=2, n_head=2, n_embd=16)).eval()
+    packed = model(x[:1], documents=docs[:1])
+    at = 0
+    for a, e in rows[0]:
+        alone = model(torch.as_tensor(ds.train[a:e].astype("int64"))[None, :-1])
+        assert torch.allclose(packed[0, at : at + e - a - 1], alone[0], atol=1e-5)
+        at += e - a
+    # a conversation longer than a row is cut into overlapping pieces, each of its tokens a target once
+    long_rows = pack_conversations(starts[:1], 30, 8)
+    assert long_rows == [[(0, 9)], [(8, 17)], [(16, 25)], [(24, 30)]]
+
+
+def test_masked_positions_add_nothing_to_the_loss_or_its_gradient(chat_data):
+    from tinygpt.data import load_data
+    from tinygpt.train import Batches, batch_loss
+
+    ds = load_data(chat_data)
+    batches = Batches.of(ds, "train", 32)
+    x, y, w, docs = batches.get(torch.arange(4))
+    model = GPT(GPTConfig(vocab_size=ds.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+
+    def grads(targets):
+        model.zero_grad()
+        loss = batch_loss(model, (x, targets, w, docs), "cpu")
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, g = grads(y)
+    masked = w == 0
+    changed = torch.where(masked, (y + 1) % ds.vocab_size, y)  # every masked target another token
+    assert masked.any() and not torch.equal(changed, y)
+    loss2, g2 = grads(changed)
+    assert torch.equal(loss, loss2) and all(torch.equal(a, b) for a, b in zip(g, g2))
+    trained = torch.where(~masked, (y + 1) % ds.vocab_size, y)  # and the trained targets do count
+    loss3, _ = grads(trained)
+    assert not torch.equal(loss, loss3)
+
+
+def test_train_on_chat_data_learns_the_assistant_turns(chat_data, tmp_path):
+    from tinygpt.config import TrainConfig
+    from tinygpt.data import load_data
+    from tinygpt.train import train
+
+    ds = load_data(chat_data)
+    cfg = GPTConfig(vocab_size=ds.vocab_size, block_size=48, n_layer=1, n_head=2, n_embd=32)
+    result = train(chat_data, tmp_path / "run", cfg, TrainConfig(max_iters=30, batch_size=8, eval_interval=30,
+                                                                 eval_iters=2, lr=3e-3, warmup=5))
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    # the loss is on the answers alone: reversing a word from 8 letters starts near ln(vocab) and falls
+    assert losses[0] > 2.0 and result.val_loss < losses[0] - 1.0
+    run_tok = load_tokenizer(tmp_path / "run")
+    assert run_tok.chat_template == ChatTemplate() and run_tok.fingerprint() == ds.tokenizer.fingerprint()
+
+
+# --- serving a chat run ------------------------------------------------------------------------
+
+
+def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
+    import openai
+    from server_util import NAME, running, stopping_model, tiny_model, tiny_tokenizer
+
+    from tinygpt.server import create_app
+
+    tok = with_chat_template(tiny_tokenizer())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "type <|end|> for me"}]
+    prompt = render_chat_prompt(tok, messages)
+    model, expected = stopping_model(tok, prompt)
+    with running(create_app(model, tok, model_name=NAME, max_tokens=32)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0)
+        assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+        # the prompt is the template's rendering, the user's "<|end|>" spelled in characters
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(expected) + 1  # + <|end|>
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        card = client.models.retrieve(NAME).model_dump()
+        assert card["chat_template"]["kind"] == "run" and card["chat_template"]["end"] == "<|end|>"
+        with pytest.raises(openai.BadRequestError, match="empty content"):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " "}])
+    # a model without a template keeps the plain "User: ... Assistant:" text, and says so
+    from fastapi.testclient import TestClient
+
+    with TestClient(create_app(tiny_model(), tiny_tokenizer(), model_name=NAME)) as plain:
+        assert plain.get("/v1/models").json()["data"][0]["chat_template"]["kind"] == "plain"
+
+
+# --- export ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "gpt2"])
+def test_exported_chat_template_gives_tinygpts_ids_in_transformers_and_gguf(kind, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    gguf = pytest.importorskip("gguf")
+    from tinygpt.interop.gguf import export_gguf
+    from tinygpt.interop.hf_gpt2 import export_hf
+
+    tok = with_chat_template(tokenizers()[kind])
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16, bias=True,
+                          activation="gelu_tanh"))
+    export_hf(model, tok, tmp_path / "hf")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say ok now"},
+                {"role": "assistant", "content": "ok fine"}, {"role": "user", "content": "again"}]
+
+    def hf_ids(msgs, **kw):
+        out = hf_tok.apply_chat_template(msgs, tokenize=True, **kw)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    assert hf_ids(messages[:3]) == render_chat(tok, messages[:3]).ids
+    assert hf_ids(messages, add_generation_prompt=True) == render_chat_prompt(tok, messages)
+    assert hf_tok.eos_token == "<|end|>"
+    # and back: `tinygpt import` of the folder gives the same tokenizer, template included
+    from tinygpt.interop.hf_tokenizer import load_hf_tokenizer
+
+    back = load_hf_tokenizer(tmp_path / "hf")
+    assert back.chat_template == tok.chat_template and back.fingerprint() == tok.fingerprint()
+    path = export_gguf(model, tok, tmp_path / "m.gguf")
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
+    assert fields["tokenizer.chat_template"] == tok.chat_template.jinja()
+    assert fields["tokenizer.ggml.eot_token_id"] == tok.special_ids()["<|end|>"]
+
+
+# --- the command line ------------------------------------------------------------------------
+
+
+def test_cli_prepare_chat_train_and_chat_prompt_equals_the_server(tmp_path, capsys):
+    from fastapi.testclient import TestClient
+    from server_util import NAME, stopping_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+    from tinygpt.server import create_app
+
+    src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(30)], ["{broken"])
+    assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d")]) == 2
+    assert "c.jsonl:31: not JSON" in capsys.readouterr().err
+    assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d"), "--errors", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "30 conversations" in out and "skipped 1 malformed lines (31)" in out
+    assert main(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), "--max-iters", "2", "--n-layer", "1",
+                 "--n-embd", "16", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+                 "--eval-iters", "1"]) == 0
+    capsys.readouterr()
+    # --prompt answers one message exactly as the server does at temperature 0, up to the end of turn
+    tok = with_chat_template(tiny_tokenizer())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
+    model, expected = stopping_model(tok, render_chat_prompt(tok, messages))
+    tinygpt.save(model, tmp_path / "chat-run", tok)
+    with TestClient(create_app(model, tok, model_name=NAME)) as http:
+        served = http.post("/v1/chat/completions", json={"model": NAME, "messages": messages, "temperature": 0,
+                                                         "max_tokens": 20}).json()
+    assert served["choices"][0]["message"]["content"] == expected
+    assert main(["chat", str(tmp_path / "chat-run"), "--system", "Be brief.", "--prompt", "hello there",
+                 "--temperature", "0", "--max-new-tokens", "20"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+    assert main(["chat", str(tmp_path / "chat-run"), "--prompt", "caf\u00e9", "--temperature", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tinygpt: error:") and "vocabulary" in err and err.count("\n") == 1
+
+
+def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path, capsys, monkeypatch):
+    import io
+
+    from server_util import tiny_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=48, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    lines = ["hello", "/system Be kind.", "a second, longer message to fill the context", "/reset", "/nope", "bye"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("bot> ") == 3
+    assert "(system message set)" in captured.err and "(conversation reset)" in captured.err
+    assert "(dropped the 2 oldest messages to stay within the model's context of 48 tokens)" in captured.err
+    assert "unknown command /nope" in captured.err
+    # a run without a template cannot chat: one line says what to do
+    tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
+    assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+
+
+def test_fact_task_and_exact_match():
+    from server_util import stopping_model, tiny_tokenizer
+
+    from tinygpt.lab.chat_task import exact_match, fact_conversations, fact_text
+
+    convs = fact_conversations(5, seed=3)
+    for c in convs:
+        system, user, assistant = c["messages"]
+        table = dict(pair.split("=") for pair in system["content"].split())
+        assert len(table) == 3 and table[user["content"].rstrip("?")] == assistant["content"]
+    assert fact_text(convs).splitlines()[0] == " ".join(m["content"] for m in convs[0]["messages"])
+    assert fact_conversations(5, seed=3) == convs
+    others = fact_conversations(200, seed=4, exclude=convs)
+    assert not {c["messages"][0]["content"] for c in convs} & {c["messages"][0]["content"] for c in others}
+    tok = with_chat_template(tiny_tokenizer())
+    model, reply = stopping_model(tok, render_chat_prompt(tok, convs[0]["messages"][:2]))
+    right = {"messages": convs[0]["messages"][:2] + [{"role": "assistant", "content": reply}]}
+    result = exact_match(model, tok, [right, convs[0]])
+    assert (result.correct, result.total) == (1, 2) and result.examples[0] == (convs[0]["messages"][1]["content"],
+                                                                            reply, reply)
