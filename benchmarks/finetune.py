@@ -49,7 +49,6 @@ def child(method: str, steps: int, dtype: str) -> dict:
     from tinygpt.device import autocast, resolve_dtype
     from tinygpt.finetune import freeze
     from tinygpt.lora import apply_lora
-    from tinygpt.model import lm_loss
     from tinygpt.optim import make_optimizer
 
     settings = dict(METHODS[method])
@@ -73,7 +72,7 @@ def child(method: str, steps: int, dtype: str) -> dict:
         idx = torch.randint(0, config.vocab_size, (BATCH, SEQ + 1), generator=g)
         t0 = time.perf_counter()
         with autocast(device, compute):
-            loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+            loss = model(idx[:, :-1], targets=idx[:, 1:])  # the training loop's loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -199,3 +199,38 @@ def test_scale_embeddings_multiplies_the_token_embeddings(tmp_path, capsys):
         assert not out.exists()
     with pytest.raises(ValueError, match="scale_embeddings"):
         GPTConfig(scale_embeddings=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_fused_loss_equals_cross_entropy_on_the_logits(dtype, masked, monkeypatch):
+    # GPT.forward(idx, targets=) computes the head and the loss a chunk of rows at a time (here 7
+    # rows a chunk, the last one short) with the gradients in the same pass: the loss and every
+    # gradient equal those of cross-entropy on the whole batch's logits
+    from tinygpt import model as model_module
+    from tinygpt.model import masked_lm_loss
+
+    cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
+    monkeypatch.setattr(model_module, "LOSS_CHUNK", 7 * cfg.vocab_size)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, targets = torch.randint(0, cfg.vocab_size, (2, 2, 13))
+    weights = (torch.rand(2, 13) > 0.4).float() if masked else None
+    results = []
+    for fused in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+            if fused:
+                loss = model(idx, targets=targets, loss_weights=weights)
+            else:
+                logits = model(idx)
+                loss = lm_loss(logits, targets) if weights is None else masked_lm_loss(logits, targets, weights)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (fused_loss, fused_grads), (loss, grads) = results
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype is torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(fused_loss, loss, **tol)
+    for name in grads:
+        torch.testing.assert_close(fused_grads[name], grads[name], **tol, msg=name)
+    with pytest.raises(ValueError, match="targets"):
+        model(idx, targets=targets, last_only=True)

@@ -73,15 +73,15 @@ def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch
     run = tmp_path / "run"
     train(char_data, run, MODEL, cfg(max_iters=5), progress=False)
     before = load(run).state_dict()
-    real = train_module.lm_loss
+    real = train_module.batch_loss
     calls = {"n": 0}
 
-    def poisoned(logits, targets):
+    def poisoned(model, batch, device):
         calls["n"] += 1
-        loss = real(logits, targets)
+        loss = real(model, batch, device)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(train_module, "lm_loss", poisoned)
+    monkeypatch.setattr(train_module, "batch_loss", poisoned)
     with pytest.raises(NonFiniteError, match="step 8") as info:
         train(char_data, run, None, cfg(max_iters=20), resume=True, progress=False)
     assert info.value.step == 8
@@ -217,14 +217,14 @@ class FakeMachine:
 
     def __init__(self, monkeypatch, phases):
         train_module = importlib.import_module("tinygpt.train")
-        self.now, self.phases, real = 0.0, phases, train_module.lm_loss
+        self.now, self.phases, real = 0.0, phases, train_module.batch_loss
 
-        def timed_loss(logits, targets):
+        def timed_loss(model, batch, device):
             per_step = next(seconds for until, seconds in phases if self.now < until)
             self.now += per_step if torch.is_grad_enabled() else per_step / 3
-            return real(logits, targets)
+            return real(model, batch, device)
 
-        monkeypatch.setattr(train_module, "lm_loss", timed_loss)
+        monkeypatch.setattr(train_module, "batch_loss", timed_loss)
 
     def __call__(self) -> float:
         return self.now

@@ -18,6 +18,8 @@ INITS = ("gpt2", "torch")
 # attention path (tinygpt.model._sdpa_is_slow) rather than SDPA; calc.memory counts what that path
 # keeps for backward. Here, in the pure layer, so that both read the one number.
 MATH_ATTENTION_MAX_SCORES = 2**25
+# logits per chunk of the model's fused head and loss (model.head_loss): 16 MB of float32 at a time
+LOSS_CHUNK = 2**22
 
 
 def _check(ok: bool, field: str, message: str) -> None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import MATH_ATTENTION_MAX_SCORES, GPTConfig
+from .config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
 
 
@@ -102,6 +102,82 @@ def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
     w = weights.reshape(-1).to(ce.dtype)
     # where, not a product alone: a masked target's loss may be inf, and inf * 0 would be nan
     return torch.where(w > 0, ce * w, 0.0).sum() / w.sum().clamp_min(1.0)
+
+
+class _HeadLoss(torch.autograd.Function):
+    """sum_i w_i * cross-entropy(h_i @ W.T, t_i) over rows i, a chunk of rows at a time.
+
+    A batch's logits are the largest tensor of a training step on a big vocabulary (GPT-2 at 4 x 256:
+    206 MB in float32, three times over with cross-entropy's log-probabilities and their gradient),
+    and a method that trains little (LoRA) would peak there. Here they never exist whole: each
+    chunk's logits give its loss and, in the same pass, its gradients for h and W (the softmax minus
+    the target's one-hot), which backward only scales. The matmuls run in autocast's dtype when it is
+    on, the softmax in float32, as F.cross_entropy on autocast logits does.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor):
+        kind = hidden.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.autocast(kind, enabled=False):
+            h_all, w_c = hidden.to(dtype), weight.to(dtype)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            rows = max(1, LOSS_CHUNK // weight.shape[0])
+            for i in range(0, hidden.shape[0], rows):
+                h, t, w = h_all[i:i + rows], targets[i:i + rows], weights[i:i + rows]
+                logits = (h @ w_c.T).float()
+                lse = torch.logsumexp(logits, dim=1)
+                ce = lse - logits.gather(1, t[:, None]).squeeze(1)
+                total += torch.where(w > 0, ce * w, 0.0).sum()  # where: a masked target's loss may be inf
+                if need_h or need_w:
+                    p = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
+                    p[torch.arange(len(t), device=t.device), t] -= 1
+                    p = p.mul_(w[:, None]).to(dtype)
+                    if need_h:
+                        grad_h[i:i + rows] = p @ w_c
+                    if need_w and dtype == torch.float32:
+                        grad_w.addmm_(p.T, h)
+                    elif need_w:  # autocast: the product in its dtype, added to float32
+                        grad_w.add_(p.T @ h)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # in place: a second copy of the head's gradient would be the step's peak (training runs
+        # backward once; retain_graph is not for this function)
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = grad_h.mul_(grad) if grad_h is not None else None
+        grad_w = grad_w.mul_(grad).to(ctx.weight_dtype) if grad_w is not None else None
+        return grad_h, grad_w, None, None
+
+
+def head_loss(
+    hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The mean next-token cross-entropy of head(hidden) against targets, in float32: over every
+    target (lm_loss), or over the targets with weight > 0, each counted by its weight
+    (masked_lm_loss). A bias-free Linear head (the GPT's own) computes it in chunks (_HeadLoss);
+    any other (a quantized one) through its logits.
+
+    Args:
+        hidden: (B, T, C) the final LayerNorm's output.
+        head: the LM head.
+        targets: (B, T) token ids.
+        weights: (B, T) target weights (chat data: 1 on the assistant's tokens, 0 elsewhere).
+    """
+    fused = type(head) is nn.Linear and head.bias is None and not torch.compiler.is_compiling()
+    if not fused:
+        logits = head(hidden)
+        return lm_loss(logits, targets) if weights is None else masked_lm_loss(logits, targets, weights)
+    flat = targets.reshape(-1)
+    w = torch.ones(flat.shape, device=flat.device) if weights is None else weights.reshape(-1).float()
+    total = _HeadLoss.apply(hidden.reshape(-1, hidden.shape[-1]), head.weight, flat, w)
+    return total / (w.sum().clamp_min(1.0) if weights is not None else flat.numel())
 
 
 class CausalSelfAttention(nn.Module):
@@ -221,6 +297,8 @@ class GPT(nn.Module):
         last_only: bool = False,
         return_attention: bool = False,
         documents: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        loss_weights: torch.Tensor | None = None,
     ):
         """Logits for token ids `idx` (B, T).
 
@@ -235,11 +313,17 @@ class GPT(nn.Module):
                 chat batch; no cache): a position attends only to earlier positions of its own
                 document, and positions restart at 0 where a document begins, so each one is
                 computed exactly as it would be alone.
+            targets: (B, T) the next tokens: return the training loss (head_loss) instead of
+                the logits, which a large vocabulary then never holds whole.
+            loss_weights: (B, T) with targets: each target's weight in the loss (chat data's mask).
 
         Returns:
-            logits (B, T, vocab_size), or (logits, weights) with return_attention.
+            logits (B, T, vocab_size), or (logits, weights) with return_attention; with targets
+            the mean loss, a float32 scalar.
         """
         B, T = idx.shape
+        if targets is not None and (last_only or return_attention or kv_cache is not None):
+            raise ValueError("targets (the training loss) take a forward pass without a cache, last_only or attention")
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
         mask, kv_len = None, None
@@ -276,6 +360,8 @@ class GPT(nn.Module):
             weights.append(w)
         if last_only:
             x = x[:, -1:]
+        if targets is not None:
+            return head_loss(self.ln_f(x), self.lm_head, targets, loss_weights)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
         return (logits, weights) if return_attention else logits
 

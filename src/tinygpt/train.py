@@ -40,7 +40,7 @@ from .errors import (
     TrainingError,
 )
 from .fileio import atomic_write, read_json, write_json
-from .model import GPT, lm_loss, masked_lm_loss
+from .model import GPT
 from .optim import BudgetSchedule, lr_at, make_optimizer
 from .sizing import ModelChoice
 
@@ -243,12 +243,13 @@ class Batches:
 
 def batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], device) -> torch.Tensor:
     """The loss of one batch from Batches.get: every target's for text; the weighted targets' (the
-    assistant's tokens), each conversation seeing only itself, for chat."""
+    assistant's tokens), each conversation seeing only itself, for chat. The model computes it
+    from its last hidden states (GPT.forward's targets), so a batch's logits never exist whole."""
     if len(batch) == 2:
         x, y = batch
-        return lm_loss(model(x.to(device)), y.to(device))
+        return model(x.to(device), targets=y.to(device))
     x, y, weights, documents = (t.to(device) for t in batch)
-    return masked_lm_loss(model(x, documents=documents), y, weights)
+    return model(x, documents=documents, targets=y, loss_weights=weights)
 
 
 @torch.no_grad()

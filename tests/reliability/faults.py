@@ -134,7 +134,7 @@ def inject(fault: str, at: int | None, patch) -> None:
 
         patch(train, "open", open_, raising=False)
     elif fault in ("nan-loss", "nan-grad"):
-        real_loss = train.lm_loss
+        real_loss = train.batch_loss
         calls = []
 
         class NanGrad(torch.autograd.Function):
@@ -146,14 +146,14 @@ def inject(fault: str, at: int | None, patch) -> None:
             def backward(ctx, grad):
                 return grad * float("nan")
 
-        def lm_loss(logits, targets):
-            loss = real_loss(logits, targets)
+        def batch_loss(model, batch, device):
+            loss = real_loss(model, batch, device)
             if torch.is_grad_enabled():  # training steps only, not evaluation
                 calls.append(1)
                 if len(calls) == at:
                     return loss * float("nan") if fault == "nan-loss" else NanGrad.apply(loss)
             return loss
 
-        patch(train, "lm_loss", lm_loss)
+        patch(train, "batch_loss", batch_loss)
     else:
         raise ValueError(f"unknown fault {fault!r}")

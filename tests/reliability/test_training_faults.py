@@ -70,9 +70,9 @@ def test_exit_code_3_is_only_for_a_nonfinite_stop(char_data, tmp_path, capsys):
 def test_clipping_holds_exploding_gradients_to_max_norm(char_data, tmp_path, monkeypatch):
     """Gradients scaled by 1e6 (the loss times 1e6): the norm logged is the unclipped one, and the
     gradients the optimizer sees have norm <= grad_clip."""
-    train_module = __import__("tinygpt.train", fromlist=["lm_loss"])
-    real_loss = train_module.lm_loss
-    monkeypatch.setattr(train_module, "lm_loss", lambda logits, targets: real_loss(logits, targets) * 1e6)
+    train_module = __import__("tinygpt.train", fromlist=["batch_loss"])
+    real_loss = train_module.batch_loss
+    monkeypatch.setattr(train_module, "batch_loss", lambda model, batch, device: real_loss(model, batch, device) * 1e6)
     clipped = []
     real_clip = torch.nn.utils.clip_grad_norm_
 

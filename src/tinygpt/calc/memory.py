@@ -22,11 +22,11 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
                               GELU output 4
                 3 BTd c       q, k, v
                 4 BaT + 16 BT the fused attention's logsumexp, LayerNorm mean and rstd (float32)
-    at the end  BTd (r + c)   ln_f input and output, plus 8 BT for its mean and rstd
-                BTV c + 4 BTV the logits (the training loop holds them) and the float32
-                              log-probabilities that cross-entropy keeps
+    at the end  BTd r         ln_f's input, plus 8 BT for its mean and rstd
+                BTd r + 4 dV  the fused head and loss (model.head_loss) keep no logits, only the
+                              gradients their forward pass made: the hidden states' and the head's
                 8 BT + 8 T    token ids and positions (int64)
-    autocast    (matmul weights + d V) c: the compute-dtype weight copies autocast keeps
+    autocast    (matmul weights) c: the compute-dtype weight copies autocast keeps
     dropout > 0 2 BTd c per block and BTd r once (embeddings): dropout masks (PyTorch's CPU
                               dropout stores them in the tensor's dtype, CUDA's as 1-byte bools,
                               so this overestimates there)
@@ -41,9 +41,9 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
 This is Korthikanti et al.'s (2022) count (34 bytes per token and unit of width per layer at 2
 bytes a value, plus 5 aT^2 for unfused attention) adapted to fused attention, the loss, autocast
 and PyTorch's CPU kernels; the tests hold it to the bytes autograd really saves. It is what is held
-when backward starts. TrainingMemory.peak adds what backward makes first, the float32 gradient of
-the log-probabilities (4 BTV), before any weight's gradient exists: a method that trains little
-peaks there. The tests hold a run's measured peak RSS within 15% of it for full training, LoRA
+when backward starts. TrainingMemory.peak adds the loss's workspace (a chunk's logits, and under
+autocast the compute-dtype copies of the head and its input), held at the end of the forward pass
+before any weight's gradient exists: a method that trains little peaks there. The tests hold a run's measured peak RSS within 15% of it for full training, LoRA
 and frozen blocks.
 """
 
@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
+from ..config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
 from .flops import tokens_in_view
 from .params import trainable_params
 from .units import check_int, dtype_bytes, dtype_name
@@ -83,8 +83,9 @@ class TrainingMemory:
         weights, gradients, optimizer: parameters, their gradients and AdamW's exp_avg and exp_avg_sq.
         activations: what autograd saves for backward (see the module docstring).
         autocast_weights: compute-dtype copies of the matmul weights (0 without autocast).
-        loss_gradient: the float32 gradient of the log-probabilities (B x T x vocab), which backward
-            makes first, while everything saved is still held.
+        loss_workspace: what the fused head and loss hold while they run, at the end of the forward
+            pass with everything saved still held: a chunk's logits, and under autocast the
+            compute-dtype copies of the head and its input.
     """
 
     batch_size: int
@@ -96,7 +97,7 @@ class TrainingMemory:
     optimizer: int
     activations: int
     autocast_weights: int
-    loss_gradient: int = 0
+    loss_workspace: int = 0
 
     @property
     def total(self) -> int:
@@ -104,10 +105,10 @@ class TrainingMemory:
 
     @property
     def peak(self) -> int:
-        """The high-water mark of a training step: as backward starts, everything saved is held, with
-        the loss's gradient beside the log-probabilities, and the parameters' gradients not made yet
-        (they grow as the activations are freed). What a run's peak RSS is measured against."""
-        return max(self.total, self.total - self.gradients + self.loss_gradient)
+        """The high-water mark of a training step: as the loss runs, everything saved is held with
+        its workspace, and the parameters' gradients are not made yet (they grow as backward frees
+        the activations). What a run's peak RSS is measured against."""
+        return max(self.total, self.total - self.gradients + self.loss_workspace)
 
     def to_dict(self) -> dict[str, int | str]:
         return {**asdict(self), "total": self.total, "peak": self.peak}
@@ -174,13 +175,13 @@ def _saved(
     B, T = check_int(batch_size, "batch_size"), tokens_in_view(config, seq_len, "seq_len")
     method = _Method.of(config, lora, freeze_embeddings, freeze_layers)
     d, V = config.n_embd, config.vocab_size
-    r, c = dtype_bytes(param_dtype), dtype_bytes(dtype)
+    r = dtype_bytes(param_dtype)
     BTd = B * T * d
     dropout = config.dropout > 0
-    total = 8 * B * T  # the token ids (cross-entropy's targets)
+    total = 0
     flows = method.embeddings  # whether the residual stream needs a gradient here
-    if method.embeddings:
-        total += 8 * T + (BTd * r if dropout else 0)  # the positions, the embedding dropout's mask
+    if method.embeddings:  # the token ids and positions, the embedding dropout's mask
+        total += 8 * B * T + 8 * T + (BTd * r if dropout else 0)
     casts = 0
     for ln, kept in method.blocks:
         block, flows, block_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
@@ -189,10 +190,9 @@ def _saved(
     if flows or method.ln_f:
         total += BTd * r + 8 * B * T  # ln_f's input, mean and rstd
     flows = flows or method.ln_f
-    if method.head:
-        total += BTd * c  # the head's input
-    casts += d * V if flows else 0
-    total += B * T * V * (c + 4)  # the logits (the training loop holds them), cross-entropy's log-probabilities
+    # the fused head and loss keep no logits, only the gradients their forward pass made: the hidden
+    # states' (where a gradient flows on) and the head weight's (where it trains), in float32
+    total += (BTd * r if flows else 0) + (4 * d * V if method.head else 0)
     return total, casts
 
 
@@ -308,5 +308,19 @@ def training_memory(
         # autocast casts each matmul weight (the head's too, tied or not) once per forward and keeps
         # the copy for backward where the matmul's input needs a gradient
         autocast_weights=0 if dtype == param_dtype else casts * dtype_bytes(dtype),
-        loss_gradient=4 * batch_size * tokens_in_view(config, seq_len, "seq_len") * config.vocab_size,
+        loss_workspace=_loss_workspace(config, batch_size * tokens_in_view(config, seq_len, "seq_len"), dtype,
+                                       param_dtype, _Method.of(config, lora, freeze_embeddings, freeze_layers).head),
     )
+
+
+def _loss_workspace(config: GPTConfig, rows: int, dtype: str, param_dtype: str, head_trains: bool) -> int:
+    """Bytes model.head_loss holds at once beyond what it keeps: one chunk's float32 logits and
+    logsumexp's temporary of the same size (the softmax then takes the logits' place; its
+    compute-dtype copy fits in the temporary's) and, under autocast, the compute-dtype copies of the
+    head and its input, and a chunk's product for the head's gradient."""
+    d, V = config.n_embd, config.vocab_size
+    c = dtype_bytes(dtype)
+    workspace = 8 * min(rows, max(1, LOSS_CHUNK // V)) * V
+    if dtype != param_dtype:
+        workspace += c * d * V + c * rows * d + (c * d * V if head_trains else 0)
+    return workspace

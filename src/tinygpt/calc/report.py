@@ -153,7 +153,8 @@ def render_model_report(report: dict[str, Any]) -> str:
         ("activations saved for backward", format_bytes(t["activations"]), "for what trains" if method else ""),
         *([("autocast weight copies", format_bytes(t["autocast_weights"]), "")] if autocast else []),
         ("total", format_bytes(t["total"]), ""),
-        *([("peak, as backward starts", format_bytes(t["peak"]), "the loss's gradient beside it, few weight gradients")]
+        *([("peak, as the loss runs", format_bytes(t["peak"]),
+            "its workspace beside what is saved, few weight gradients")]
           if t["peak"] > t["total"] else []),
     ])
     return "\n".join(lines)

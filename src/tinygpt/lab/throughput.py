@@ -18,7 +18,7 @@ from ..calc import count_params, dtype_name, flops_per_token
 from ..config import GPTConfig, TrainConfig
 from ..device import DTYPES, autocast, resolve_device
 from ..errors import ConfigError
-from ..model import GPT, lm_loss
+from ..model import GPT
 from ..optim import make_optimizer
 
 # Probe models. On a CPU one the size of what a laptop trains in minutes (~1M parameters); on a GPU
@@ -95,7 +95,7 @@ def measure_training_throughput(
 
     def step() -> None:
         with autocast(torch.device(device), DTYPES[dtype]):
-            loss = lm_loss(model(x), y)
+            loss = model(x, targets=y)  # the training loop's step
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
