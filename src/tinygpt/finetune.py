@@ -5,6 +5,11 @@
                                                       and reports what changed (finetune_report.json)
     freeze(model, embeddings=True, layers=N)          stops the token and position embeddings and the
                                                       first N blocks from training; the rest trains in full
+    start_model(from_, data)                          the model a fine-tuning starts from ("before")
+
+Chat data prepared with the base's tokenizer (`prepare FILE.jsonl --format chat --tokenizer-file
+FROM`) is supervised fine-tuning: the base's tokenizer plus a chat template, whose special tokens
+get new embedding rows (the mean of the old ones), and the loss mask of the assistant's tokens.
 
 finetune hands train() a train.Start: how to build the starting model (the base, its context cropped,
 its dropout set, adapters added or layers frozen), how to load it back from a checkpoint on resume,
@@ -171,6 +176,28 @@ def finetune(
         checkpoint.merge_run(out, merge)
         merged = Path(merge)
     return FinetuneResult(out, result, report, merged)
+
+
+def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:
+    """The model finetune() starts from, and the data's tokenizer: the base with its context cropped,
+    its dropout set and (chat data) its vocabulary grown as fine-tuning does, in eval mode. What a
+    comparison of a model before and after fine-tuning measures as "before".
+
+    Args:
+        from_, data, config: as for finetune().
+
+    Raises:
+        As finetune() does for a base or data it refuses.
+    """
+    cfg = config or FinetuneConfig()
+    from_ = Path(from_)
+    dataset = load_data(data)
+    base = _load_base(from_)
+    tokenizer = _base_tokenizer(from_)
+    data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+    new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)
+    model_config = _finetune_config(base.config, cfg, from_, new_ids)
+    return _shaped(base, model_config, from_, new_ids).eval(), data_tokenizer
 
 
 def read_report(run: str | Path) -> dict[str, Any]:
