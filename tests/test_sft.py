@@ -27,8 +27,8 @@ SFT = ["--max-iters", "60", "--batch-size", "8", "--lr", "3e-3", "--warmup", "5"
 
 def chat_records(n: int) -> list[dict]:
     pairs = list(PAIRS.items())
-    return [{"messages": [{"role": "user", "content": pairs[i % 4][0]}, {"role": "assistant", "content": pairs[i % 4][1]}]}
-            for i in range(n)]
+    return [{"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+            for user, answer in (pairs[i % 4] for i in range(n))]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_finetune_from_a_gpt2_tokenizer_folder_gives_the_template_ids_after_its_
     data = load_data(tmp_path / "chat")
     assert data.tokenizer.kind == "gpt2"
     assert sorted(data.tokenizer.special_ids().values()) == [256, 257, 258, 259, 260]
-    result = tinygpt.finetune(tmp_path / "hf", tmp_path / "chat", tmp_path / "ft", FinetuneConfig(),
-                              TrainConfig(max_iters=30, batch_size=8, eval_interval=30, eval_iters=2, lr=3e-3, warmup=5))
+    quick = TrainConfig(max_iters=30, batch_size=8, eval_interval=30, eval_iters=2, lr=3e-3, warmup=5)
+    result = tinygpt.finetune(tmp_path / "hf", tmp_path / "chat", tmp_path / "ft", FinetuneConfig(), quick)
     assert checkpoint.load_config(tmp_path / "ft").vocab_size == 261
     assert load_tokenizer(tmp_path / "ft").fingerprint() == data.fingerprint
     # the mask-weighted loss (the assistant's tokens) falls below the base's
@@ -158,3 +158,18 @@ def test_sample_on_a_chat_run_stops_at_its_end_of_turn(tmp_path, capsys):
     assert main(["sample", str(tmp_path / "run"), "--prompt", "hello there", "--greedy", "--max-new-tokens", "20",
                  "--trace"]) == 0
     assert "stopped early: the end-of-turn token was generated" in capsys.readouterr().out
+
+
+def test_a_padded_vocabulary_keeps_its_size_and_the_new_tokens_rows_start_as_the_mean(sft, tmp_path):
+    tok = checkpoint.folder_tokenizer(sft / "base")
+    torch.manual_seed(0)
+    padded = tinygpt.GPT(GPTConfig(vocab_size=tok.vocab_size + 8, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    tinygpt.save(padded, tmp_path / "padded", tok)
+    assert main(["prepare", str(sft / "c.jsonl"), "--format", "chat", "--tokenizer-file", str(tmp_path / "padded"),
+                 "--out", str(tmp_path / "chat")]) == 0
+    start, data_tok = start_model(tmp_path / "padded", tmp_path / "chat")
+    new = slice(tok.vocab_size, data_tok.vocab_size)
+    assert start.config.vocab_size == tok.vocab_size + 8  # the padding rows hold the new tokens
+    old = padded.wte.weight.detach()
+    assert torch.equal(start.wte.weight[: tok.vocab_size], old[: tok.vocab_size])
+    assert torch.allclose(start.wte.weight[new], old.mean(0).expand(new.stop - new.start, -1))

@@ -136,10 +136,11 @@ def finetune(
         progress, callbacks, should_stop: as for train().
 
     The report (RUN/finetune_report.json) holds, before and after on the data's validation split:
-    loss (on chat data the assistant's tokens' only) and bits per char (char tokenizer) or per byte; the same prompts sampled with the same
-    seed; the loss on a reference text (config.reference, default the base's own validation data
-    when it is a tinygpt run that records it) as a measure of forgetting; trainable and total
-    parameters; the process's peak memory; the time. "After" is the checkpoint kept in `out` (the
+    loss (on chat data the assistant's tokens' only) and bits per char (char tokenizer) or per
+    byte; the same prompts sampled with the same seed (on chat data, replies); the loss on a
+    reference text (config.reference, default the base's own validation data when it is a tinygpt
+    run that records it) as a measure of forgetting; trainable and total parameters; the process's
+    peak memory; the time. "After" is the checkpoint kept in `out` (the
     best one with keep best).
 
     Raises:
