@@ -2,12 +2,12 @@
 
 The task (tinygpt.lab.chat_task): the system message holds a small table of facts, the user asks for
 one, the assistant answers with it. A base model learns the task's text without the chat structure;
-the chat run learns the conversations, trained on the assistant's tokens only (train.mask). Both
+`tinygpt finetune` then trains that same model on the conversations (SFT: fine-tuning with the loss
+mask, so only the assistant's tokens are learned), its vocabulary grown by the chat template's
+special tokens, each new row the mean embedding. "Before" is the base as fine-tuning starts from it
+(tinygpt.finetune.start_model), "after" the fine-tuned run: one model before and after SFT. Both
 answer the same held-out conversations through the chat template, greedily; a reply counts when it
 equals the answer exactly and ends its turn.
-
-Until `tinygpt finetune` (issue 17) can start the chat run from the base, `train` starts it from a
-fresh model: the base's score is what the template alone gets from a model that knows the text.
 
     python benchmarks/chat_demo.py [--out runs/chat-demo] [--conversations 6000] [--sft-iters 3000]
 """
@@ -22,12 +22,11 @@ from pathlib import Path
 
 import tinygpt
 from tinygpt.cli import main as tinygpt_main
+from tinygpt.finetune import start_model
 from tinygpt.lab.chat_task import ExactMatch, exact_match, fact_conversations, fact_text
-from tinygpt.model import grow_vocab
-from tinygpt.tokenizer import load_tokenizer
 
-MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "96", "--batch-size", "16",
-         "--lr", "3e-3", "--warmup", "100", "--eval-iters", "5", "--quiet"]
+MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "96"]
+TRAIN = ["--batch-size", "16", "--lr", "3e-3", "--warmup", "100", "--eval-iters", "5", "--quiet"]
 
 
 def run(*args: str) -> None:
@@ -69,19 +68,17 @@ def main() -> None:
 
     run("prepare", str(text / "base.txt"), "--out", str(out / "data-base"))
     run("train", "--data", str(out / "data-base"), "--out", str(out / "base"), "--max-iters", str(args.base_iters),
-        "--eval-interval", str(args.base_iters), *MODEL)
+        "--eval-interval", str(args.base_iters), *MODEL, *TRAIN)
     # the chat data keeps the base's characters (same ids) and adds the template's tokens after them
-    run("prepare", str(text / "chat.jsonl"), "--format", "chat", "--tokenizer-file", str(out / "data-base"),
+    run("prepare", str(text / "chat.jsonl"), "--format", "chat", "--tokenizer-file", str(out / "base"),
         "--out", str(out / "data-chat"))
-    run("train", "--data", str(out / "data-chat"), "--out", str(out / "chat"), "--max-iters", str(args.sft_iters),
-        "--eval-interval", "500", *MODEL)
+    run("finetune", str(out / "base"), "--data", str(out / "data-chat"), "--out", str(out / "chat"),
+        "--max-iters", str(args.sft_iters), "--eval-interval", "500", *TRAIN)
 
-    chat_tok = load_tokenizer(out / "data-chat")
-    base, _ = tinygpt.checkpoint.load_run(out / "base", "cpu")
-    grow_vocab(base, chat_tok.vocab_size)  # the template's tokens start as the mean embedding
+    base, chat_tok = start_model(out / "base", out / "data-chat")  # the template's tokens: mean embedding rows
     sft, sft_tok = tinygpt.checkpoint.load_run(out / "chat", "cpu")
     print(f"\nheld-out conversations: {len(held)} (tables the training data did not hold)")
-    before = score("base (text only)", base, chat_tok, held)
+    before = score("before SFT (base)", base, chat_tok, held)
     after = score("after SFT", sft, sft_tok, held)
     print(f"SFT gained {100 * (after.accuracy - before.accuracy):.1f} points of exact match "
           f"in {time.perf_counter() - started:.0f} s\n")

@@ -5,6 +5,11 @@
                                                       and reports what changed (finetune_report.json)
     freeze(model, embeddings=True, layers=N)          stops the token and position embeddings and the
                                                       first N blocks from training; the rest trains in full
+    start_model(from_, data)                          the model a fine-tuning starts from ("before")
+
+Chat data prepared with the base's tokenizer (`prepare FILE.jsonl --format chat --tokenizer-file
+FROM`) is supervised fine-tuning: the base's tokenizer plus a chat template, whose special tokens
+get new embedding rows (the mean of the old ones), and the loss mask of the assistant's tokens.
 
 finetune hands train() a train.Start: how to build the starting model (the base, its context cropped,
 its dropout set, adapters added or layers frozen), how to load it back from a checkpoint on resume,
@@ -35,8 +40,9 @@ from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .fileio import read_json, write_json
 from .generate import generate
 from .lora import apply_lora, weights_checksum
-from .model import GPT
-from .train import TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, train
+from .model import GPT, grow_vocab
+from .tokenizer import Tokenizer, render_chat_prompt, stop_ids, with_chat_template
+from .train import TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, evaluate_chat, train
 from .weights import reconfigured
 
 REPORT = "finetune_report.json"
@@ -112,7 +118,14 @@ def finetune(
     Args:
         from_: the base: a tinygpt run folder or a Hugging Face GPT-2 folder (an adapter run is
             merged first; LoRA needs a full model as its base).
-        data: a folder prepared with the base's tokenizer (`tinygpt prepare TEXT --tokenizer-file FROM`).
+        data: a folder prepared with the base's tokenizer (`tinygpt prepare TEXT --tokenizer-file FROM`),
+            or chat data prepared with it (`tinygpt prepare FILE.jsonl --format chat --tokenizer-file
+            FROM`): the base's tokenizer plus a chat template, whose special tokens come after the
+            base's vocabulary. The model's wte and lm_head then grow by those tokens
+            (tinygpt.model.grow_vocab: each new row starts as the mean embedding), training counts
+            the assistant's tokens only (the loss mask), and the run's tokenizer carries the
+            template, so `serve`, `chat` and `export` of the run use it. Growing needs the
+            embeddings to train: method lora and freeze_embeddings are refused then.
         out: the run folder: a plain run for method full, an adapter run (adapter.safetensors and
             adapter_config.json naming the base, beside train_state.pt) for lora.
         config: what trains and how (FinetuneConfig()).
@@ -123,14 +136,16 @@ def finetune(
         progress, callbacks, should_stop: as for train().
 
     The report (RUN/finetune_report.json) holds, before and after on the data's validation split:
-    loss and bits per char (char tokenizer) or per byte; the same prompts sampled with the same
-    seed; the loss on a reference text (config.reference, default the base's own validation data
-    when it is a tinygpt run that records it) as a measure of forgetting; trainable and total
-    parameters; the process's peak memory; the time. "After" is the checkpoint kept in `out` (the
+    loss (on chat data the assistant's tokens' only) and bits per char (char tokenizer) or per
+    byte; the same prompts sampled with the same seed (on chat data, replies); the loss on a
+    reference text (config.reference, default the base's own validation data when it is a tinygpt
+    run that records it) as a measure of forgetting; trainable and total parameters; the process's
+    peak memory; the time. "After" is the checkpoint kept in `out` (the
     best one with keep best).
 
     Raises:
-        ConfigError: bad settings (a block_size longer than the base's, merge with full, ...).
+        ConfigError: bad settings (a block_size longer than the base's, merge with full, lora on chat
+            data that adds tokens, ...).
         DataError: the data was prepared with another tokenizer (the message gives the prepare command).
         CheckpointError, TrainingError: as for train() and tinygpt.load.
     """
@@ -142,18 +157,19 @@ def finetune(
     dataset = load_data(data)
     base = _load_base(from_)
     tokenizer = _base_tokenizer(from_)
-    check_data_for_run(from_, dataset, tokenizer, remedy=f"prepare it with: {prepare_command(dataset, from_)}")
-    model_config = _finetune_config(base.config, cfg, from_)
+    data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+    new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
+    model_config = _finetune_config(base.config, cfg, from_, new_ids)
     texts = _report_texts(from_, dataset, cfg, tokenizer)
-    before = _measure(reconfigured(base, model_config, str(from_)), texts, tokenizer, cfg)
-    start = _start(from_, base, model_config, cfg)
+    start = _start(from_, base, model_config, cfg, new_ids)
+    before = _measure(_shaped(base, model_config, from_, new_ids), texts, data_tokenizer, cfg)
     del base  # the training builds its own copy: do not hold two through the run
     counter = _CountParams()
     started = time.perf_counter()
     result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
                    should_stop=should_stop)
     after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
-    after = _measure(after_model, texts, tokenizer, cfg)
+    after = _measure(after_model, texts, data_tokenizer, cfg)
     report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started)
     write_json(out / REPORT, report)
     merged = None
@@ -161,6 +177,28 @@ def finetune(
         checkpoint.merge_run(out, merge)
         merged = Path(merge)
     return FinetuneResult(out, result, report, merged)
+
+
+def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:
+    """The model finetune() starts from, and the data's tokenizer: the base with its context cropped,
+    its dropout set and (chat data) its vocabulary grown as fine-tuning does, in eval mode. What a
+    comparison of a model before and after fine-tuning measures as "before".
+
+    Args:
+        from_, data, config: as for finetune().
+
+    Raises:
+        As finetune() does for a base or data it refuses.
+    """
+    cfg = config or FinetuneConfig()
+    from_ = Path(from_)
+    dataset = load_data(data)
+    base = _load_base(from_)
+    tokenizer = _base_tokenizer(from_)
+    data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+    new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)
+    model_config = _finetune_config(base.config, cfg, from_, new_ids)
+    return _shaped(base, model_config, from_, new_ids).eval(), data_tokenizer
 
 
 def read_report(run: str | Path) -> dict[str, Any]:
@@ -179,11 +217,36 @@ def read_report(run: str | Path) -> dict[str, Any]:
 
 
 def prepare_command(dataset: DataSet, from_: Path) -> str:
-    """The `tinygpt prepare` command that prepares a data folder's text again with FROM's tokenizer."""
+    """The `tinygpt prepare` command that prepares a data folder's text (or conversations) again with
+    FROM's tokenizer."""
     sources = [s.get("path") or s.get("name") for s in dataset.meta.get("sources", []) if isinstance(s, dict)]
-    words = ["tinygpt", "prepare", *(sources or ["TEXT"]), "--tokenizer-file", str(from_), "--out",
-             f"{dataset.path}-{from_.name}"]
+    chat = ["--format", "chat"] if dataset.is_chat else []
+    words = ["tinygpt", "prepare", *(sources or ["FILE.jsonl" if chat else "TEXT"]), *chat, "--tokenizer-file",
+             str(from_), "--out", f"{dataset.path}-{from_.name}"]
     return shlex.join(words)
+
+
+def data_tokenizer_for(from_: Path, dataset: DataSet, tokenizer: Tokenizer) -> Tokenizer:
+    """The tokenizer a data folder was prepared with, when a model folder may train on it: FROM's own,
+    or (chat data) FROM's extended by the data's chat template, its special tokens after FROM's
+    vocabulary, exactly as `prepare --format chat --tokenizer-file FROM` makes it.
+
+    Args:
+        from_: the model folder (for the messages).
+        dataset: the data folder (load_data).
+        tokenizer: FROM's tokenizer.
+
+    Raises:
+        DataError: any other tokenizer (the message gives the prepare command).
+    """
+    try:
+        check_data_for_run(from_, dataset, tokenizer, remedy=f"prepare it with: {prepare_command(dataset, from_)}")
+        return tokenizer
+    except DataError:
+        template = dataset.tokenizer.chat_template if dataset.is_chat else None
+        if template is None or with_chat_template(tokenizer, template).fingerprint() != dataset.fingerprint:
+            raise
+    return dataset.tokenizer
 
 
 # ---- the starting model -----------------------------------------------------------------------
@@ -202,14 +265,41 @@ def _base_tokenizer(from_: Path):
     return tokenizer
 
 
-def _finetune_config(base: GPTConfig, cfg: FinetuneConfig, from_: Path) -> GPTConfig:
-    """The base's architecture with fine-tuning's context (cropped, never longer) and dropout."""
+def _finetune_config(base: GPTConfig, cfg: FinetuneConfig, from_: Path, new_ids: range) -> GPTConfig:
+    """The base's architecture with fine-tuning's context (cropped, never longer) and dropout, and its
+    vocabulary grown to cover `new_ids` (the tokens chat data adds after the base tokenizer's)."""
     block = base.block_size if cfg.block_size is None else cfg.block_size
     if block > base.block_size:
         raise ConfigError(f"block_size: {block} is longer than {from_}'s context of {base.block_size}: "
                           "its position embedding has no rows past that")
     dropout = base.dropout if cfg.dropout is None else cfg.dropout
-    return dataclasses.replace(base, block_size=block, dropout=dropout)
+    added = len(new_ids)
+    if added > 0 and cfg.method == "lora":
+        # the adapters would be saved without the new rows, and the frozen base has none for them
+        raise ConfigError(f"method lora keeps {from_}'s vocabulary, but the data adds {added} tokens (its chat "
+                          "template's) that need new embedding rows to train: fine-tune with --method full "
+                          "(--freeze-layers N trains less), or LoRA from a model whose tokenizer has the template")
+    if added > 0 and cfg.freeze_embeddings:
+        raise ConfigError(f"--freeze-embeddings would keep the {added} tokens the data adds (its chat template's) at "
+                          "one shared mean embedding, so the model could not tell them apart: drop it "
+                          "(--freeze-layers N still freezes the blocks)")
+    vocab = max(base.vocab_size, new_ids.stop)
+    return dataclasses.replace(base, block_size=block, dropout=dropout, vocab_size=vocab)
+
+
+def _shaped(model: GPT, config: GPTConfig, from_: Path, new_ids: range) -> GPT:
+    """A base model under fine-tuning's config: its context cropped, its dropout set, its vocabulary grown
+    to config's (tinygpt.model.grow_vocab). Every new token's row starts as the mean of the base's rows,
+    also where the base's vocabulary was padded past its tokenizer's and the row exists already
+    (a padding row was only ever taught never to be written)."""
+    same_vocab = dataclasses.replace(config, vocab_size=model.config.vocab_size)
+    model = reconfigured(model, same_vocab, str(from_))
+    old = model.config.vocab_size
+    padded = range(new_ids.start, min(new_ids.stop, old))
+    with torch.no_grad():
+        for weight in {id(w): w for w in (model.wte.weight, model.lm_head.weight)}.values():  # a tied head once
+            weight[padded.start : padded.stop] = weight.mean(dim=0)
+    return grow_vocab(model, config.vocab_size)
 
 
 def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
@@ -223,13 +313,13 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
     return model.train()
 
 
-def _start(from_: Path, base: GPT, model_config: GPTConfig, cfg: FinetuneConfig) -> Start:
+def _start(from_: Path, base: GPT, model_config: GPTConfig, cfg: FinetuneConfig, new_ids: range) -> Start:
     lora = cfg.method == "lora"
     if lora and checkpoint.is_adapter_run(from_):
         raise ConfigError(f"{from_} is an adapter run: LoRA needs a full model as its base (tinygpt merge it first)")
 
     def build() -> GPT:
-        return _prepare(reconfigured(_load_base(from_), model_config, str(from_)), cfg, adapters=True)
+        return _prepare(_shaped(_load_base(from_), model_config, from_, new_ids), cfg, adapters=True)
 
     def load(run: Path) -> GPT:
         # an adapter run comes back with its adapters (and its base checked against the checksum)
@@ -259,12 +349,19 @@ class _Text:
     name: str  # "data" or "reference"
     where: str
     tokens: np.ndarray
+    chat: DataSet | None = None  # chat data: scored on the assistant's tokens, its first `conversations`
+    conversations: int = 0
 
 
 def _report_texts(from_: Path, dataset: DataSet, cfg: FinetuneConfig, tokenizer) -> list[_Text]:
     """The validation split, and the reference text (a file, or the base's own validation data)."""
     n = cfg.report_tokens + 1
     texts = [_Text("data", f"{dataset.path} (val)", np.asarray(dataset.val[:n]))]
+    if dataset.is_chat:  # whole conversations within report_tokens (at least one), the assistant's tokens scored
+        starts = dataset.starts["val"]
+        ends = np.append(starts[1:], len(dataset.val))
+        texts[0] = _Text("data", f"{dataset.path} (val, the assistant's tokens)", texts[0].tokens, dataset,
+                         max(1, int((ends <= n).sum())))
     if cfg.reference is not None:
         path = Path(cfg.reference)
         try:
@@ -304,29 +401,52 @@ def _measure(model: GPT, texts: list[_Text], tokenizer, cfg: FinetuneConfig) -> 
     out: dict[str, Any] = {}
     unit = "char" if tokenizer.kind == "char" else "byte"
     for text in texts:
-        result = evaluate(model, text.tokens)
-        predicted = tokenizer.decode(text.tokens[1:].tolist())  # the first token is context, never predicted
-        size = len(predicted) if unit == "char" else len(predicted.encode("utf-8"))
+        if text.chat is not None:
+            result = evaluate_chat(model, text.chat, conversations=text.conversations)
+            size = result["chars"] if unit == "char" else result["bytes"]
+        else:
+            result = evaluate(model, text.tokens)
+            predicted = tokenizer.decode(text.tokens[1:].tolist())  # the first token is context, never predicted
+            size = len(predicted) if unit == "char" else len(predicted.encode("utf-8"))
         out[text.name] = {"loss": result["loss"], f"bits_per_{unit}": result["nll"] / math.log(2) / max(1, size),
                           "tokens": result["tokens"], "text": text.where}
-    out["samples"] = _samples(model, texts[0].tokens, tokenizer, cfg)
+    out["samples"] = _samples(model, texts[0], tokenizer, cfg)
     return out
 
 
+def _sample_prompts(text: _Text, tokenizer, cfg: FinetuneConfig) -> list[tuple[str, list[int]]]:
+    """(prompt, ids) to sample: the prompts given, else the validation text's start. On chat data a
+    prompt is a user's message, and the default the first validation conversation up to its reply."""
+    val = text.tokens
+    if text.chat is None:
+        prompts = list(cfg.prompts) or [tokenizer.decode(val[: min(8, len(val) - 1)].tolist())]
+        return [(p, tokenizer.encode(p)) for p in prompts]
+    if cfg.prompts:
+        return [(p, render_chat_prompt(tokenizer, [{"role": "user", "content": p}])) for p in cfg.prompts]
+    first = int(np.argmax(text.chat.masks["val"] > 0))  # the reply's first token; its start token is before it
+    ids = np.asarray(val[:first]).tolist()
+    return [(tokenizer.decode(ids), ids)]
+
+
 @torch.no_grad()
-def _samples(model: GPT, val: np.ndarray, tokenizer, cfg: FinetuneConfig) -> list[dict[str, str]]:
-    prompts = list(cfg.prompts) or [tokenizer.decode(val[: min(8, len(val) - 1)].tolist())]
+def _samples(model: GPT, text: _Text, tokenizer, cfg: FinetuneConfig) -> list[dict[str, str]]:
     block = model.config.block_size
+    stops = sorted(stop_ids(tokenizer)) if text.chat is not None else None  # a reply ends its turn
     samples = []
-    for prompt in prompts:
-        ids = tokenizer.encode(prompt)[-max(1, block - cfg.sample_tokens):]  # the prompt's end, with room to write
+    for prompt, ids in _sample_prompts(text, tokenizer, cfg):
+        # the prompt's end, with room to write: in a short context at least half of it is the prompt's,
+        # or a chat prompt would lose its question
+        ids = ids[-max(1, block - min(cfg.sample_tokens, block // 2)):]
         if not ids:
             continue
         g = torch.Generator().manual_seed(SAMPLE_SEED)
         new = max(1, min(cfg.sample_tokens, block - len(ids)))
         out = generate(model, torch.tensor([ids]), new, temperature=0.8, top_k=40, generator=g,
-                       vocab_size=tokenizer.vocab_size)
-        samples.append({"prompt": prompt, "text": tokenizer.decode(out[0, len(ids):].tolist())})
+                       vocab_size=tokenizer.vocab_size, stop_tokens=stops)
+        written = out[0, len(ids):].tolist()
+        if stops and any(t in stops for t in written):  # up to the end of the turn, which is not text
+            written = written[: min(written.index(t) for t in stops if t in written)]
+        samples.append({"prompt": prompt, "text": tokenizer.decode(written)})
     return samples
 
 

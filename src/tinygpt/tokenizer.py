@@ -924,6 +924,17 @@ def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
     return template
 
 
+def stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids that end a generation: the document separator (eot_id) where the kind has one, and a
+    chat template's end of turn where the tokenizer carries one (a chat run's reply, or its sample,
+    ends there). What the server's chat, `tinygpt chat` and `tinygpt sample` pass as stop_tokens."""
+    ids = set() if tokenizer.eot_id is None else {tokenizer.eot_id}
+    template = getattr(tokenizer, "chat_template", None)
+    if template is not None:
+        ids.add(tokenizer.special_ids()[template.end])
+    return frozenset(ids)
+
+
 def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Rendered:
     """A whole conversation as ids and loss mask, with the tokenizer's chat template.
 

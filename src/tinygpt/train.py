@@ -321,6 +321,52 @@ def evaluate(
     return {"loss": total / count, "tokens": count, "nll": total}
 
 
+@torch.no_grad()
+def evaluate_chat(
+    model: GPT, dataset: DataSet, split: str = "val", *, batch_size: int = 8, device=None, dtype=torch.float32,
+    conversations: int | None = None,
+) -> dict:
+    """Loss on chat data's assistant tokens only (the loss mask), as training's evaluation counts it:
+    each conversation alone (packed rows, Batches), every trained target of the split once.
+
+    Args:
+        model: the GPT.
+        dataset: a chat data folder (load_data).
+        split: "train" or "val".
+        batch_size: packed rows per forward pass.
+        device, dtype: as for evaluate().
+        conversations: score only the split's first N conversations (default all).
+
+    Returns {"loss": mean nats per trained token, "tokens": trained tokens, "nll": total nats,
+    "bytes" and "chars": the UTF-8 bytes and characters of the assistant's text those tokens spell
+    (special tokens left out)}.
+    """
+    if not dataset.is_chat:
+        raise TrainingError(f"{dataset.path} is not chat data (prepare it with --format chat)")
+    device = device or next(model.parameters()).device
+    tokens, mask, starts = getattr(dataset, split), dataset.masks[split], dataset.starts[split]
+    if conversations is not None and conversations < len(starts):
+        end = int(starts[conversations])
+        tokens, mask, starts = tokens[:end], mask[:end], starts[:conversations]
+    batches = Batches(tokens, model.config.block_size, mask, starts)
+    special = set(dataset.tokenizer.special_ids().values())
+    total, count, text = 0.0, 0, b""
+    for i in range(0, len(batches.rows), batch_size):
+        x, y, w, documents = batches.get(torch.arange(i, min(i + batch_size, len(batches.rows))))
+        with autocast(device, dtype):
+            logits = model(x.to(device), documents=documents.to(device))
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                               y.to(device).reshape(-1), reduction="none")
+        keep = w.reshape(-1) > 0
+        total += ce[keep.to(device)].sum().item()
+        count += int(keep.sum())
+        text += dataset.tokenizer.decode_bytes([t for t in y.reshape(-1)[keep].tolist() if t not in special])
+    if not count:
+        raise TrainingError(f"the {split} split of {dataset.path} has no assistant tokens to score")
+    return {"loss": total / count, "tokens": count, "nll": total, "bytes": len(text),
+            "chars": len(text.decode("utf-8", errors="replace"))}
+
+
 def _group_by_length(windows: list[tuple[int, int]]):
     groups: dict[int, list[int]] = {}
     for s, length in windows:

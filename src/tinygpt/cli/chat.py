@@ -44,6 +44,8 @@ class _Session:
     def __init__(self, model, tokenizer, args: argparse.Namespace) -> None:
         import torch
 
+        from ..tokenizer import stop_ids
+
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.system = args.system
@@ -51,8 +53,7 @@ class _Session:
         self.max_new_tokens = args.max_new_tokens
         self.sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed) if args.seed is not None else None
-        template = tokenizer.chat_template
-        self.stops = {tokenizer.special_ids()[template.end]} | ({tokenizer.eot_id} if tokenizer.eot_id is not None else set())
+        self.stops = stop_ids(tokenizer)
         block = model.config.block_size
         # the prompt leaves room for the reply: its max length, but at most half the context
         self.budget = block - min(self.max_new_tokens, block // 2)

@@ -63,7 +63,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     FROM is a tinygpt run folder or a Hugging Face GPT-2 folder (GPT-2 124M as Hugging Face's own
     tools download it included). DATA must be prepared with FROM's tokenizer:
-    `tinygpt prepare TEXT --tokenizer-file FROM --out DATA`. --method full (default) trains every
+    `tinygpt prepare TEXT --tokenizer-file FROM --out DATA`, or for supervised fine-tuning on
+    conversations `tinygpt prepare FILE.jsonl --format chat --tokenizer-file FROM --out DATA`: the
+    chat template's special tokens then get new embedding rows (each the mean of the old ones),
+    only the assistant's tokens are learned, and RUN's tokenizer carries the template (`tinygpt
+    chat RUN`); that needs --method full without --freeze-embeddings. --method full (default) trains every
     weight (less --freeze-embeddings and the first --freeze-layers N blocks); --method lora trains
     low-rank adapters alone and RUN stores only them, naming FROM (`tinygpt merge` folds them in).
     The learning rate defaults far below pretraining's (3e-5 full, 2e-4 LoRA), held constant after
@@ -139,7 +143,8 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
                        epilog="example:\n  tinygpt prepare notes.txt --tokenizer-file gpt2 --out data/notes\n"
                               "  tinygpt finetune gpt2 --data data/notes --out runs/notes --method lora")
     p.add_argument("base", metavar="FROM", help="a run folder or a Hugging Face GPT-2 folder")
-    p.add_argument("--data", required=True, help="a folder prepared with FROM's tokenizer (prepare --tokenizer-file FROM)")
+    p.add_argument("--data", required=True, help="a folder prepared with FROM's tokenizer (prepare --tokenizer-file FROM; "
+                   "chat data: prepare FILE.jsonl --format chat --tokenizer-file FROM)")
     p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     p.add_argument("--merge", metavar="MERGED", help="with lora: also write the adapters folded in, as a plain run")

@@ -25,13 +25,20 @@ def _encode_prompt(tokenizer, prompt: str) -> list[int]:
         return [0]
 
 
+def _turn_end(tokenizer) -> int | None:
+    """The id of the tokenizer's chat end-of-turn token, or None without a template."""
+    template = getattr(tokenizer, "chat_template", None)
+    return None if template is None else tokenizer.special_ids()[template.end]
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Generate text from a trained run, streaming it to the terminal as it is chosen."""
+    """Generate text from a trained run, streaming it to the terminal as it is chosen. A run trained on
+    chat data stops at its chat template's end-of-turn token, as its replies do (`tinygpt chat`)."""
     import torch
 
     from ..config import SampleConfig
     from ..generate import StopText, generate_stream
-    from ..tokenizer import IncrementalDecoder
+    from ..tokenizer import IncrementalDecoder, stop_ids
 
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ConfigError("--num-samples must be >= 1 and --max-new-tokens >= 0")
@@ -45,7 +52,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
-    stop_tokens = [tokenizer.eot_id] if tokenizer.eot_id is not None else None
+    # the end-of-text token, and a chat run's end of turn: a sample stops where a reply would
+    stop_tokens = sorted(stop_ids(tokenizer)) or None
+    turn_end = _turn_end(tokenizer)
     observer = None
     if args.trace:
         observer = _TracePrinter(tokenizer, args.trace_top or 5, ids.shape[1], model.config.block_size)
@@ -60,7 +69,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
                                      observer=observer, vocab_size=tokenizer.vocab_size, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
-                ended = "the end-of-text token"
+                ended = "the end-of-turn token" if int(token[0]) == turn_end else "the end-of-text token"
                 break
             out.write(stopper.push(decoder.push([int(token[0])])))
             out.flush()
@@ -121,6 +130,9 @@ class _TracePrinter:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text.
 
+    On chat data (`prepare --format chat`) only the assistant's tokens are scored (the loss mask), as
+    training's evaluation does, each conversation alone; bits are per byte of the assistant's text.
+
     --text FILE with characters a char vocabulary lacks is refused, naming them; with --unknown skip
     those characters are left out and each run of known characters between them is scored as a
     text of its own (its first character starts the context and is not predicted, like the first
@@ -136,7 +148,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.unknown == "skip" and not args.text:
         raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
     model, tokenizer = load_model(args.run, args.device, args.quantize, args.allow_nonfinite)
-    scored = _from_text(args.text, tokenizer, args.unknown) if args.text else _from_data(args.run, args.data, tokenizer)
+    dataset = None if args.text else _eval_data(args.run, args.data, tokenizer)
+    if dataset is not None and dataset.is_chat:
+        return _eval_chat(args, model, dataset)
+    scored = _from_text(args.text, tokenizer, args.unknown) if args.text else _from_dataset(dataset)
     tokens, chars, nbytes, segments = scored.tokens, scored.chars, scored.nbytes, scored.segments
     skipped = scored.skipped
     if args.max_tokens is not None and args.max_tokens < len(tokens):
@@ -200,8 +215,8 @@ def _from_text(path: str, tokenizer, unknown: str) -> _Scored:
     return _Scored(tokens, chars, nbytes, path, segments, skipped, len(text))
 
 
-def _from_data(run: str, data: str | None, tokenizer) -> _Scored:
-    """The val split of --data, or of the data folder the run was trained on."""
+def _eval_data(run: str, data: str | None, tokenizer):
+    """--data, or the data folder the run was trained on, checked against the run's tokenizer."""
     from pathlib import Path
 
     from ..data import load_data
@@ -215,8 +230,42 @@ def _from_data(run: str, data: str | None, tokenizer) -> _Scored:
                           "or --text FILE")
     dataset = load_data(data)
     check_data_for_run(run, dataset, tokenizer)
+    return dataset
+
+
+def _from_dataset(dataset) -> _Scored:
+    """The val split of a text data folder."""
     meta = dataset.meta
-    return _Scored(dataset.val, int(meta["val_chars"]), int(meta["val_bytes"]), f"the val split of {data}")
+    return _Scored(dataset.val, int(meta["val_chars"]), int(meta["val_bytes"]), f"the val split of {dataset.path}")
+
+
+def _eval_chat(args: argparse.Namespace, model, dataset) -> int:
+    """`eval` on chat data: the loss of the assistant's tokens only (the loss mask), as training's
+    evaluation counts it, each conversation alone; --max-tokens keeps the first conversations that fit."""
+    import json
+    import math
+
+    import numpy as np
+
+    from ..train import evaluate_chat
+
+    starts = dataset.starts["val"]
+    keep = None
+    if args.max_tokens is not None:
+        ends = np.append(starts[1:], len(dataset.val))
+        keep = max(1, int((ends <= args.max_tokens).sum()))
+    result = evaluate_chat(model, dataset, batch_size=args.batch_size, conversations=keep)
+    n = len(starts) if keep is None else keep
+    report = {"loss": result["loss"], "perplexity": math.exp(result["loss"]),
+              "bits_per_byte": result["nll"] / math.log(2) / max(1, result["bytes"]), "tokens": result["tokens"],
+              "conversations": n, "masked": True}
+    print(f"the val split of {dataset.path}: {n:,} conversations; scored the assistant's tokens only "
+          f"(the loss mask, as training's evaluation): {result['tokens']:,} tokens")
+    print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  "
+          f"bits per byte {report['bits_per_byte']:.4f} (of the assistant's text)")
+    if args.json:
+        print(json.dumps(report))
+    return 0
 
 
 def add_sample(sub: argparse._SubParsersAction) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generate import generate_stream
-from ..tokenizer import IncrementalDecoder, Tokenizer, render_chat_prompt
+from ..tokenizer import IncrementalDecoder, Tokenizer, render_chat_prompt, stop_ids
 
 NAMES = ("ann", "bob", "cid", "dan")
 COLOURS = ("blue", "gold", "pink", "gray", "jade", "rust", "teal", "plum", "lime", "navy")
@@ -93,8 +93,7 @@ def exact_match(model, tokenizer: Tokenizer, conversations: list[dict], *, max_n
     """
     model.eval()
     device = next(model.parameters()).device
-    end = tokenizer.special_ids()[tokenizer.chat_template.end]
-    stops = {end} | ({tokenizer.eot_id} if tokenizer.eot_id is not None else set())
+    stops = stop_ids(tokenizer)
     correct, examples = 0, []
     for record in conversations:
         *context, answer = record["messages"]

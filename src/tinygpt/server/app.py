@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import SampleConfig
 from ..errors import ChatError, ConfigError, TokenizerError
-from ..tokenizer import IncrementalDecoder, render_chat_prompt
+from ..tokenizer import IncrementalDecoder, render_chat_prompt, stop_ids
 from .protocol import (
     CHAT_STOPS,
     APIError,
@@ -207,9 +207,7 @@ class _Server:
         # a run trained on chat data renders messages with its own template and stops at its end of turn;
         # any other model gets the plain-text "User: ... Assistant:" prompt
         self.template = getattr(tokenizer, "chat_template", None)
-        self.chat_stop_tokens = self.stop_tokens
-        if self.template is not None:
-            self.chat_stop_tokens = self.stop_tokens | {tokenizer.special_ids()[self.template.end]}
+        self.chat_stop_tokens = stop_ids(tokenizer)
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.encodable = lru_cache(maxsize=4096)(self._encodable)
