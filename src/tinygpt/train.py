@@ -322,6 +322,7 @@ def evaluate(
 
 
 @torch.no_grad()
+@torch.no_grad()
 def evaluate_chat(
     model: GPT, dataset: DataSet, split: str = "val", *, batch_size: int = 8, device=None, dtype=torch.float32,
     conversations: int | None = None,
@@ -353,12 +354,10 @@ def evaluate_chat(
     total, count, text = 0.0, 0, b""
     for i in range(0, len(batches.rows), batch_size):
         x, y, w, documents = batches.get(torch.arange(i, min(i + batch_size, len(batches.rows))))
-        with autocast(device, dtype):
-            logits = model(x.to(device), documents=documents.to(device))
-        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                               y.to(device).reshape(-1), reduction="none")
+        with autocast(device, dtype):  # the training loss: the mean over the batch's trained targets
+            loss = batch_loss(model, (x, y, w, documents), device)
         keep = w.reshape(-1) > 0
-        total += ce[keep.to(device)].sum().item()
+        total += loss.item() * int(keep.sum())
         count += int(keep.sum())
         text += dataset.tokenizer.decode_bytes([t for t in y.reshape(-1)[keep].tolist() if t not in special])
     if not count:
