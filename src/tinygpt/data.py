@@ -572,11 +572,7 @@ def prepare(
         }
         if tok_or_kind == "bpe":
             meta["requested_vocab_size"] = bpe_vocab
-        if tokenizer_file is not None:
-            meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
-        tok.save(tmp / "tokenizer.json")
-        write_json(tmp / "meta.json", meta)
-        _replace_folder(tmp, out)
+        _publish(tmp, out, tok, meta, tokenizer_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
@@ -728,6 +724,16 @@ def _check_out_dir(out: Path) -> None:
         except (DataError, AttributeError, OSError):
             pass
     raise DataError(f"refusing to overwrite {out}: it is not a tinygpt data folder (choose another --out)")
+
+
+def _publish(tmp: Path, out: Path, tok, meta: dict, tokenizer_file: str | Path | None) -> None:
+    """Write the tokenizer and meta.json (naming the tokenizer file it came from) into the finished
+    folder and move it into place."""
+    if tokenizer_file is not None:
+        meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
+    tok.save(tmp / "tokenizer.json")
+    write_json(tmp / "meta.json", meta)
+    _replace_folder(tmp, out)
 
 
 def _replace_folder(new: Path, out: Path) -> None:
@@ -889,11 +895,7 @@ def prepare_chat(
             "sources": [{"name": str(path), "path": str(src), "bytes": src.stat().st_size}],
             "errors": errors, "skipped": len(convs.malformed), "skipped_lines": [n for n, _ in convs.malformed[:100]],
         }
-        if tokenizer_file is not None:
-            meta["tokenizer_file"] = str(Path(tokenizer_file).expanduser().resolve())
-        tok.save(tmp / "tokenizer.json")
-        write_json(tmp / "meta.json", meta)
-        _replace_folder(tmp, out)
+        _publish(tmp, out, tok, meta, tokenizer_file)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
