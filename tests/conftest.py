@@ -1,5 +1,6 @@
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +16,22 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _fresh_seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def cli(capsys):
+    """tinygpt's main() in this process, answering as subprocess.run does (returncode, stdout, stderr):
+    a failure that escaped as a traceback fails the test; a process of its own would cost seconds for
+    torch's import each time (the tests of the real process start one)."""
+    from tinygpt.cli import main
+
+    def run(*args):
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def make_text(n_lines: int = 600, seed: int = 0) -> str:

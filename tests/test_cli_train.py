@@ -25,22 +25,6 @@ def start(*args):
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.fixture
-def cli(capsys):
-    """tinygpt's main() in this process, answering as subprocess.run does: a failure that escaped as a
-    traceback fails the test; a process of its own costs seconds for torch's import (tests of the
-    real process: above)."""
-    from tinygpt.cli import main
-
-    def run(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
-
-
 def assert_clean_error(r, *fragments):
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr, r.stderr

@@ -2,7 +2,6 @@
 the CLI, and bad folders. Needs the hf extra (transformers)."""
 
 import json
-import subprocess
 
 import pytest
 import torch
@@ -23,20 +22,6 @@ from tinygpt.tokenizer import EOT, GPT2Tokenizer  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 TOL = 1e-4
-
-
-@pytest.fixture
-def cli(capsys):
-    """Run `tinygpt ARGS` in this process (a subprocess would start Python and torch again each time)."""
-    from tinygpt.cli import main
-
-    def run(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
 
 
 def assert_clean_error(r, *fragments):

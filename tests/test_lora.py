@@ -3,7 +3,6 @@ what stays bitwise the same, merging, the run format and its checks, and the CLI
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -396,19 +395,6 @@ def test_adapter_run_refusals(base_run, tmp_path):
 
 
 # ---- the CLI on adapter runs -------------------------------------------------------------------
-
-
-@pytest.fixture
-def cli(capsys):
-    from tinygpt.cli import main
-
-    def run(*args):
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, out, err)
-
-    return run
 
 
 def test_cli_sample_eval_export_and_merge_take_an_adapter_run(base_run, tmp_path, cli):
