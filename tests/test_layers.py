@@ -20,8 +20,8 @@ PACKAGE = ROOT / "src" / "tinygpt"
 LAYERS = (
     ("foundation", "configs, errors and the arithmetic of scale; no torch",
      ("config", "errors", "calc.*")),
-    ("tensors and text", "files, devices, tokenizers, the KV cache, sampling",
-     ("fileio", "device", "tokenizer", "kv_cache", "sampling")),
+    ("tensors and text", "files, devices, tokenizers, the KV cache, sampling, tinygpt's CPU kernels",
+     ("fileio", "device", "tokenizer", "kv_cache", "sampling", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
     ("workflows", "generation, data, training and fine-tuning, run folders, interchange, the lesson's tools",
      ("generate", "data", "optim", "sizing", "train", "distributed", "checkpoint", "lora", "finetune", "fastpath",

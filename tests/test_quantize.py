@@ -12,7 +12,7 @@ import torch
 from conftest import make_text
 
 import tinygpt
-from tinygpt import GPT, CheckpointError, ConfigError, GPTConfig, cli, generate, quantize
+from tinygpt import GPT, CheckpointError, ConfigError, GPTConfig, cli, generate, kernels, quantize
 from tinygpt.interop.quantize import (
     INT4_GROUP, INT8_KERNEL_ROWS, FORMATS, Fp16Linear, Int4Linear, Int8Linear, activation_dtype, fbgemm_works,
     int4_quantize, weight_format,
@@ -47,17 +47,29 @@ def test_int8_linear_matches_its_dequantized_weights(in_features, rows):
     torch.testing.assert_close(got.float(), linear(x), atol=0.05, rtol=0.05)
 
 
+@pytest.fixture(params=["tinygpt", "aten"])
+def kernel(request, monkeypatch):
+    """Each CPU kernel for int8 decoding rows and int4 in turn: tinygpt's own (where it builds) and PyTorch's."""
+    if request.param == "aten":
+        monkeypatch.setattr(kernels, "lowbit", lambda: None)
+    elif kernels.lowbit() is None:
+        pytest.skip("tinygpt's CPU kernels cannot be built here")
+    return request.param
+
+
 @needs_fbgemm
 @pytest.mark.parametrize("rows", [1, INT8_KERNEL_ROWS, 2 * INT8_KERNEL_ROWS])  # decoding rows, then a prompt's
-def test_int8_linear_with_float32_inputs_multiplies_int8_by_int8(rows):
+def test_int8_linear_with_float32_inputs_multiplies_int8_by_int8(rows, kernel):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 40)
     q = Int8Linear(linear, torch.float32)
     assert q.packed is not None and not q.use_kernel and q.scales.dtype == torch.float32
+    assert q.lowbit == (kernel == "tinygpt")  # decoding rows; fbgemm takes longer inputs either way
     x = torch.randn(rows, 64)
     got = q(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 40)
-    # the inputs are quantized to 7 bits on the fly: close to the dequantized product, not equal
+    # the inputs are quantized on the fly (8 bits a block of 32, or 7 bits a row): close to the
+    # dequantized product, not equal
     want = x @ q.dequantized().t() + linear.bias.detach()
     torch.testing.assert_close(got, want, atol=0.03 * float(want.abs().max()), rtol=0)
     if rows <= INT8_KERNEL_ROWS:  # a decoding row's result does not depend on the other rows of its batch
@@ -77,7 +89,9 @@ def test_fp16_linear_computes_with_float16_weights_in_float32():
     assert layer.nbytes == 48 * 40 * 2
 
 
-def test_int4_codes_and_layer_match_their_dequantized_weights():
+def test_int4_codes_and_layer_match_their_dequantized_weights(kernel):
+    if kernel == "tinygpt":
+        return _check_lowbit_int4_layer()
     torch.manual_seed(0)
     linear = torch.nn.Linear(2 * INT4_GROUP, 32)
     q, scales_and_zeros = int4_quantize(linear.weight)
@@ -97,13 +111,43 @@ def test_int4_codes_and_layer_match_their_dequantized_weights():
         torch.testing.assert_close(got.float(), want, atol=0.02 * float(want.abs().max()), rtol=0)
 
 
-def test_int4_keeps_layers_its_kernel_cannot_take_in_int8():
+def _check_lowbit_int4_layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2 * INT4_GROUP, 40)
+    codes, params = kernels.int4_codes(linear.weight)
+    assert codes.shape == (40, 64) and int(codes.min()) >= 0 and int(codes.max()) <= 15
+    assert params.shape == (40, 2, 2) and params.dtype == torch.float16
+    dequantized = kernels.int4_dequantize(codes, params)
+    scale = params[:, 0].float().repeat_interleave(INT4_GROUP, dim=1)
+    # every weight within half a step, and float16's rounding of the minimum
+    assert bool(((dequantized - linear.weight).abs() <= scale * 0.5 + linear.weight.abs().amax() / 1024).all())
+    layer = Int4Linear(linear)
+    assert layer.lowbit and layer.nbytes == 40 * 32 + 40 * 2 * 2 * 2
+    x = torch.randn(7, 64)
+    # exactly the product of the codes with the activations quantized as the kernel does
+    q, s = kernels.quantize_activations(x)
+    xq = (q.double().reshape(7, 2, INT4_GROUP) * s.double()[..., None]).reshape(7, 64)
+    want = (xq @ dequantized.double().t() + linear.bias.detach().double()).float()
+    for inputs in (x, x.bfloat16()):  # outputs come back in the input's dtype
+        got = layer(inputs)
+        assert got.dtype == inputs.dtype
+        if inputs.dtype == torch.float32:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.float(), inputs.float() @ dequantized.t() + linear.bias.detach(),
+                                   atol=0.02 * float(want.abs().max()), rtol=0)
+
+
+def test_int4_keeps_layers_its_kernel_cannot_take_in_int8(kernel):
     torch.manual_seed(0)
     model = quantize(GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64)), "int4")
     assert weight_format(model) == "int4"
     assert isinstance(model.h[0].mlp.c_fc, Int4Linear) and isinstance(model.h[0].attn.c_attn, Int4Linear)
-    assert isinstance(model.lm_head, Int8Linear)  # 37 output channels: not a multiple of 16
+    assert model.h[0].mlp.c_fc.lowbit == (kernel == "tinygpt")
+    # 37 output channels: PyTorch's kernel packs 16 at a time, tinygpt's takes any number
+    assert isinstance(model.lm_head, Int4Linear if kernel == "tinygpt" else Int8Linear)
     assert model(torch.randint(0, 37, (1, 5))).shape == (1, 5, 37)
+    narrow = quantize(GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=48)), "int4")
+    assert isinstance(narrow.h[0].attn.c_attn, Int8Linear)  # 48 inputs: not a multiple of 32 for either kernel
 
 
 def test_each_format_computes_in_the_dtype_the_cpu_multiplies_fastest(monkeypatch):

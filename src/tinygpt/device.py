@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -47,6 +48,24 @@ def resolve_device(name: str = "auto") -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device: mps was asked for but MPS is not available")
     return device
+
+
+def cpu_flag_set(cpuinfo: str | None = None) -> set[str] | None:
+    """The CPU's instruction-set flags from /proc/cpuinfo's first flags line (avx2, fma, avx512_bf16, ...);
+    None where there is none to read (not Linux, not x86).
+
+    Args:
+        cpuinfo: the text of /proc/cpuinfo (default: read it).
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return None
 
 
 def cpu_has_native_bf16() -> bool:

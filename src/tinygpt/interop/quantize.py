@@ -17,12 +17,16 @@ when the model is converted (never assumed from the CPU's name):
   (`aten._weight_int8pack_mm`), which wants bfloat16 activations and works through its input's
   rows one at a time: it takes a few rows (decoding), and longer inputs (a prompt, an evaluation
   batch) multiply a dequantized bfloat16 copy. Without native bfloat16 those activations would be
-  emulated, so int8 there keeps float32 activations and multiplies with fbgemm's dynamic int8
-  kernel instead, which quantizes each input to 8 bits on the fly (7 bits of range, so the
-  products cannot saturate on CPUs without VNNI) and multiplies int8 by int8.
-- int4 uses PyTorch's int4 kernel (`aten._weight_int4pack_mm_for_cpu`, bfloat16 inputs), as
-  gpt-fast does; a layer whose shape it cannot take (out_features not a multiple of 16, such as a
-  character model's head) is stored in int8.
+  emulated, so int8 there keeps float32 activations. Decoding rows then go to tinygpt's own AVX2
+  kernel (tinygpt.kernels: int8 weights against activations quantized in blocks of 32), which reads
+  the weights at over twice the speed of PyTorch's at one row; longer inputs, and CPUs where that
+  kernel cannot be built, multiply with fbgemm's dynamic int8 kernel, which quantizes each input to
+  8 bits on the fly (7 bits of range, so the products cannot saturate on CPUs without VNNI).
+- int4 uses tinygpt's own kernel where it builds (tinygpt.kernels: a scale and minimum per block
+  of 32 inputs, float32 activations), else PyTorch's int4 kernel
+  (`aten._weight_int4pack_mm_for_cpu`, bfloat16 inputs), as gpt-fast does; a layer whose shape the
+  kernel cannot take (in_features not a multiple of 32; for PyTorch's, also out_features not a
+  multiple of 16, such as a character model's head) is stored in int8.
 
 The result is for inference (generate, eval, serve): such models cannot be trained or saved.
 """
@@ -36,13 +40,14 @@ import torch.nn.functional as F
 import functools
 import warnings
 
+from .. import kernels
 from ..device import allow_fast_float32, cpu_has_native_bf16
 from ..errors import ConfigError
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 INT8_KERNEL_ROWS = 8  # up to this many rows the int8 kernel beats dequantize + bf16 matmul (measured)
 INT8_KERNEL_ALIGN = 16  # the CPU kernel needs in_features to be a multiple of 16
-INT4_GROUP = 32  # inputs per scale and offset (llama.cpp's Q4_0 blocks are 32 long too)
+INT4_GROUP = kernels.BLOCK  # inputs per scale and offset (llama.cpp's Q4_0 blocks are 32 long too)
 INT4_OUT_ALIGN = 16  # the int4 kernel packs 16 output channels together
 
 
@@ -71,6 +76,9 @@ class Int8Linear(nn.Module):
         if dtype is torch.float32 and q.device.type == "cpu" and fbgemm_works():
             self.packed = _fbgemm_int8_pack(q, scales, bias)
         self.use_kernel = self.packed is None and self.in_features % INT8_KERNEL_ALIGN == 0 and _kernel_works(self)
+        # decoding rows in float32 on a CPU: tinygpt's own kernel, where it builds (tinygpt.kernels)
+        self.lowbit = (self.packed is not None and self.in_features % kernels.BLOCK == 0
+                       and kernels.lowbit() is not None)
         self.nbytes = q.numel() + scales.numel() * scales.element_size()
 
     def dequantized(self) -> torch.Tensor:
@@ -80,6 +88,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scales.dtype)
         rows = x.reshape(-1, self.in_features)  # (N, in)
+        if self.lowbit and rows.shape[0] <= INT8_KERNEL_ROWS:
+            y = kernels.lowbit().int8_linear(rows, self.weight, self.scales, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return self._fbgemm(rows).view(*x.shape[:-1], self.out_features)
         if self.use_kernel and rows.shape[0] <= INT8_KERNEL_ROWS:
@@ -101,7 +112,8 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(rows, self.packed, True)
 
     def extra_repr(self) -> str:
-        kernel = "fbgemm" if self.packed is not None else "int8pack" if self.use_kernel else "dequantized"
+        kernel = ("tinygpt+fbgemm" if self.lowbit else "fbgemm" if self.packed is not None else
+                  "int8pack" if self.use_kernel else "dequantized")
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"kernel={kernel}")
 
@@ -163,9 +175,11 @@ def int4_quantize(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
 class Int4Linear(nn.Module):
     """A Linear layer with 4-bit weights, a scale and an offset per group of INT4_GROUP inputs (CPU).
 
-    It multiplies with PyTorch's int4 kernel, which wants bfloat16 inputs; outputs come back in the
-    input's dtype, so the rest of the model may stay float32 where bfloat16 is emulated. Such a
-    layer only runs forward, on the CPU.
+    Where tinygpt's own kernel builds (tinygpt.kernels), it multiplies float32 inputs by codes
+    stored two to a byte with a float16 scale and minimum per group; elsewhere it uses PyTorch's
+    int4 kernel, which wants bfloat16 inputs. Outputs come back in the input's dtype, so the rest
+    of the model may stay float32 where bfloat16 is emulated. Such a layer only runs forward, on
+    the CPU.
 
     Args:
         linear: the layer to quantize; `int4_fits(linear)` must hold.
@@ -174,27 +188,40 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scales_and_zeros = int4_quantize(linear.weight)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # (out, in / 2)
-        self.scales_and_zeros = scales_and_zeros  # not a buffer: it stays bfloat16 when the model moves to float32
+        self.lowbit = kernels.lowbit() is not None
+        if self.lowbit:
+            codes, params = kernels.int4_codes(linear.weight)
+            self.register_buffer("packed", kernels.int4_pack(codes))  # (out, in / 2)
+        else:
+            q, params = int4_quantize(linear.weight)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # (out, in / 2)
+        self.params = params  # not a buffer: it keeps its 16 bits when the model moves to float32
         bias = linear.bias.detach().float() if linear.bias is not None else None
         self.register_buffer("bias", bias)
-        self.nbytes = self.packed.numel() + self.scales_and_zeros.numel() * 2
+        self.nbytes = self.packed.numel() + self.params.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_and_zeros).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
+        rows = x.reshape(-1, self.in_features)
+        if self.lowbit:
+            y = kernels.lowbit().int4_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, INT4_GROUP,
+                                                          self.params).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={INT4_GROUP}"
+        kernel = "tinygpt" if self.lowbit else "aten"
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={INT4_GROUP}, kernel={kernel}"
 
 
 def int4_fits(linear: nn.Linear) -> bool:
-    """Whether the int4 kernel takes this layer's shape (in a multiple of INT4_GROUP, out of 16)."""
-    return linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_OUT_ALIGN == 0
+    """Whether the int4 kernel takes this layer's shape: in_features a multiple of INT4_GROUP and,
+    for PyTorch's kernel, out_features a multiple of 16."""
+    if linear.in_features % INT4_GROUP:
+        return False
+    return kernels.lowbit() is not None or linear.out_features % INT4_OUT_ALIGN == 0
 
 
 class PackedLinear(nn.Module):

@@ -41,9 +41,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..calc import flops_per_token
 from ..config import GPTConfig, TrainConfig
-from ..device import cpu_has_native_bf16, resolve_device
+from ..device import cpu_flag_set, cpu_has_native_bf16, resolve_device
 from ..generate import generate_stream
 from ..interop.hf_gpt2 import to_transformers
 from ..interop.quantize import FORMATS, quantize
@@ -125,6 +126,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": cpu_flags(),
         "native_bf16": cpu_has_native_bf16(),
+        "tinygpt_kernels": kernels.lowbit() is not None,
         "load_average": _load(),
     }
     if device.type == "cuda":
@@ -156,16 +158,8 @@ def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool]:
     Args:
         cpuinfo: the text of /proc/cpuinfo (default: read it).
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return {}
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            have = set(line.split(":", 1)[1].split())
-            return {name: flag in have for flag, name in CPU_FLAGS.items()}
-    return {}
+    have = cpu_flag_set(cpuinfo)
+    return {} if have is None else {name: flag in have for flag, name in CPU_FLAGS.items()}
 
 
 def describe_cpu(info: dict[str, Any]) -> str:
@@ -173,7 +167,8 @@ def describe_cpu(info: dict[str, Any]) -> str:
     flags = info.get("cpu_flags") or {}
     listed = ", ".join(f"{name} {'yes' if flag else 'no'}" for name, flag in flags.items()) or "flags unknown"
     return (f"cpu: {info['processor']}; {listed}; torch kernels {info['cpu_capability']}, "
-            f"native bf16 {'yes' if info.get('native_bf16') else 'no'}")
+            f"native bf16 {'yes' if info.get('native_bf16') else 'no'}, "
+            f"tinygpt's int8/int4 kernels {'yes' if info.get('tinygpt_kernels') else 'no'}")
 
 
 def _load() -> float | None:

@@ -1,0 +1,125 @@
+"""tinygpt's own CPU kernels: int8 and int4 matrix-vector products for decoding (csrc/lowbit.cpp).
+
+PyTorch's CPU kernels for low-bit weights are made for many rows at a time; at one row (a decoding
+step) they read the weights well below the memory's speed (the README's Performance section has
+the figures). These read them once per call, against activations quantized to int8 in blocks of 32,
+with AVX2. They are compiled on first use with PyTorch's extension builder (a C++ compiler and
+ninja; 30-60 seconds once, then cached in ~/.cache/tinygpt/kernels, or $TINYGPT_KERNELS_DIR), and
+checked against a reference before anything uses them. Where they cannot be built or do not agree (no compiler, a
+CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize keeps PyTorch's
+kernels; TINYGPT_KERNELS=0 chooses that too.
+
+    int8_linear(x, weight, scales, bias)   x (M, K) float32, weight (N, K) int8, scales (N,) float32
+    int4_linear(x, weight, params, bias)   weight (N, K / 2) uint8 (int4_pack), params (N, 2, K / 32)
+                                           float16: a row's block scales, then its block minimums
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from .device import cpu_flag_set
+
+BLOCK = 32  # inputs per activation scale, and per int4 weight scale and minimum
+SOURCE = Path(__file__).parent / "csrc" / "lowbit.cpp"
+NEEDS = ("avx2", "fma", "f16c")
+log = logging.getLogger(__name__)
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU runs the kernels: x86-64 with AVX2, FMA and F16C (from /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    flags = cpu_flag_set()
+    return flags is not None and all(flag in flags for flag in NEEDS)
+
+
+def build_directory() -> Path:
+    """Where the compiled kernels are kept: one folder per torch release (its headers are compiled in)."""
+    root = os.environ.get("TINYGPT_KERNELS_DIR") or Path.home() / ".cache" / "tinygpt" / "kernels"
+    return Path(root) / f"torch-{torch.__version__}"
+
+
+@functools.cache
+def lowbit():
+    """torch.ops.tinygpt_lowbit, built and checked on first call; None where it cannot be used here."""
+    if os.environ.get("TINYGPT_KERNELS", "1") == "0" or not cpu_supports():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        folder = build_directory()
+        if not (folder / "tinygpt_lowbit.so").exists():
+            log.warning("tinygpt: compiling its int8/int4 CPU kernels, once (30-60 s) into %s", folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="tinygpt_lowbit", sources=[str(SOURCE)], is_python_module=False, verbose=False,
+            build_directory=str(folder),
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        )
+        ops = torch.ops.tinygpt_lowbit
+        ok = _agrees(ops)
+    except Exception as e:  # a missing compiler or ninja, a failed build: PyTorch's kernels do the work
+        log.warning("tinygpt: the int8/int4 CPU kernels could not be built (%s); using PyTorch's", str(e).splitlines()[0])
+        return None
+    if not ok:
+        log.warning("tinygpt: the int8/int4 CPU kernels disagree with their reference here; using PyTorch's")
+        return None
+    return ops
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels do to their input, in PyTorch: (M, K) float32 -> int8 codes (M, K) and a scale
+    per block of 32 (max |x| / 127), rounding half to even."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    codes = torch.round(blocks * torch.where(scale > 0, 1 / scale, 0.0)).clamp(-127, 127)
+    return codes.reshape(x.shape).to(torch.int8), scale.squeeze(-1)
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An (N, K) weight in 4 bits per block of 32 inputs: codes (N, K) 0..15 and params (N, 2, K / 32)
+    float16 (the blocks' scales, then their minimums), so that w ~ code * scale + minimum."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    low = w.amin(dim=-1, keepdim=True).half().float()
+    # round scale and minimum to float16 first, so the codes fit what the kernel computes
+    scale = ((w.amax(dim=-1, keepdim=True) - low).clamp(min=1e-8) / 15).half().float()
+    codes = torch.round((w - low) / scale).clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return codes, torch.stack([scale[..., 0], low[..., 0]], dim=1).half().contiguous()
+
+
+def int4_pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) 0..15 -> (N, K / 2) bytes: in each block of 32, byte j = code j | code j + 16 << 4."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """The weights int4 codes and params stand for, (N, K) float32."""
+    n, k = codes.shape
+    p = params.float()[..., None]  # (N, 2, K / 32, 1)
+    return (codes.float().reshape(n, k // BLOCK, BLOCK) * p[:, 0] + p[:, 1]).reshape(n, k)
+
+
+def _agrees(ops) -> bool:
+    """Both kernels against PyTorch on a small case, with the same quantized activations."""
+    g = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    codes, scales = quantize_activations(x)
+    xq = (codes.float().reshape(3, -1, BLOCK) * scales[..., None]).reshape(3, 96)
+    w_scales = w.abs().amax(dim=1) / 127
+    w8 = torch.round(w / w_scales[:, None]).to(torch.int8)
+    want8 = xq @ (w8.float() * w_scales[:, None]).T + bias
+    q4, params = int4_codes(w)
+    want4 = xq @ int4_dequantize(q4, params).T + bias
+    got8 = ops.int8_linear(x, w8, w_scales, bias)
+    got4 = ops.int4_linear(x, int4_pack(q4), params, bias)
+    return bool(torch.allclose(got8, want8, rtol=1e-4, atol=1e-4) and torch.allclose(got4, want4, rtol=1e-4, atol=1e-4))

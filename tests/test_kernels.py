@@ -1,0 +1,123 @@
+"""tinygpt's own int8/int4 CPU kernels (tinygpt.kernels, csrc/lowbit.cpp): the exact products they
+stand for, rows independent of their batch and of the thread count, clear errors on bad shapes,
+and PyTorch's kernels wherever these cannot be built."""
+
+import logging
+
+import pytest
+import torch
+
+from tinygpt import kernels
+from tinygpt.interop.quantize import Int4Linear, Int8Linear
+
+ops = kernels.lowbit()
+needs_kernels = pytest.mark.skipif(ops is None, reason="tinygpt's CPU kernels cannot be built here")
+SHAPES = [(1, 40, 64), (2, 50, 320), (3, 96, 768), (17, 130, 3072)]  # (rows, out, in); 320: 8 blocks and a tail
+
+
+def exact(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x @ w.T + bias in float64, with x quantized as the kernels quantize it."""
+    codes, scales = kernels.quantize_activations(x)
+    xq = (codes.double().reshape(x.shape[0], -1, kernels.BLOCK) * scales.double()[..., None]).reshape(x.shape)
+    return xq @ w.double().T + bias.double()
+
+
+def int8_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = w.abs().amax(dim=1) / 127
+    return torch.round(w / scales[:, None]).to(torch.int8), scales
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,out,inp", SHAPES)
+def test_kernels_compute_the_quantized_products_exactly(rows, out, inp):
+    g = torch.Generator().manual_seed(rows)
+    x, w, bias = torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g) * 0.02, torch.randn(out, generator=g)
+    x[0, :32] = 0.0  # a block of zeros has no scale to divide by
+    q8, s8 = int8_weights(w)
+    got = ops.int8_linear(x, q8, s8, bias)
+    torch.testing.assert_close(got.double(), exact(x, q8.double() * s8.double()[:, None], bias), atol=1e-5, rtol=1e-5)
+    codes, params = kernels.int4_codes(w)
+    got = ops.int4_linear(x, kernels.int4_pack(codes), params, None)
+    torch.testing.assert_close(got.double(), exact(x, kernels.int4_dequantize(codes, params), torch.zeros(out)),
+                               atol=1e-5, rtol=1e-5)
+    # and near the float product they approximate (int8 within 2%, 4 bits within 10%)
+    full = x @ w.T
+    assert float((ops.int8_linear(x, q8, s8, None) - full).norm() / full.norm()) < 0.02
+    assert float((got - full).norm() / full.norm()) < 0.1
+
+
+@needs_kernels
+def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 256, generator=g), torch.randn(300, 256, generator=g)
+    q8, s8 = int8_weights(w)
+    codes, params = kernels.int4_codes(w)
+    packed = kernels.int4_pack(codes)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            runs.append((ops.int8_linear(x, q8, s8, None), ops.int4_linear(x, packed, params, None)))
+            for i in (0, 5):
+                assert torch.equal(ops.int8_linear(x[i:i + 1], q8, s8, None), runs[-1][0][i:i + 1])
+                assert torch.equal(ops.int4_linear(x[i:i + 1], packed, params, None), runs[-1][1][i:i + 1])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_int4_pack_puts_a_block_s_two_halves_in_one_byte():
+    codes = torch.arange(64).remainder(16).reshape(1, 64)
+    packed = kernels.int4_pack(codes)
+    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
+    assert packed[0, 0] == codes[0, 0] | codes[0, 16] << 4 and packed[0, 17] == codes[0, 33] | codes[0, 49] << 4
+
+
+@needs_kernels
+def test_bad_shapes_are_refused_with_a_message():
+    q8, s8 = int8_weights(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.int8_linear(torch.randn(2, 32), q8, s8, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int8_linear(torch.randn(2, 64, dtype=torch.float64), q8, s8, None)
+
+
+def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'tinygpt_lowbit': c++: not found\nmore detail")
+
+    monkeypatch.setattr(kernels, "cpu_supports", lambda: True)
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("TINYGPT_KERNELS_DIR", str(tmp_path))
+    kernels.lowbit.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tinygpt.kernels"):
+            assert kernels.lowbit() is None
+        assert "compiling its int8/int4 CPU kernels, once" in caplog.text
+        assert "could not be built (Error building extension 'tinygpt_lowbit': c++: not found); using PyTorch's" in caplog.text
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(64, 48)
+        layer8, layer4 = Int8Linear(linear, torch.float32), Int4Linear(linear)
+        assert not layer8.lowbit and not layer4.lowbit
+        x = torch.randn(1, 64)
+        torch.testing.assert_close(layer8(x), linear(x), atol=0.05, rtol=0.05)
+        torch.testing.assert_close(layer4(x), linear(x), atol=0.2, rtol=0.2)
+    finally:
+        kernels.lowbit.cache_clear()
+    monkeypatch.setenv("TINYGPT_KERNELS", "0")
+    assert kernels.lowbit() is None  # and the switch that asks for PyTorch's
+    kernels.lowbit.cache_clear()
+
+
+def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    flags = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
+    monkeypatch.setattr(kernels, "cpu_flag_set", lambda: flags)
+    assert kernels.cpu_supports()
+    flags -= {"avx2", "fma"}  # an older x86 CPU
+    assert not kernels.cpu_supports()
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "arm64")
+    assert not kernels.cpu_supports()
