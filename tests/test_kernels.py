@@ -1,14 +1,16 @@
-"""tinygpt's own int8/int4 CPU kernels (tinygpt.kernels, csrc/lowbit.cpp): the exact products they
+"""tinygpt's own float32/float16/int8/int4 CPU kernels (tinygpt.kernels, csrc/lowbit.cpp): the exact products they
 stand for, rows independent of their batch and of the thread count, clear errors on bad shapes,
 and PyTorch's kernels wherever these cannot be built."""
 
+import copy
 import logging
 
 import pytest
 import torch
 
 from tinygpt import kernels
-from tinygpt.interop.quantize import Int4Linear, Int8Linear
+from tinygpt import GPT, GPTConfig, quantize
+from tinygpt.interop.quantize import FloatLinear, Fp16Linear, Int4Linear, Int8Linear, PackedLinear, weight_format
 
 ops = kernels.lowbit()
 needs_kernels = pytest.mark.skipif(ops is None, reason="tinygpt's CPU kernels cannot be built here")
@@ -47,6 +49,17 @@ def test_kernels_compute_the_quantized_products_exactly(rows, out, inp):
 
 
 @needs_kernels
+@pytest.mark.parametrize("rows,out,inp", SHAPES + [(2, 24, 40)])  # 40: a multiple of 8 with a tail
+def test_the_float_kernel_is_the_float_product(rows, out, inp):
+    g = torch.Generator().manual_seed(rows)
+    x, w, bias = torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g), torch.randn(out, generator=g)
+    want = x.double() @ w.double().T + bias.double()
+    torch.testing.assert_close(ops.float_linear(x, w, bias).double(), want, atol=1e-4, rtol=1e-5)
+    want16 = x.double() @ w.half().double().T  # float16 weights, widened exactly
+    torch.testing.assert_close(ops.float_linear(x, w.half(), None).double(), want16, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernels
 def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 256, generator=g), torch.randn(300, 256, generator=g)
@@ -58,13 +71,15 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
         runs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            runs.append((ops.int8_linear(x, q8, s8, None), ops.int4_linear(x, packed, params, None)))
+            calls = (lambda r: ops.int8_linear(r, q8, s8, None), lambda r: ops.int4_linear(r, packed, params, None),
+                     lambda r: ops.float_linear(r, w, None), lambda r: ops.float_linear(r, w.half(), None))
+            runs.append([call(x) for call in calls])
             for i in (0, 5):
-                assert torch.equal(ops.int8_linear(x[i:i + 1], q8, s8, None), runs[-1][0][i:i + 1])
-                assert torch.equal(ops.int4_linear(x[i:i + 1], packed, params, None), runs[-1][1][i:i + 1])
+                for call, whole in zip(calls, runs[-1]):
+                    assert torch.equal(call(x[i:i + 1]), whole[i:i + 1])
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_int4_pack_puts_a_block_s_two_halves_in_one_byte():
@@ -101,7 +116,10 @@ def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_p
         torch.manual_seed(0)
         linear = torch.nn.Linear(64, 48)
         layer8, layer4 = Int8Linear(linear, torch.float32), Int4Linear(linear)
-        assert not layer8.lowbit and not layer4.lowbit
+        assert not layer8.lowbit and not layer4.lowbit and not FloatLinear.fits(linear)
+        model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64))
+        fp32, fp16 = (quantize(GPT(model.config), fmt) for fmt in ("fp32", "fp16"))
+        assert isinstance(fp32.h[0].mlp.c_fc, PackedLinear) and isinstance(fp16.h[0].mlp.c_fc, Fp16Linear)
         x = torch.randn(1, 64)
         torch.testing.assert_close(layer8(x), linear(x), atol=0.05, rtol=0.05)
         torch.testing.assert_close(layer4(x), linear(x), atol=0.2, rtol=0.2)
@@ -121,3 +139,20 @@ def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):
     assert not kernels.cpu_supports()
     monkeypatch.setattr(kernels.platform, "machine", lambda: "arm64")
     assert not kernels.cpu_supports()
+
+
+@needs_kernels
+def test_fp32_and_fp16_models_decode_with_the_float_kernel():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64)).eval()
+    idx = torch.randint(0, 37, (2, 9))
+    ref = model(idx).detach()
+    for fmt, tol in (("fp32", 1e-5), ("fp16", 0.01)):
+        q = quantize(copy.deepcopy(model), fmt)
+        layer = q.h[0].mlp.c_fc
+        assert isinstance(layer, FloatLinear) and weight_format(q) == fmt
+        assert layer.weight.dtype == (torch.float32 if fmt == "fp32" else torch.float16)
+        assert layer.nbytes == 256 * 64 * layer.weight.element_size() + 256 * 4
+        # 18 rows take PyTorch's matmul, one row tinygpt's kernel: the same logits either way
+        torch.testing.assert_close(q(idx), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(q(idx[:1, :1]), ref[:1, :1], atol=tol, rtol=tol)

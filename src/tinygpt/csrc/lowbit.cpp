@@ -1,13 +1,16 @@
-// int8 and int4 matrix-vector products for decoding on x86 CPUs with AVX2, FMA and F16C.
+// Matrix-vector products for decoding on x86 CPUs with AVX2, FMA and F16C: float32, float16, int8
+// and int4 weights.
 //
 // Decoding multiplies one row of activations by each weight matrix, so the time is spent streaming
-// the weights. These kernels read int8 or packed 4-bit weights once per call and multiply them by
-// activations quantized to int8 in blocks of 32 (one scale per block, as llama.cpp's Q8_0
-// activations): four integer instructions per 32 products, with one float multiply-add per block.
-// Each output is computed by one thread, in the same order whatever the number of rows or threads,
-// so a row's result does not depend on the batch it is in.
+// the weights. These kernels read the weights once per call, for up to a few rows of activations.
+// float32 and float16 weights (widened in registers) multiply float32 activations; int8 and packed
+// 4-bit weights multiply activations quantized to int8 in blocks of 32 (one scale per block, as
+// llama.cpp's Q8_0 activations): four integer instructions per 32 products, with one float
+// multiply-add per block. Each output is computed by one thread, in the same order whatever the
+// number of rows or threads, so a row's result does not depend on the batch it is in.
 //
 // Layouts (tinygpt/kernels.py builds them):
+//   float32, float16: weight (N, K), as nn.Linear keeps it.
 //   int8: weight (N, K) int8 in -127..127, scales (N) float32: w = q * scale.
 //   int4: weight (N, K / 2) uint8, two codes 0..15 a byte: in each block of 32 inputs, byte j holds
 //         input j in its low half and input j + 16 in its high half; params (N, 2, K / 32) float16,
@@ -23,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 
 namespace {
 
@@ -86,70 +90,178 @@ Quantized quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-// sum over one block of 32: int8 weight codes times int8 activation codes, as 8 float lanes
-inline __m256 block_dot_i8(const int8_t* w, const int8_t* x) {
-  const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  // maddubs multiplies unsigned by signed bytes: |w| times x with w's sign, each pair <= 2 * 127 * 127
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+// The row functions below compute R sums at once: one row of weights against R rows of
+// activations, into total[0 .. R - 1]. Loading (and widening or unpacking) a weight block once
+// serves every row, and each row's arithmetic is the same whatever R is (its own four accumulators,
+// in the same order), so a row's result does not depend on its batch. Four accumulators a row for
+// the integer kernels, so that each multiply-add does not wait for the one before it.
+template <int R>
+using Acc = __m256[R][4];
 
-// the same for a block of 4-bit codes (16 bytes) against 32 activation codes
-inline __m256 block_dot_u4(const uint8_t* w, const int8_t* x) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-  const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i pairs = _mm256_maddubs_epi16(codes, xv);  // codes <= 15: no pair saturates
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-// One output: a row of int8 weights against a row of activation codes and their block scales. Four
-// accumulators, so that each multiply-add does not wait for the one before it.
-inline float row_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t blocks) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < blocks; ++b) {
-    acc[b & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + b), block_dot_i8(w + b * kBlock, x + b * kBlock), acc[b & 3]);
+template <int R>
+inline void zero(Acc<R>& acc) {
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
   }
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
 }
 
-// The same for 4-bit weights: scale and minimum of block b at scales[b], minimums[b] (float16).
-inline float row_u4(const uint8_t* w, const uint16_t* scales, const uint16_t* minimums, const int8_t* x,
-                    const float* xs, const float* xsum, int64_t blocks) {
-  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  __m256 offset = _mm256_setzero_ps();  // sum over blocks of minimum * sum(x)
-  alignas(32) float combined[8];
+template <int R>
+inline void sums(const Acc<R>& acc, float (&total)[R]) {
+  for (int r = 0; r < R; ++r) {
+    total[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+  }
+}
+
+// float32 or float16 weights against float32 activations (rows K apart); K a multiple of 8
+inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
+inline __m256 load8(const at::Half* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+
+// Two accumulators a row: a float multiply-add per 32 bytes of float32 weights leaves the memory,
+// not the adds, to wait for, and two a row leave registers for four rows at once.
+template <int R, typename W>
+inline void rows_float(const W* w, const float* x, int64_t K, float (&total)[R]) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    for (int j = 0; j < 2; ++j) {
+      const __m256 wv = load8(w + k + 8 * j);
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
+    }
+  }
+  if (k < K) {
+    const __m256 wv = load8(w + k);
+    for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) total[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+// int8 weights against activation codes x (rows K apart) and their block scales xs (rows `blocks` apart)
+template <int R>
+inline void rows_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t K, float (&total)[R]) {
+  Acc<R> acc;
+  zero<R>(acc);
+  const int64_t blocks = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
+    const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + b * kBlock));
+      // maddubs multiplies unsigned by signed bytes: |w| times x with w's sign, each pair <= 2 * 127 * 127
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
+      acc[r][b & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * blocks + b),
+                                      _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[r][b & 3]);
+    }
+  }
+  sums<R>(acc, total);
+}
+
+// 4-bit weights (scale and minimum of block b at scales[b], minimums[b], float16) against activation
+// codes, their block scales and their block sums (xsum: scale times the sum of codes)
+template <int R>
+inline void rows_u4(const uint8_t* w, const uint16_t* scales, const uint16_t* minimums, const int8_t* x,
+                    const float* xs, const float* xsum, int64_t K, float (&total)[R]) {
+  Acc<R> acc;
+  zero<R>(acc);
+  const int64_t blocks = K / kBlock;
+  __m256 offset[R];  // sum over blocks of minimum * sum(x), eight blocks at a time
+  float tail[R];     // and the blocks after the last eight
+  for (int r = 0; r < R; ++r) offset[r] = _mm256_setzero_ps(), tail[r] = 0.0f;
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  alignas(32) float combined[R][8];  // weight scale times the activations' scale, per row and block
+  auto block = [&](int64_t b, int j) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (kBlock / 2)));
+    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + b * kBlock));
+      const __m256i pairs = _mm256_maddubs_epi16(codes, xv);  // codes <= 15: no pair saturates
+      acc[r][b & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(&combined[r][j]),
+                                      _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[r][b & 3]);
+    }
+  };
   int64_t b = 0;
   for (; b + 8 <= blocks; b += 8) {  // eight blocks' scales converted and combined at once
     const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
     const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + b)));
-    _mm256_store_ps(combined, _mm256_mul_ps(s, _mm256_loadu_ps(xs + b)));
-    offset = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + b), offset);
-    for (int j = 0; j < 8; ++j) {
-      const int64_t k = b + j;
-      acc[j & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(combined + j),
-                                   block_dot_u4(w + k * (kBlock / 2), x + k * kBlock), acc[j & 3]);
+    for (int r = 0; r < R; ++r) {
+      _mm256_store_ps(combined[r], _mm256_mul_ps(s, _mm256_loadu_ps(xs + r * blocks + b)));
+      offset[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * blocks + b), offset[r]);
     }
+    for (int j = 0; j < 8; ++j) block(b + j, j);
   }
-  float tail = 0.0f;
   for (; b < blocks; ++b) {
-    acc[b & 3] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(scales[b]) * xs[b]),
-                                 block_dot_u4(w + b * (kBlock / 2), x + b * kBlock), acc[b & 3]);
-    tail += _cvtsh_ss(minimums[b]) * xsum[b];
+    const float s = _cvtsh_ss(scales[b]), m = _cvtsh_ss(minimums[b]);
+    for (int r = 0; r < R; ++r) {
+      combined[r][0] = s * xs[r * blocks + b];
+      tail[r] += m * xsum[r * blocks + b];
+    }
+    block(b, 0);
   }
-  const __m256 total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-  return hsum(_mm256_add_ps(total, offset)) + tail;
+  for (int r = 0; r < R; ++r) acc[r][0] = _mm256_add_ps(acc[r][0], offset[r]);
+  sums<R>(acc, total);
+  for (int r = 0; r < R; ++r) total[r] += tail[r];
 }
 
-void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K) {
+void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t multiple = kBlock) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "tinygpt lowbit kernels run on the CPU");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (M, K) float32");
-  TORCH_CHECK(x.size(1) == K && K % kBlock == 0, "x has ", x.size(1), " columns; the weight takes ", K,
-              " (a multiple of 32)");
+  TORCH_CHECK(x.size(1) == K && K % multiple == 0, "x has ", x.size(1), " columns; the weight takes ", K,
+              " (a multiple of ", multiple, ")");
 }
 
-int64_t grain(int64_t K) { return std::max<int64_t>(1, 32768 / K); }  // rows a thread takes at least
+// out (M, N) = rows' sums times scale[n] (when given) plus bias[n] (when given). Each thread takes
+// whole weight rows, and for each one its M outputs up to Most rows at a time: rows(n, m, total)
+// fills total (float[R], R = 4, 2 or 1) with the sums of outputs (m, n) .. (m + R - 1, n).
+template <int Most, typename Rows>
+at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options, const float* scale,
+                           const c10::optional<at::Tensor>& bias, Rows rows) {
+  at::Tensor out = at::empty({M, N}, options);
+  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
+  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  auto store = [&](int64_t n, int64_t m, const auto& total) {
+    for (size_t r = 0; r < std::size(total); ++r) {
+      op[(m + r) * N + n] = total[r] * (scale ? scale[n] : 1.0f) + (bp ? bp[n] : 0.0f);
+    }
+  };
+  at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; Most >= 4 && m + 4 <= M; m += 4) {
+        float total[4];
+        rows(n, m, total);
+        store(n, m, total);
+      }
+      for (; m + 2 <= M; m += 2) {
+        float total[2];
+        rows(n, m, total);
+        store(n, m, total);
+      }
+      if (m < M) {
+        float total[1];
+        rows(n, m, total);
+        store(n, m, total);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const int64_t N = weight.size(0), K = weight.size(1);
+  check_input(x_in, weight, K, 8);
+  TORCH_CHECK((weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf) && weight.is_contiguous(),
+              "weight must be contiguous float32 or float16");
+  const at::Tensor x = x_in.contiguous();
+  const float* xp = x.data_ptr<float>();
+  auto run = [&](const auto* wp) {
+    return for_each_output<4>(x.size(0), N, K, x.options(), nullptr, bias, [&](int64_t n, int64_t m, auto& total) {
+      rows_float(wp + n * K, xp + m * K, K, total);
+    });
+  };
+  return weight.scalar_type() == at::kFloat ? run(weight.data_ptr<float>()) : run(weight.data_ptr<at::Half>());
+}
 
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
@@ -157,25 +269,15 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   check_input(x_in, weight, K);
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be (N,) float32");
-  const at::Tensor x = x_in.contiguous(), ws_t = scales.contiguous();
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t M = x.size(0), blocks = K / kBlock;
+  const at::Tensor x = x_in.contiguous(), ws = scales.contiguous();
   const Quantized xq = quantize_rows(x);
-  at::Tensor out = at::empty({M, N}, x.options());
   const int8_t* wp = weight.data_ptr<int8_t>();
-  const float* ws = ws_t.data_ptr<float>();
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
   const int8_t* qp = xq.codes.data_ptr<int8_t>();
   const float* sp = xq.scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m = 0; m < M; ++m) {
-        op[m * N + n] = row_i8(wp + n * K, qp + m * K, sp + m * blocks, blocks) * ws[n] + (bp ? bp[n] : 0.0f);
-      }
-    }
+  const int64_t blocks = K / kBlock;
+  return for_each_output<2>(x.size(0), N, K, x.options(), ws.data_ptr<float>(), bias, [&](int64_t n, int64_t m, auto& total) {
+    rows_i8(wp + n * K, qp + m * K, sp + m * blocks, K, total);
   });
-  return out;
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
@@ -186,37 +288,28 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.numel() == N * 2 * blocks,
               "params must be (N, 2, K / 32) float16");
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t M = x.size(0);
   const Quantized xq = quantize_rows(x);
-  at::Tensor out = at::empty({M, N}, x.options());
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
   const int8_t* qp = xq.codes.data_ptr<int8_t>();
   const float* sp = xq.scales.data_ptr<float>();
   const float* up = xq.sums.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, grain(K), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* p = pp + n * 2 * blocks;
-      for (int64_t m = 0; m < M; ++m) {
-        op[m * N + n] = row_u4(wp + n * (K / 2), p, p + blocks, qp + m * K, sp + m * blocks, up + m * blocks, blocks) +
-                        (bp ? bp[n] : 0.0f);
-      }
-    }
+  return for_each_output<2>(x.size(0), N, K, x.options(), nullptr, bias, [&](int64_t n, int64_t m, auto& total) {
+    const uint16_t* p = pp + n * 2 * blocks;
+    rows_u4(wp + n * (K / 2), p, p + blocks, qp + m * K, sp + m * blocks, up + m * blocks, K, total);
   });
-  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(tinygpt_lowbit, m) {
+  m.def("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
+  m.impl("float_linear", &float_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
 }

@@ -10,9 +10,13 @@ from memory, so fewer bytes per weight is more tokens per second. Which kernel m
 fastest depends on the CPU, so each format picks its kernel from what this CPU can do, checked
 when the model is converted (never assumed from the CPU's name):
 
+- fp32 and fp16 decoding rows on an x86 CPU with AVX2 go to tinygpt's own matrix-vector kernel
+  (tinygpt.kernels, FloatLinear), which streams the weights at the memory's speed, float16 widened to
+  float32 in registers; longer inputs go to PyTorch's matmul. Where that kernel cannot be built,
+  fp32 weights are reordered into oneDNN's blocked layout (PackedLinear) and fp16 uses fbgemm's fp16
+  kernel (F16C, on every AVX2 CPU).
 - bf16 is fast only where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX); elsewhere
-  PyTorch emulates it, and fp16 is the 16-bit format to use: fbgemm's fp16 kernel widens each
-  block of float16 weights to float32 as it multiplies (F16C, on every AVX2 CPU).
+  PyTorch emulates it, and fp16 is the 16-bit format to use.
 - int8 on a CPU with native bfloat16 uses PyTorch's weight-only int8 kernel
   (`aten._weight_int8pack_mm`), which wants bfloat16 activations and works through its input's
   rows one at a time: it takes a few rows (decoding), and longer inputs (a prompt, an evaluation
@@ -224,6 +228,45 @@ def int4_fits(linear: nn.Linear) -> bool:
     return kernels.lowbit() is not None or linear.out_features % INT4_OUT_ALIGN == 0
 
 
+class FloatLinear(nn.Module):
+    """A Linear layer with float32 or float16 weights for tinygpt's own matrix-vector kernel (CPU).
+
+    Up to INT8_KERNEL_ROWS rows (decoding) go to tinygpt.kernels' float_linear, which streams the
+    weights at the memory's speed (float16 widened to float32 in registers); longer inputs (a
+    prompt, an evaluation batch) go to PyTorch's matmul, float16 weights widened for the call.
+    Activations, outputs and bias are float32. Such a layer only runs forward, on the CPU.
+
+    Args:
+        linear: the layer to convert; `FloatLinear.fits(linear)` must hold.
+        dtype: float32 or float16 for the weights.
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # plain attributes, not buffers: float16 weights must not become float32 when the model moves
+        self.weight = linear.weight.detach().clamp(-65504, 65504).to(dtype).contiguous() if dtype is torch.float16 \
+            else linear.weight.detach().float().contiguous()
+        self.bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.nbytes = self.weight.numel() * self.weight.element_size() + (self.bias.numel() * 4 if self.bias is not None else 0)
+
+    @staticmethod
+    def fits(linear: nn.Linear) -> bool:
+        """Whether the kernel takes this layer: tinygpt's kernels built here, in_features a multiple of 8."""
+        return linear.in_features % 8 == 0 and kernels.lowbit() is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float().reshape(-1, self.in_features)
+        if rows.shape[0] <= INT8_KERNEL_ROWS:
+            y = kernels.lowbit().float_linear(rows, self.weight, self.bias)
+        else:
+            y = F.linear(rows, self.weight.float(), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.weight.dtype}"
+
+
 class PackedLinear(nn.Module):
     """A Linear layer whose weight is reordered once into oneDNN's blocked layout (CPU only).
 
@@ -324,7 +367,7 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
 
     Args:
         model: a tinygpt GPT (any nn.Module whose Linear layers should be converted).
-        fmt: "fp32" (float32 values unchanged, only laid out for speed), "bf16" (weights and
+        fmt: "fp32" (float32 values unchanged, only given a faster kernel), "bf16" (weights and
             activations in bfloat16), "fp16" (float16 weights), "int8" (int8 weights with a scale
             per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
             inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
@@ -354,13 +397,16 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     elif fmt == "int4":
         _replace_linears(model, lambda linear: Int4Linear(linear) if int4_fits(linear) else Int8Linear(linear, dtype))
     elif fmt == "fp16" and dtype is torch.float32:
-        _replace_linears(model, Fp16Linear)
+        _replace_linears(model, lambda linear: FloatLinear(linear, torch.float16) if FloatLinear.fits(linear) else
+                         Fp16Linear(linear))
+    elif fmt == "fp32" and device.type == "cpu":
+        _replace_linears(model, lambda linear: FloatLinear(linear) if FloatLinear.fits(linear) else linear)
     model.to(dtype)  # embeddings, LayerNorms, biases, Int8Linear scales (int8 and int4 weights keep their dtype)
     converted = fmt in ("int8", "int4") or (fmt == "fp16" and dtype is torch.float32)
-    if pack and not converted:
+    if pack and not converted:  # the Linear layers still as they were
         _replace_linears(model, lambda linear: PackedLinear(linear, dtype))
     model.requires_grad_(False)
-    if converted or pack:
+    if converted or pack or any(isinstance(m, FloatLinear) for m in model.modules()):
         model.inference_only = True  # checkpoint.save refuses it: the state dict no longer holds the weights
     return model
 
@@ -378,5 +424,7 @@ def weight_format(model: nn.Module) -> str:
     for cls, name in ((Int4Linear, "int4"), (Int8Linear, "int8"), (Fp16Linear, "fp16")):
         if cls in kinds:
             return name
+    if any(isinstance(m, FloatLinear) and m.weight.dtype is torch.float16 for m in model.modules()):
+        return "fp16"
     dtype = model.wte.weight.dtype if hasattr(model, "wte") else next(model.parameters()).dtype
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
