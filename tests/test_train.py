@@ -298,7 +298,7 @@ def test_a_time_budget_run_resumes(char_data, tmp_path, monkeypatch):
     assert rates[-1] < 1e-4 + 0.1 * (1e-3 - 1e-4)
 
 
-def test_eval_report_is_bits_per_char_or_byte_of_the_predicted_share():
+def test_eval_report_is_bits_per_char_and_byte_of_the_predicted_share():
     from tinygpt.train import eval_report
 
     # 10 tokens, 9 predicted (the first has no context), holding 20 characters in 30 bytes
@@ -307,8 +307,9 @@ def test_eval_report_is_bits_per_char_or_byte_of_the_predicted_share():
     assert char == {"loss": 2.0, "perplexity": pytest.approx(math.exp(2.0)), "tokens": 9,
                     "bits_per_char": pytest.approx(18.0 / math.log(2) / (20 * 9 / 10))}
     byte = eval_report(result, 10, chars=20, nbytes=30, kind="bpe")
-    assert set(byte) == {"loss", "perplexity", "tokens", "bits_per_byte"}
+    assert set(byte) == {"loss", "perplexity", "tokens", "bits_per_char", "bits_per_byte"}
     assert byte["bits_per_byte"] == pytest.approx(18.0 / math.log(2) / (30 * 9 / 10))
+    assert byte["bits_per_char"] == char["bits_per_char"]  # per character whatever the tokenizer
 
 
 def test_a_new_run_needs_a_model(char_data, tmp_path, capsys):

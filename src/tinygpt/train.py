@@ -994,8 +994,9 @@ def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
 
 
 def eval_report(result: dict[str, Any], n_tokens: int, *, chars: int, nbytes: int, kind: str) -> dict[str, Any]:
-    """What an evaluation of a text comes to: loss, perplexity and bits per character (a char
-    tokenizer) or per UTF-8 byte (any other, whose tokens need not end on a character).
+    """What an evaluation of a text comes to: loss, perplexity, bits per character (what compares
+    models across tokenizers) and, for a tokenizer other than char, bits per UTF-8 byte (its tokens
+    need not end on a character).
 
     The first token of each text is never predicted (it has no context), so the characters or bytes
     are counted for the predicted share of the tokens only.
@@ -1006,13 +1007,12 @@ def eval_report(result: dict[str, Any], n_tokens: int, *, chars: int, nbytes: in
         chars, nbytes: the characters and the UTF-8 bytes those tokens decode to.
         kind: the tokenizer's kind ("char", "bpe", "gpt2").
 
-    Returns {"loss", "perplexity", "bits_per_char" or "bits_per_byte", "tokens"}.
+    Returns {"loss", "perplexity", "bits_per_char", "tokens"} and, but for char, "bits_per_byte".
     """
-    unit, units = ("char", chars) if kind == "char" else ("byte", nbytes)
     share = result["tokens"] / max(1, n_tokens)
-    return {
-        "loss": result["loss"],
-        "perplexity": math.exp(result["loss"]),
-        f"bits_per_{unit}": result["nll"] / math.log(2) / (units * share),
-        "tokens": result["tokens"],
-    }
+    bits = result["nll"] / math.log(2)
+    report = {"loss": result["loss"], "perplexity": math.exp(result["loss"]),
+              "bits_per_char": bits / (chars * share), "tokens": result["tokens"]}
+    if kind != "char":
+        report["bits_per_byte"] = bits / (nbytes * share)
+    return report

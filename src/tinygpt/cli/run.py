@@ -162,7 +162,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
             segments = [(a, min(b, len(tokens))) for a, b in segments if a < len(tokens)]
     result = evaluate(model, tokens, batch_size=args.batch_size, segments=segments)
     report = eval_report(result, len(tokens), chars=chars, nbytes=nbytes, kind=tokenizer.kind)
-    unit = "char" if "bits_per_char" in report else "byte"
     if skipped is not None:
         report.update(skipped_chars=skipped, skipped_share=skipped / max(1, scored.text_chars))
     print(f"{scored.where}: {result['tokens']:,} tokens")
@@ -170,8 +169,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         runs = f"; the {len(segments):,} runs of known text between them scored separately" if skipped else ""
         print(f"skipped {skipped:,} of {scored.text_chars:,} characters ({report['skipped_share']:.2%}): not in the "
               f"vocabulary{runs}")
+    per_byte = f"  bits per byte {report['bits_per_byte']:.4f}" if "bits_per_byte" in report else ""
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  "
-          f"bits per {unit} {report[f'bits_per_{unit}']:.4f}")
+          f"bits per char {report['bits_per_char']:.4f}{per_byte}")
     if args.json:
         print(json.dumps(report))
     return 0

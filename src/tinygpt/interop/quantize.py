@@ -23,7 +23,7 @@ when the model is converted (never assumed from the CPU's name):
   batch) multiply a dequantized bfloat16 copy. Without native bfloat16 those activations would be
   emulated, so int8 there keeps float32 activations. Decoding rows then go to tinygpt's own AVX2
   kernel (tinygpt.kernels: int8 weights against activations quantized in blocks of 32), which reads
-  the weights at over twice the speed of PyTorch's at one row; longer inputs, and CPUs where that
+  the weights at nearly twice the speed of fbgemm's at one row; longer inputs, and CPUs where that
   kernel cannot be built, multiply with fbgemm's dynamic int8 kernel, which quantizes each input to
   8 bits on the fly (7 bits of range, so the products cannot saturate on CPUs without VNNI).
 - int4 uses tinygpt's own kernel where it builds (tinygpt.kernels: a scale and minimum per block
