@@ -111,7 +111,7 @@ def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_p
     try:
         with caplog.at_level(logging.WARNING, logger="tinygpt.kernels"):
             assert kernels.lowbit() is None
-        assert "compiling its int8/int4 CPU kernels, once" in caplog.text
+        assert "compiling its CPU kernels, once" in caplog.text
         assert "could not be built (Error building extension 'tinygpt_lowbit': c++: not found); using PyTorch's" in caplog.text
         torch.manual_seed(0)
         linear = torch.nn.Linear(64, 48)

@@ -1,15 +1,18 @@
-"""tinygpt's own CPU kernels: int8 and int4 matrix-vector products for decoding (csrc/lowbit.cpp).
+"""tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
+float16, int8 and int4 weights.
 
-PyTorch's CPU kernels for low-bit weights are made for many rows at a time; at one row (a decoding
-step) they read the weights well below the memory's speed (the README's Performance section has
-the figures). These read them once per call, against activations quantized to int8 in blocks of 32,
-with AVX2. They are compiled on first use with PyTorch's extension builder (a C++ compiler and
-ninja; 30-60 seconds once, then cached in ~/.cache/tinygpt/kernels, or $TINYGPT_KERNELS_DIR), and
-checked against a reference before anything uses them. Where they cannot be built or do not agree (no compiler, a
+PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
+weights well below the memory's speed (the README's Performance section has the figures). These
+read each weight once per call for up to a few rows, with AVX2: float32 and float16 weights against
+float32 activations, int8 and int4 weights against activations quantized to int8 in blocks of 32.
+They are compiled on first use with PyTorch's extension builder (a C++ compiler and ninja; 20-60
+seconds once, then cached in ~/.cache/tinygpt/kernels, or $TINYGPT_KERNELS_DIR), and checked against
+a reference before anything uses them. Where they cannot be built or do not agree (no compiler, a
 CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize keeps PyTorch's
 kernels; TINYGPT_KERNELS=0 chooses that too.
 
-    int8_linear(x, weight, scales, bias)   x (M, K) float32, weight (N, K) int8, scales (N,) float32
+    float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32 or float16, K % 8 == 0
+    int8_linear(x, weight, scales, bias)   weight (N, K) int8, scales (N,) float32, K % 32 == 0
     int4_linear(x, weight, params, bias)   weight (N, K / 2) uint8 (int4_pack), params (N, 2, K / 32)
                                            float16: a row's block scales, then its block minimums
 """
@@ -56,7 +59,7 @@ def lowbit():
 
         folder = build_directory()
         if not (folder / "tinygpt_lowbit.so").exists():
-            log.warning("tinygpt: compiling its int8/int4 CPU kernels, once (30-60 s) into %s", folder)
+            log.warning("tinygpt: compiling its CPU kernels, once (30-60 s) into %s", folder)
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="tinygpt_lowbit", sources=[str(SOURCE)], is_python_module=False, verbose=False,
@@ -66,10 +69,10 @@ def lowbit():
         ops = torch.ops.tinygpt_lowbit
         ok = _agrees(ops)
     except Exception as e:  # a missing compiler or ninja, a failed build: PyTorch's kernels do the work
-        log.warning("tinygpt: the int8/int4 CPU kernels could not be built (%s); using PyTorch's", str(e).splitlines()[0])
+        log.warning("tinygpt: the CPU kernels could not be built (%s); using PyTorch's", str(e).splitlines()[0])
         return None
     if not ok:
-        log.warning("tinygpt: the int8/int4 CPU kernels disagree with their reference here; using PyTorch's")
+        log.warning("tinygpt: the CPU kernels disagree with their reference here; using PyTorch's")
         return None
     return ops
 
@@ -110,7 +113,7 @@ def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 
 
 def _agrees(ops) -> bool:
-    """Both kernels against PyTorch on a small case, with the same quantized activations."""
+    """Every kernel against PyTorch on a small case (the integer ones with the same quantized activations)."""
     g = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
     codes, scales = quantize_activations(x)
@@ -120,6 +123,6 @@ def _agrees(ops) -> bool:
     want8 = xq @ (w8.float() * w_scales[:, None]).T + bias
     q4, params = int4_codes(w)
     want4 = xq @ int4_dequantize(q4, params).T + bias
-    got8 = ops.int8_linear(x, w8, w_scales, bias)
-    got4 = ops.int4_linear(x, int4_pack(q4), params, bias)
-    return bool(torch.allclose(got8, want8, rtol=1e-4, atol=1e-4) and torch.allclose(got4, want4, rtol=1e-4, atol=1e-4))
+    pairs = [(ops.int8_linear(x, w8, w_scales, bias), want8), (ops.int4_linear(x, int4_pack(q4), params, bias), want4),
+             (ops.float_linear(x, w, bias), x @ w.T + bias), (ops.float_linear(x, w.half(), None), x @ w.half().float().T)]
+    return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)

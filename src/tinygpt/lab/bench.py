@@ -168,7 +168,7 @@ def describe_cpu(info: dict[str, Any]) -> str:
     listed = ", ".join(f"{name} {'yes' if flag else 'no'}" for name, flag in flags.items()) or "flags unknown"
     return (f"cpu: {info['processor']}; {listed}; torch kernels {info['cpu_capability']}, "
             f"native bf16 {'yes' if info.get('native_bf16') else 'no'}, "
-            f"tinygpt's int8/int4 kernels {'yes' if info.get('tinygpt_kernels') else 'no'}")
+            f"tinygpt's CPU kernels {'yes' if info.get('tinygpt_kernels') else 'no'}")
 
 
 def _load() -> float | None:
