@@ -13,9 +13,11 @@ import torch
 from tinygpt import GPT, GPTConfig
 from tinygpt.lab.bench import (
     Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, machine, ratios, render, run,
+    train_dtypes,
 )
 from tinygpt.interop.quantize import quantize
 
+bench_module = importlib.import_module("tinygpt.lab.bench")
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers is not installed")
 
 TINY = Plan(
@@ -46,7 +48,7 @@ def test_a_tiny_run_measures_every_row_and_ratio():
     json.dumps(result)  # all JSON-ready
     assert result["limits"]["matmul_float32_gflops"] > 0 and result["limits"]["memory_read_gbs"] > 0
     train = {(r["impl"], r["dtype"]) for r in result["training"]}
-    assert train == {(i, d) for i in ("tinygpt", "transformers") for d in ("float32", "bfloat16")}
+    assert train == {(i, d) for i in ("tinygpt", "transformers") for d in train_dtypes(torch.device("cpu"))}
     assert all(r["tokens_per_s"] > 0 for r in result["training"])
     gen = {(r["impl"], r["format"], r["batch"], r["kv_cache"]) for r in result["generation"]}
     assert ("tinygpt", "int8", 2, True) in gen and ("transformers", "bf16", 1, False) in gen
@@ -55,6 +57,14 @@ def test_a_tiny_run_measures_every_row_and_ratio():
     assert peer["same_tokens_as_tinygpt"]  # greedy on identical weights: the same tokens
     text = render(result)
     assert "tinygpt bench" in text and "transformers" in text and len(lines) >= 8
+
+
+def test_bfloat16_training_is_measured_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(bench_module, "cpu_has_native_bf16", lambda: True)
+    assert train_dtypes(torch.device("cpu")) == ("float32", "bfloat16")
+    monkeypatch.setattr(bench_module, "cpu_has_native_bf16", lambda: False)  # emulated: minutes a step
+    assert train_dtypes(torch.device("cpu")) == ("float32",)
+    assert train_dtypes(torch.device("cuda")) == ("float32", "bfloat16")
 
 
 def test_ratios_read_the_best_format_against_each_target():

@@ -475,16 +475,25 @@ def run(
     return result
 
 
+def train_dtypes(device: torch.device) -> tuple[str, ...]:
+    """The training dtypes worth measuring: bfloat16 only where it is native (a CPU without it emulates
+    bf16 at a few GFLOP/s, where a step takes minutes and `--dtype auto` trains in float32)."""
+    return ("float32", "bfloat16") if device.type != "cpu" or cpu_has_native_bf16() else ("float32",)
+
+
 def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
     rows = []
+    dtypes = train_dtypes(device)
+    if "bfloat16" not in dtypes:
+        log("train: bfloat16 rows left out: this CPU emulates bfloat16 (tinygpt trains in float32 here)")
     with tempfile.TemporaryDirectory() as tmp:
         data = _char_data(Path(tmp), CHAR_VOCAB)
         for name, batch, steps in plan.train:
             cfg = bench_config(name, training=True)
             flops = flops_per_token(cfg, cfg.block_size).training
-            impls = [("tinygpt", d) for d in ("float32", "bfloat16")]
+            impls = [("tinygpt", d) for d in dtypes]
             if peers:
-                impls += [("transformers", d) for d in ("float32", "bfloat16")]
+                impls += [("transformers", d) for d in dtypes]
             best: dict[tuple[str, str], float] = {}
             # interleaved rounds, the best of each kept: a shared host has slow spells (the README's
             # Performance section has one) that should not decide a ratio
