@@ -371,8 +371,9 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
             activations in bfloat16), "fp16" (float16 weights), "int8" (int8 weights with a scale
             per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
             inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
-        pack: lay fp32 and bf16 weights out for oneDNN's CPU kernels (PackedLinear); default: when
-            the model is on a CPU that has them.
+        pack: give fp32 and bf16 Linear layers a faster CPU kernel: tinygpt's own for fp32 where it
+            builds (FloatLinear), else oneDNN's blocked layout (PackedLinear); default: when the model
+            is on a CPU that has oneDNN.
 
     Returns:
         the same model, in eval mode, ready for `tinygpt.generate` and evaluation; it can no longer
@@ -399,14 +400,14 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     elif fmt == "fp16" and dtype is torch.float32:
         _replace_linears(model, lambda linear: FloatLinear(linear, torch.float16) if FloatLinear.fits(linear) else
                          Fp16Linear(linear))
-    elif fmt == "fp32" and device.type == "cpu":
+    elif fmt == "fp32" and pack:
         _replace_linears(model, lambda linear: FloatLinear(linear) if FloatLinear.fits(linear) else linear)
     model.to(dtype)  # embeddings, LayerNorms, biases, Int8Linear scales (int8 and int4 weights keep their dtype)
     converted = fmt in ("int8", "int4") or (fmt == "fp16" and dtype is torch.float32)
     if pack and not converted:  # the Linear layers still as they were
         _replace_linears(model, lambda linear: PackedLinear(linear, dtype))
     model.requires_grad_(False)
-    if converted or pack or any(isinstance(m, FloatLinear) for m in model.modules()):
+    if converted or pack:
         model.inference_only = True  # checkpoint.save refuses it: the state dict no longer holds the weights
     return model
 
