@@ -59,7 +59,7 @@ def lowbit():
 
         folder = build_directory()
         if not (folder / "tinygpt_lowbit.so").exists():
-            log.warning("tinygpt: compiling its CPU kernels, once (30-60 s) into %s", folder)
+            log.warning("tinygpt: compiling its CPU kernels, once (20-60 s) into %s", folder)
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="tinygpt_lowbit", sources=[str(SOURCE)], is_python_module=False, verbose=False,
