@@ -55,6 +55,12 @@ INT4_GROUP = kernels.BLOCK  # inputs per scale and offset (llama.cpp's Q4_0 bloc
 INT4_OUT_ALIGN = 16  # the int4 kernel packs 16 output channels together
 
 
+def _decoding_rows(x: torch.Tensor) -> bool:
+    # float32 rows as the module-free decode step passes them, for tinygpt's kernels as they are: at
+    # batch 1 a layer's reshape, casts and view around the kernel cost 10-15 us of its 80 (GPT-2's MLP)
+    return x.dim() == 2 and x.dtype is torch.float32 and x.shape[0] <= INT8_KERNEL_ROWS
+
+
 class Int8Linear(nn.Module):
     """A Linear layer with int8 weights and a scale per output channel: y = (x @ q.T) * s + b.
 
@@ -90,6 +96,8 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float().unsqueeze(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lowbit and _decoding_rows(x):
+            return kernels.lowbit().int8_linear(x, self.weight, self.scales, self.bias)
         x = x.to(self.scales.dtype)
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if self.lowbit and rows.shape[0] <= INT8_KERNEL_ROWS:
@@ -205,6 +213,8 @@ class Int4Linear(nn.Module):
         self.nbytes = self.packed.numel() + self.params.numel() * 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lowbit and _decoding_rows(x):
+            return kernels.lowbit().int4_linear(x, self.packed, self.params, self.bias)
         rows = x.reshape(-1, self.in_features)
         if self.lowbit:
             y = kernels.lowbit().int4_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)
@@ -256,6 +266,8 @@ class FloatLinear(nn.Module):
         return linear.in_features % 8 == 0 and kernels.lowbit() is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _decoding_rows(x):
+            return kernels.lowbit().float_linear(x, self.weight, self.bias)
         rows = x.float().reshape(-1, self.in_features)
         if rows.shape[0] <= INT8_KERNEL_ROWS:
             y = kernels.lowbit().float_linear(rows, self.weight, self.bias)
