@@ -100,9 +100,8 @@ class Int8Linear(nn.Module):
             return kernels.lowbit().int8_linear(x, self.weight, self.scales, self.bias)
         x = x.to(self.scales.dtype)
         rows = x.reshape(-1, self.in_features)  # (N, in)
-        if self.lowbit and rows.shape[0] <= INT8_KERNEL_ROWS:
-            y = kernels.lowbit().int8_linear(rows, self.weight, self.scales, self.bias)
-            return y.view(*x.shape[:-1], self.out_features)
+        if self.lowbit and _decoding_rows(rows):  # a few rows in another shape
+            return self.forward(rows).view(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return self._fbgemm(rows).view(*x.shape[:-1], self.out_features)
         if self.use_kernel and rows.shape[0] <= INT8_KERNEL_ROWS:
@@ -269,10 +268,7 @@ class FloatLinear(nn.Module):
         if _decoding_rows(x):
             return kernels.lowbit().float_linear(x, self.weight, self.bias)
         rows = x.float().reshape(-1, self.in_features)
-        if rows.shape[0] <= INT8_KERNEL_ROWS:
-            y = kernels.lowbit().float_linear(rows, self.weight, self.bias)
-        else:
-            y = F.linear(rows, self.weight.float(), self.bias)
+        y = self.forward(rows) if _decoding_rows(rows) else F.linear(rows, self.weight.float(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
