@@ -14,7 +14,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils.checkpoint  # activation checkpointing (tinygpt.checkpoint is run folders, a layer above)
 
 from .config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
@@ -354,6 +353,8 @@ class GPT(nn.Module):
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None
         for layer, block in enumerate(self.h):
             if recompute:  # the block's inputs are all autograd keeps; its dropout masks are redrawn alike
+                # torch's activation recomputation (`import torch` loads it; tests/test_finetune's
+                # gradient test runs this line)
                 x, w = torch.utils.checkpoint.checkpoint(block, x, None, layer, input_pos, mask, return_attention,
                                                          kv_len, use_reentrant=False)
             else:
