@@ -182,7 +182,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
 
 
 @pytest.mark.parametrize("fmt", [None, *FORMATS])  # None: the plain float model, as training leaves it
-@pytest.mark.parametrize("arch", [dict(), dict(bias=False, activation="gelu", tie_weights=False)])
+@pytest.mark.parametrize("arch", [dict(), dict(bias=False, activation="gelu", tie_weights=False, scale_embeddings=True)])
 def test_the_fast_decode_step_equals_the_model_s_own_path(fmt, arch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=64, init="torch", **arch)).eval()

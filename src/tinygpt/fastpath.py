@@ -13,6 +13,8 @@ everything else (training, accelerators, rows at different positions) runs the m
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -37,7 +39,10 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
     """The logits (B, V) after token (B,) at position `pos`, its keys and values written to the cache."""
     cfg = model.config
     B, C, H = token.shape[0], cfg.n_embd, cfg.n_head
-    x = model.wte.weight[token] + model.wpe.weight[pos]  # (B, C)
+    tok = model.wte.weight[token]  # (B, C)
+    if cfg.scale_embeddings:
+        tok = tok * math.sqrt(C)  # as GPT.forward
+    x = tok + model.wpe.weight[pos]
     for layer, block in enumerate(model.h):
         ln, attn = block.ln_1, block.attn
         q, k, v = attn.c_attn(F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)).view(B, 3, H, 1, C // H).unbind(1)
