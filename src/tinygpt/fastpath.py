@@ -5,7 +5,10 @@ them (module calls, views, transposes, dtype checks, the cache's bookkeeping) co
 arithmetic. This step does the same arithmetic as `GPT.forward` with a KV cache, for one new token
 per row at one shared position, in fewer operators: the Linear layers (whatever `quantize` made of
 them) are called as they are, LayerNorm, GELU and attention are called as functions, and the new
-keys and values go straight into the cache's buffers. A test holds it equal to the model's own path.
+keys and values go straight into the cache's buffers. Where every Linear layer is one of tinygpt's
+kernels (a model `quantize` converted on a CPU where they build), the whole step is one call into
+them (tinygpt.kernels' DecodePlan: the same operators from C++). Tests hold both equal to the
+model's own path, bit for bit.
 
 `generate.decode_step` takes it when `applies` says so (eval mode, a CPU, no compiler tracing);
 everything else (training, accelerators, rows at different positions) runs the model's forward.
@@ -18,6 +21,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+from .interop import quantize
 from .kv_cache import KVCache
 
 
@@ -37,6 +42,10 @@ def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
 
 def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tensor:
     """The logits (B, V) after token (B,) at position `pos`, its keys and values written to the cache."""
+    if token.shape[0] <= quantize.INT8_KERNEL_ROWS and kv_cache.k.dtype is torch.float32:
+        plan = _plan(model)
+        if plan is not None:
+            return plan.step(token, pos, kv_cache.k, kv_cache.v)
     cfg = model.config
     B, C, H = token.shape[0], cfg.n_embd, cfg.n_head
     tok = model.wte.weight[token]  # (B, C)
@@ -57,3 +66,44 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
         x = x + mlp.c_proj(F.gelu(h, approximate=mlp.gelu.approximate))
     ln = model.ln_f
     return model.lm_head(F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+
+
+def _plan(model):
+    """The model's step as one DecodePlan, or None where some layer is not tinygpt's kernels' (or not
+    float32). Kept on the model, and built again when any of the modules it reads was replaced."""
+    modules = (model.wte, model.wpe, model.ln_f, model.lm_head,
+               *(m for b in model.h for m in (b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc, b.mlp.c_proj)))
+    kept = model.__dict__.get("_decode_plan")
+    if kept is None or len(kept[0]) != len(modules) or any(a is not b for a, b in zip(kept[0], modules)):
+        kept = model.__dict__["_decode_plan"] = (modules, _build(model))
+    return kept[1]
+
+
+def _build(model):
+    ops = kernels.lowbit()
+    norms = [m for b in model.h for m in (b.ln_1, b.ln_2)] + [model.ln_f]
+    linears = [m for b in model.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)] + [model.lm_head]
+    floats = [model.wte.weight, model.wpe.weight, *(p for n in norms for p in (n.weight, n.bias) if p is not None)]
+    specs = [_kernel_spec(m) for m in linears]
+    if ops is None or None in specs or any(p.dtype is not torch.float32 or p.device.type != "cpu" for p in floats):
+        return None
+    cfg = model.config
+    plan = torch.classes.tinygpt_lowbit.DecodePlan(
+        model.wte.weight, model.wpe.weight, math.sqrt(cfg.n_embd) if cfg.scale_embeddings else 1.0, cfg.n_head,
+        model.h[0].mlp.gelu.approximate if len(model.h) else "none")
+    for n in norms:
+        plan.norm(n.weight, n.bias, n.eps)
+    for spec in specs:
+        plan.linear(*spec)
+    return plan
+
+
+def _kernel_spec(layer) -> tuple | None:
+    """(kind, weight, aux, bias) of a Linear layer on tinygpt's kernels, as DecodePlan.linear takes them."""
+    if isinstance(layer, quantize.FloatLinear):
+        return 0, layer.weight, torch.empty(0), layer.bias
+    if isinstance(layer, quantize.Int8Linear) and layer.lowbit and layer.scales.dtype is torch.float32:
+        return 1, layer.weight, layer.scales, layer.bias
+    if isinstance(layer, quantize.Int4Linear) and layer.lowbit:
+        return 2, layer.packed, layer.params, layer.bias
+    return None

@@ -15,6 +15,9 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
     int8_linear(x, weight, scales, bias)   weight (N, K) int8, scales (N,) float32, K % 32 == 0
     int4_linear(x, weight, params, bias)   weight (N, K / 2) uint8 (int4_pack), params (N, 2, K / 32)
                                            float16: a row's block scales, then its block minimums
+
+and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
+(tinygpt.fastpath builds it from a quantized model).
 """
 
 from __future__ import annotations

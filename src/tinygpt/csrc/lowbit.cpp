@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -27,6 +28,8 @@
 #include <cmath>
 #include <cstdint>
 #include <iterator>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -300,12 +303,177 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   });
 }
 
+// One decode step of a whole GPT in one call (tinygpt/fastpath.py builds the plan from a model that
+// tinygpt.quantize converted). At batch 1 a small model's step is ~15 operators a layer, and from
+// Python each costs more than its arithmetic (PyTorch's attention for one query alone ~50 us).
+// Here a step is the kernels above for the Linear layers, ATen's GELU, and LayerNorm, attention
+// for the one new query, the residual adds and the cache writes as plain loops, for rows that are
+// each computed on their own (a row's logits do not depend on its batch).
+struct Linear {
+  int64_t kind;  // 0: float32 or float16 weights, 1: int8 (aux: scales), 2: int4 (aux: params)
+  at::Tensor weight, aux;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == 0) return float_linear(x, weight, bias);
+    if (kind == 1) return int8_linear(x, weight, aux, bias);
+    return int4_linear(x, weight, aux, bias);
+  }
+};
+
+struct Norm {
+  at::Tensor weight;
+  c10::optional<at::Tensor> bias;
+  double eps;
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_float(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what,
+              " must be ", n, " contiguous float32 values on the CPU");
+}
+
+struct DecodePlan : torch::CustomClassHolder {
+  at::Tensor wte, wpe;  // (vocab, C), (block_size, C)
+  double embed_scale;   // 1: GPT-2's token embeddings as they are
+  int64_t n_head;
+  std::string gelu;             // "tanh" or "none", F.gelu's approximate
+  std::vector<Norm> norms;      // ln_1, ln_2 of each block, then ln_f
+  std::vector<Linear> linears;  // c_attn, attn.c_proj, c_fc, mlp.c_proj of each block, then lm_head
+
+  DecodePlan(at::Tensor wte, at::Tensor wpe, double embed_scale, int64_t n_head, std::string gelu)
+      : wte(std::move(wte)), wpe(std::move(wpe)), embed_scale(embed_scale), n_head(n_head), gelu(std::move(gelu)) {
+    TORCH_CHECK(this->wte.dim() == 2 && this->wpe.dim() == 2 && this->wte.size(1) == this->wpe.size(1) &&
+                    n_head > 0 && this->wte.size(1) % n_head == 0, "embeddings (V, C) and (T, C), n_head dividing C");
+    check_float(this->wte, this->wte.numel(), "wte");
+    check_float(this->wpe, this->wpe.numel(), "wpe");
+  }
+
+  void norm(at::Tensor weight, c10::optional<at::Tensor> bias, double eps) {
+    check_float(weight, wte.size(1), "a norm's weight");
+    if (bias) check_float(*bias, wte.size(1), "a norm's bias");
+    norms.push_back({std::move(weight), std::move(bias), eps});
+  }
+
+  void linear(int64_t kind, at::Tensor weight, at::Tensor aux, c10::optional<at::Tensor> bias) {
+    TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (float), 1 (int8) or 2 (int4)");
+    linears.push_back({kind, std::move(weight), std::move(aux), std::move(bias)});
+  }
+
+  // Each row of x (B, C) normalized: mean and variance in double, in two passes.
+  at::Tensor layer_norm(const at::Tensor& x, const Norm& n) const {
+    const int64_t B = x.size(0), C = x.size(1);
+    at::Tensor out = at::empty_like(x);
+    const float *xp = x.data_ptr<float>(), *w = n.weight.data_ptr<float>();
+    const float* b = n.bias ? n.bias->data_ptr<float>() : nullptr;
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < B; ++r) {
+      const float* row = xp + r * C;
+      double sum = 0.0, squares = 0.0;
+      for (int64_t c = 0; c < C; ++c) sum += row[c];
+      const double mean = sum / C;
+      for (int64_t c = 0; c < C; ++c) squares += (row[c] - mean) * (row[c] - mean);
+      const float m = static_cast<float>(mean), rstd = static_cast<float>(1.0 / std::sqrt(squares / C + n.eps));
+      for (int64_t c = 0; c < C; ++c) op[r * C + c] = (row[c] - m) * rstd * w[c] + (b ? b[c] : 0.0f);
+    }
+    return out;
+  }
+
+  // qkv (B, 3C): c_attn's output, each row q, k, v with the heads side by side. Writes k and v into
+  // the cache at pos and returns (B, C) the heads' attention over positions 0 .. pos, side by side.
+  at::Tensor attend(const at::Tensor& qkv, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t pos) const {
+    const int64_t B = qkv.size(0), C = wte.size(1), H = n_head, D = C / H, T = pos + 1;
+    const float* qp = qkv.data_ptr<float>();
+    float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
+    const int64_t sb = k_buf.stride(0), sh = k_buf.stride(1), st = k_buf.stride(2);  // (B, H, max_len, D)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < H; ++h) {
+        std::copy_n(qp + b * 3 * C + C + h * D, D, kp + b * sb + h * sh + pos * st);
+        std::copy_n(qp + b * 3 * C + 2 * C + h * D, D, vp + b * sb + h * sh + pos * st);
+      }
+    }
+    at::Tensor out = at::empty({B, C}, qkv.options());
+    float* op = out.data_ptr<float>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    at::parallel_for(0, B * H, std::max<int64_t>(1, 16384 / (T * D)), [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(T);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / H, h = i % H;
+        const float *q = qp + b * 3 * C + h * D, *keys = kp + b * sb + h * sh, *values = vp + b * sb + h * sh;
+        float most = -INFINITY, total = 0.0f;
+        for (int64_t t = 0; t < T; ++t) most = std::max(most, p[t] = dot(q, keys + t * st, D) * scale);
+        for (int64_t t = 0; t < T; ++t) total += p[t] = std::exp(p[t] - most);
+        float* y = op + b * C + h * D;
+        std::fill_n(y, D, 0.0f);
+        for (int64_t t = 0; t < T; ++t) {
+          const float* v = values + t * st;
+          for (int64_t d = 0; d < D; ++d) y[d] += p[t] * v[d];
+        }
+        for (int64_t d = 0; d < D; ++d) y[d] /= total;
+      }
+    });
+    return out;
+  }
+
+  static void add_into(at::Tensor& x, const at::Tensor& y) {
+    float* xp = x.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
+  }
+
+  // The logits (B, vocab) after token (B,) int64 at position pos; keys and values (n_layer, B,
+  // n_head, max_len, head_dim) float32 get this step's at pos.
+  at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& keys, const at::Tensor& values) const {
+    const int64_t layers = static_cast<int64_t>(linears.size()) / 4;
+    TORCH_CHECK(static_cast<int64_t>(linears.size()) == 4 * layers + 1 &&
+                    static_cast<int64_t>(norms.size()) == 2 * layers + 1,
+                "a decode plan needs 2 norms and 4 linears a block, then a norm and the head");
+    const int64_t B = token.size(0), V = wte.size(0), C = wte.size(1);
+    TORCH_CHECK(keys.dim() == 5 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
+                    keys.size(0) == layers && keys.size(2) == n_head && keys.size(4) == C / n_head &&
+                    keys.stride(4) == 1 && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
+                "keys and values must be (n_layer, B, n_head, max_len, head_dim) float32");
+    TORCH_CHECK(token.dim() == 1 && token.scalar_type() == at::kLong && keys.size(1) == B && pos >= 0 &&
+                    pos < keys.size(3) && pos < wpe.size(0), "a token per cached row, at a position inside the cache");
+    const at::Tensor ids = token.contiguous();
+    at::Tensor x = at::empty({B, C}, wte.options());
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t id = ids.data_ptr<int64_t>()[b];
+      TORCH_CHECK(id >= 0 && id < V, "token id ", id, " is outside the vocabulary of ", V);
+      const float *e = wte.data_ptr<float>() + id * C, *p = wpe.data_ptr<float>() + pos * C;
+      float* xr = x.data_ptr<float>() + b * C;
+      for (int64_t c = 0; c < C; ++c) xr[c] = e[c] * static_cast<float>(embed_scale) + p[c];
+    }
+    for (int64_t l = 0; l < layers; ++l) {
+      const Linear* lin = &linears[4 * l];
+      const at::Tensor qkv = lin[0](layer_norm(x, norms[2 * l]));
+      add_into(x, lin[1](attend(qkv, keys.select(0, l), values.select(0, l), pos)));
+      at::Tensor h = lin[2](layer_norm(x, norms[2 * l + 1]));
+      add_into(x, lin[3](at::gelu_(h, gelu)));
+    }
+    return linears.back()(layer_norm(x, norms.back()));
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(tinygpt_lowbit, m) {
   m.def("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias) -> Tensor");
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init<at::Tensor, at::Tensor, double, int64_t, std::string>())
+      .def("norm", &DecodePlan::norm)
+      .def("linear", &DecodePlan::linear)
+      .def("step", &DecodePlan::step);
 }
 
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
