@@ -39,7 +39,7 @@ def test_kernels_compute_the_quantized_products_exactly(rows, out, inp):
     got = ops.int8_linear(x, q8, s8, bias)
     torch.testing.assert_close(got.double(), exact(x, q8.double() * s8.double()[:, None], bias), atol=1e-5, rtol=1e-5)
     codes, params = kernels.int4_codes(w)
-    got = ops.int4_linear(x, kernels.int4_pack(codes), params, None)
+    got = ops.int4_linear(x, *kernels.int4_pack(codes, params), None, out)
     torch.testing.assert_close(got.double(), exact(x, kernels.int4_dequantize(codes, params), torch.zeros(out)),
                                atol=1e-5, rtol=1e-5)
     # and near the float product they approximate (int8 within 2%, 4 bits within 10%)
@@ -64,14 +64,13 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 256, generator=g), torch.randn(300, 256, generator=g)
     q8, s8 = int8_weights(w)
-    codes, params = kernels.int4_codes(w)
-    packed = kernels.int4_pack(codes)
+    packed, params = kernels.int4_pack(*kernels.int4_codes(w))
     threads = torch.get_num_threads()
     try:
         runs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            calls = (lambda r: ops.int8_linear(r, q8, s8, None), lambda r: ops.int4_linear(r, packed, params, None),
+            calls = (lambda r: ops.int8_linear(r, q8, s8, None), lambda r: ops.int4_linear(r, packed, params, None, 300),
                      lambda r: ops.float_linear(r, w, None), lambda r: ops.float_linear(r, w.half(), None))
             runs.append([call(x) for call in calls])
             for i in (0, 5):
@@ -82,11 +81,15 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_int4_pack_puts_a_block_s_two_halves_in_one_byte():
-    codes = torch.arange(64).remainder(16).reshape(1, 64)
-    packed = kernels.int4_pack(codes)
-    assert packed.shape == (1, 32) and packed.dtype == torch.uint8
-    assert packed[0, 0] == codes[0, 0] | codes[0, 16] << 4 and packed[0, 17] == codes[0, 33] | codes[0, 49] << 4
+def test_int4_pack_lays_out_eight_rows_a_block_with_their_scales():
+    codes = torch.arange(9 * 64).remainder(16).reshape(9, 64)  # 9 rows: two groups, the second padded
+    params = torch.arange(9 * 2 * 2, dtype=torch.float16).reshape(9, 2, 2)
+    packed, p = kernels.int4_pack(codes, params)
+    assert packed.shape == (2, 2, 128) and packed.dtype == torch.uint8 and p.shape == (2, 2, 16)
+    # group 0, block 1, chunk 2, row 3, byte 1: inputs 32 + 16 + 1 (low half) and 32 + 16 + 4 + 1 (high)
+    assert packed[0, 1, 2 * 32 + 4 * 3 + 1] == codes[3, 49] | codes[3, 53] << 4
+    assert p[0, 1, 3] == params[3, 0, 1] and p[0, 1, 8 + 3] == params[3, 1, 1]  # row 3's block-1 scale, minimum
+    assert packed[1, :, 4:32].eq(0).all() and p[1, :, 1:8].eq(0).all()  # row 8 is group 1's only row
 
 
 @needs_kernels

@@ -70,13 +70,27 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
 
 def _plan(model):
     """The model's step as one DecodePlan, or None where some layer is not tinygpt's kernels' (or not
-    float32). Kept on the model, and built again when any of the modules it reads was replaced."""
-    modules = (model.wte, model.wpe, model.ln_f, model.lm_head,
-               *(m for b in model.h for m in (b.ln_1, b.attn.c_attn, b.attn.c_proj, b.ln_2, b.mlp.c_fc, b.mlp.c_proj)))
+    float32). Kept on the model and built again after any module, parameter or buffer was assigned
+    anywhere (a layer swapped, a weight replaced) or the model changed dtype: checking the modules
+    themselves at every step would cost a tenth of a small model's step."""
+    key = (_assignments[0], model.wte.weight.dtype)
     kept = model.__dict__.get("_decode_plan")
-    if kept is None or len(kept[0]) != len(modules) or any(a is not b for a, b in zip(kept[0], modules)):
-        kept = model.__dict__["_decode_plan"] = (modules, _build(model))
+    if kept is None or kept[0] != key:
+        kept = model.__dict__["_decode_plan"] = (key, _build(model))
     return kept[1]
+
+
+_assignments = [0]  # modules, parameters and buffers assigned so far, in any nn.Module
+
+
+def _assigned(*_args) -> None:
+    _assignments[0] += 1
+
+
+for _register in (torch.nn.modules.module.register_module_module_registration_hook,
+                  torch.nn.modules.module.register_module_parameter_registration_hook,
+                  torch.nn.modules.module.register_module_buffer_registration_hook):
+    _register(_assigned)
 
 
 def _build(model):
@@ -99,11 +113,12 @@ def _build(model):
 
 
 def _kernel_spec(layer) -> tuple | None:
-    """(kind, weight, aux, bias) of a Linear layer on tinygpt's kernels, as DecodePlan.linear takes them."""
+    """(kind, out_features, weight, aux, bias) of a Linear layer on tinygpt's kernels, as
+    DecodePlan.linear takes them."""
     if isinstance(layer, quantize.FloatLinear):
-        return 0, layer.weight, torch.empty(0), layer.bias
+        return 0, layer.out_features, layer.weight, torch.empty(0), layer.bias
     if isinstance(layer, quantize.Int8Linear) and layer.lowbit and layer.scales.dtype is torch.float32:
-        return 1, layer.weight, layer.scales, layer.bias
+        return 1, layer.out_features, layer.weight, layer.scales, layer.bias
     if isinstance(layer, quantize.Int4Linear) and layer.lowbit:
-        return 2, layer.packed, layer.params, layer.bias
+        return 2, layer.out_features, layer.packed, layer.params, layer.bias
     return None

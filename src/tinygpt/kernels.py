@@ -13,8 +13,7 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
 
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32 or float16, K % 8 == 0
     int8_linear(x, weight, scales, bias)   weight (N, K) int8, scales (N,) float32, K % 32 == 0
-    int4_linear(x, weight, params, bias)   weight (N, K / 2) uint8 (int4_pack), params (N, 2, K / 32)
-                                           float16: a row's block scales, then its block minimums
+    int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
 (tinygpt.fastpath builds it from a quantized model).
@@ -101,11 +100,27 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, torch.stack([scale[..., 0], low[..., 0]], dim=1).half().contiguous()
 
 
-def int4_pack(codes: torch.Tensor) -> torch.Tensor:
-    """Codes (N, K) 0..15 -> (N, K / 2) bytes: in each block of 32, byte j = code j | code j + 16 << 4."""
+def int4_pack(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4_codes' codes (N, K) and params (N, 2, K / 32) in int4_linear's layout: rows in groups of 8
+    (the last one padded with zeros), for each group and block of 32 inputs 128 bytes and 16 float16.
+
+    The bytes are four chunks of 8 inputs; in chunk c, row j's four bytes start at 4j, and byte i holds
+    input 8c + i in its low half and 8c + 4 + i in its high half, so that each 32-bit lane the kernel
+    multiplies is one row's. The 16 float16 are the group's 8 scales of the block, then its 8 minimums.
+
+    Returns:
+        (weight (groups, K / 32, 128) uint8, params (groups, K / 32, 16) float16).
+    """
     n, k = codes.shape
-    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    groups, blocks = -(-n // 8), k // BLOCK
+    padded = torch.zeros(groups * 8, k, dtype=torch.uint8)
+    padded[:n] = codes
+    # (group, row j, block, chunk c, half, i) -> (group, block, chunk, j, i, half)
+    t = padded.reshape(groups, 8, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    weight = (t[..., 0] | (t[..., 1] << 4)).reshape(groups, blocks, 128).contiguous()
+    p = torch.zeros(groups * 8, 2, blocks, dtype=torch.float16)
+    p[:n] = params
+    return weight, p.reshape(groups, 8, 2, blocks).permute(0, 3, 2, 1).reshape(groups, blocks, 16).contiguous()
 
 
 def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -126,6 +141,6 @@ def _agrees(ops) -> bool:
     want8 = xq @ (w8.float() * w_scales[:, None]).T + bias
     q4, params = int4_codes(w)
     want4 = xq @ int4_dequantize(q4, params).T + bias
-    pairs = [(ops.int8_linear(x, w8, w_scales, bias), want8), (ops.int4_linear(x, int4_pack(q4), params, bias), want4),
+    pairs = [(ops.int8_linear(x, w8, w_scales, bias), want8), (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
              (ops.float_linear(x, w, bias), x @ w.T + bias), (ops.float_linear(x, w.half(), None), x @ w.half().float().T)]
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)

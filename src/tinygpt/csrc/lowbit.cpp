@@ -12,9 +12,11 @@
 // Layouts (tinygpt/kernels.py builds them):
 //   float32, float16: weight (N, K), as nn.Linear keeps it.
 //   int8: weight (N, K) int8 in -127..127, scales (N) float32: w = q * scale.
-//   int4: weight (N, K / 2) uint8, two codes 0..15 a byte: in each block of 32 inputs, byte j holds
-//         input j in its low half and input j + 16 in its high half; params (N, 2, K / 32) float16,
-//         each row's block scales, then its block minimums: w = q * scale + minimum.
+//   int4: codes 0..15 with a float16 scale and minimum per block of 32 inputs, w = q * scale + minimum,
+//         for groups of 8 rows (the last one padded): weight (groups, K / 32, 128) uint8, each block's
+//         128 bytes four chunks of 8 inputs (row j's four bytes at 4j, inputs 8c + i in the low half
+//         of byte i and 8c + 4 + i in the high half); params (groups, K / 32, 16) float16, each
+//         block's 8 scales, then its 8 minimums.
 // K must be a multiple of 32.
 
 #include <ATen/ATen.h>
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -160,50 +163,34 @@ inline void rows_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t K
   sums<R>(acc, total);
 }
 
-// 4-bit weights (scale and minimum of block b at scales[b], minimums[b], float16) against activation
-// codes, their block scales and their block sums (xsum: scale times the sum of codes)
-template <int R>
-inline void rows_u4(const uint8_t* w, const uint16_t* scales, const uint16_t* minimums, const int8_t* x,
-                    const float* xs, const float* xsum, int64_t K, float (&total)[R]) {
-  Acc<R> acc;
-  zero<R>(acc);
-  const int64_t blocks = K / kBlock;
-  __m256 offset[R];  // sum over blocks of minimum * sum(x), eight blocks at a time
-  float tail[R];     // and the blocks after the last eight
-  for (int r = 0; r < R; ++r) offset[r] = _mm256_setzero_ps(), tail[r] = 0.0f;
+// 4-bit weights, eight rows at once (one group of int4_pack's layout), against one row of activation
+// codes x, its block scales xs and block sums xsum (scale times the sum of codes): out[0 .. 7].
+// Each 32-bit lane of the integer sums is one weight row's (its four codes of a chunk against the
+// same four activations), so a block ends in one float multiply-add for all eight rows, and the
+// minimums in another.
+inline void group_u4(const uint8_t* w, const uint16_t* params, const int8_t* x, const float* xs,
+                     const float* xsum, int64_t blocks, float* out) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
-  alignas(32) float combined[R][8];  // weight scale times the activations' scale, per row and block
-  auto block = [&](int64_t b, int j) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (kBlock / 2)));
-    const __m256i codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + b * kBlock));
-      const __m256i pairs = _mm256_maddubs_epi16(codes, xv);  // codes <= 15: no pair saturates
-      acc[r][b & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(&combined[r][j]),
-                                      _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[r][b & 3]);
+  __m256 acc = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * 128;
+    const int8_t* xb = x + b * kBlock;
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {  // inputs 8c .. 8c + 7 of the block: low halves 8c + 0..3, high 8c + 4..7
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      int32_t lo_x, hi_x;
+      std::memcpy(&lo_x, xb + 8 * c, 4);
+      std::memcpy(&hi_x, xb + 8 * c + 4, 4);
+      const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(raw, low4), _mm256_set1_epi32(lo_x));
+      const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), _mm256_set1_epi32(hi_x));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones));  // codes <= 15: no pair saturates
     }
-  };
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {  // eight blocks' scales converted and combined at once
-    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b)));
-    const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(minimums + b)));
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(combined[r], _mm256_mul_ps(s, _mm256_loadu_ps(xs + r * blocks + b)));
-      offset[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum + r * blocks + b), offset[r]);
-    }
-    for (int j = 0; j < 8; ++j) block(b + j, j);
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 16 * b)));
+    const __m256 minimum = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(params + 16 * b + 8)));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xs[b])), _mm256_cvtepi32_ps(sum), acc);
+    offset = _mm256_fmadd_ps(minimum, _mm256_set1_ps(xsum[b]), offset);
   }
-  for (; b < blocks; ++b) {
-    const float s = _cvtsh_ss(scales[b]), m = _cvtsh_ss(minimums[b]);
-    for (int r = 0; r < R; ++r) {
-      combined[r][0] = s * xs[r * blocks + b];
-      tail[r] += m * xsum[r * blocks + b];
-    }
-    block(b, 0);
-  }
-  for (int r = 0; r < R; ++r) acc[r][0] = _mm256_add_ps(acc[r][0], offset[r]);
-  sums<R>(acc, total);
-  for (int r = 0; r < R; ++r) total[r] += tail[r];
+  _mm256_storeu_ps(out, _mm256_add_ps(acc, offset));
 }
 
 void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t multiple = kBlock) {
@@ -284,23 +271,37 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
-                       const c10::optional<at::Tensor>& bias) {
-  const int64_t N = weight.size(0), K = 2 * weight.size(1), blocks = K / kBlock;
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0, blocks = K / kBlock, groups = (N + 7) / 8;
   check_input(x_in, weight, K);
-  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.is_contiguous(), "weight must be contiguous uint8");
-  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.numel() == N * 2 * blocks,
-              "params must be (N, 2, K / 32) float16");
+  TORCH_CHECK(N > 0 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.numel() == groups * blocks * 128, "weight must be int4_pack's ", groups * blocks * 128,
+              " bytes for ", N, " outputs of ", K, " inputs");
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.numel() == groups * blocks * 16,
+              "params must be int4_pack's float16 (groups, K / 32, 16)");
   const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0);
   const Quantized xq = quantize_rows(x);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
   const int8_t* qp = xq.codes.data_ptr<int8_t>();
   const float* sp = xq.scales.data_ptr<float>();
   const float* up = xq.sums.data_ptr<float>();
-  return for_each_output<2>(x.size(0), N, K, x.options(), nullptr, bias, [&](int64_t n, int64_t m, auto& total) {
-    const uint16_t* p = pp + n * 2 * blocks;
-    rows_u4(wp + n * (K / 2), p, p + blocks, qp + m * K, sp + m * blocks, up + m * blocks, K, total);
+  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
+  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, x.options());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, groups, std::max<int64_t>(1, 4096 / K), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t rows = std::min<int64_t>(8, N - 8 * g);
+      for (int64_t m = 0; m < M; ++m) {  // the group's weights stay in the cache from one row to the next
+        float total[8];
+        group_u4(wp + g * blocks * 128, pp + g * blocks * 16, qp + m * K, sp + m * blocks, up + m * blocks, blocks, total);
+        for (int64_t r = 0; r < rows; ++r) op[m * N + 8 * g + r] = total[r] + (bp ? bp[8 * g + r] : 0.0f);
+      }
+    }
   });
+  return out;
 }
 
 // One decode step of a whole GPT in one call (tinygpt/fastpath.py builds the plan from a model that
@@ -311,13 +312,14 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
 // each computed on their own (a row's logits do not depend on its batch).
 struct Linear {
   int64_t kind;  // 0: float32 or float16 weights, 1: int8 (aux: scales), 2: int4 (aux: params)
+  int64_t out_features;
   at::Tensor weight, aux;
   c10::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == 0) return float_linear(x, weight, bias);
     if (kind == 1) return int8_linear(x, weight, aux, bias);
-    return int4_linear(x, weight, aux, bias);
+    return int4_linear(x, weight, aux, bias, out_features);
   }
 };
 
@@ -363,9 +365,9 @@ struct DecodePlan : torch::CustomClassHolder {
     norms.push_back({std::move(weight), std::move(bias), eps});
   }
 
-  void linear(int64_t kind, at::Tensor weight, at::Tensor aux, c10::optional<at::Tensor> bias) {
+  void linear(int64_t kind, int64_t out_features, at::Tensor weight, at::Tensor aux, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (float), 1 (int8) or 2 (int4)");
-    linears.push_back({kind, std::move(weight), std::move(aux), std::move(bias)});
+    linears.push_back({kind, out_features, std::move(weight), std::move(aux), std::move(bias)});
   }
 
   // Each row of x (B, C) normalized: mean and variance in double, in two passes.
@@ -468,7 +470,7 @@ struct DecodePlan : torch::CustomClassHolder {
 TORCH_LIBRARY(tinygpt_lowbit, m) {
   m.def("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
-  m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias, int out_features) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<at::Tensor, at::Tensor, double, int64_t, std::string>())
       .def("norm", &DecodePlan::norm)

@@ -201,8 +201,8 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.lowbit = kernels.lowbit() is not None
         if self.lowbit:
-            codes, params = kernels.int4_codes(linear.weight)
-            self.register_buffer("packed", kernels.int4_pack(codes))  # (out, in / 2)
+            packed, params = kernels.int4_pack(*kernels.int4_codes(linear.weight))
+            self.register_buffer("packed", packed)  # (out / 8, in / 32, 128)
         else:
             q, params = int4_quantize(linear.weight)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))  # (out, in / 2)
@@ -213,10 +213,11 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowbit and _decoding_rows(x):
-            return kernels.lowbit().int4_linear(x, self.packed, self.params, self.bias)
+            return kernels.lowbit().int4_linear(x, self.packed, self.params, self.bias, self.out_features)
         rows = x.reshape(-1, self.in_features)
         if self.lowbit:
-            y = kernels.lowbit().int4_linear(rows.float(), self.packed, self.params, self.bias).to(x.dtype)
+            y = kernels.lowbit().int4_linear(rows.float(), self.packed, self.params, self.bias,
+                                             self.out_features).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, INT4_GROUP,
                                                           self.params).to(x.dtype)
