@@ -230,8 +230,8 @@ def test_the_one_call_step_computes_each_row_alone_and_follows_the_model_s_layer
         prefill(model, idx[1:2], alone)
         for pos in range(20, 30):  # a row's logits and cache are the same in a batch of 3 as alone
             token = idx[:, pos - 20]
-            both = fastpath.step(model, token, batch, pos), fastpath.step(model, token[1:2], alone, pos)
-            assert torch.equal(both[0][1:2], both[1])
+            both = fastpath.step(model, token, batch, pos), fastpath.step(model, token[1:2].int(), alone, pos)
+            assert torch.equal(both[0][1:2], both[1])  # (int32 ids too, as the model's own path takes them)
         assert torch.equal(batch.k[:, 1:2, :, :30], alone.k[:, :, :, :30])
         before = fastpath.step(model, token[1:2], alone, 30)
         # a layer swapped for another one: the next step computes with the new layer

@@ -5,9 +5,10 @@
 // the weights. These kernels read the weights once per call, for up to a few rows of activations.
 // float32 and float16 weights (widened in registers) multiply float32 activations; int8 and packed
 // 4-bit weights multiply activations quantized to int8 in blocks of 32 (one scale per block, as
-// llama.cpp's Q8_0 activations): four integer instructions per 32 products, with one float
-// multiply-add per block. Each output is computed by one thread, in the same order whatever the
-// number of rows or threads, so a row's result does not depend on the batch it is in.
+// llama.cpp's Q8_0 activations): a few integer instructions per 32 products, with one float
+// multiply-add per block (for int8 a row's, for 4 bits a group of eight rows'). Each output is
+// computed by one thread, in the same order whatever the number of rows or threads, so a row's
+// result does not depend on the batch it is in. DecodePlan, at the end, is a whole decode step.
 //
 // Layouts (tinygpt/kernels.py builds them):
 //   float32, float16: weight (N, K), as nn.Linear keeps it.
@@ -443,9 +444,9 @@ struct DecodePlan : torch::CustomClassHolder {
                     keys.size(0) == layers && keys.size(2) == n_head && keys.size(4) == C / n_head &&
                     keys.stride(4) == 1 && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
                 "keys and values must be (n_layer, B, n_head, max_len, head_dim) float32");
-    TORCH_CHECK(token.dim() == 1 && token.scalar_type() == at::kLong && keys.size(1) == B && pos >= 0 &&
-                    pos < keys.size(3) && pos < wpe.size(0), "a token per cached row, at a position inside the cache");
-    const at::Tensor ids = token.contiguous();
+    TORCH_CHECK(token.dim() == 1 && keys.size(1) == B && pos >= 0 && pos < keys.size(3) && pos < wpe.size(0),
+                "a token per cached row, at a position inside the cache");
+    const at::Tensor ids = token.to(at::kLong).contiguous();
     at::Tensor x = at::empty({B, C}, wte.options());
     for (int64_t b = 0; b < B; ++b) {
       const int64_t id = ids.data_ptr<int64_t>()[b];
