@@ -36,7 +36,7 @@ def test_kernels_compute_the_quantized_products_exactly(rows, out, inp):
     x, w, bias = torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g) * 0.02, torch.randn(out, generator=g)
     x[0, :32] = 0.0  # a block of zeros has no scale to divide by
     q8, s8 = int8_weights(w)
-    got = ops.int8_linear(x, q8, s8, bias)
+    got = ops.int8_linear(x, kernels.int8_group(q8), s8, bias, out)
     torch.testing.assert_close(got.double(), exact(x, q8.double() * s8.double()[:, None], bias), atol=1e-5, rtol=1e-5)
     codes, params = kernels.int4_codes(w)
     got = ops.int4_linear(x, *kernels.int4_pack(codes, params), None, out)
@@ -44,7 +44,7 @@ def test_kernels_compute_the_quantized_products_exactly(rows, out, inp):
                                atol=1e-5, rtol=1e-5)
     # and near the float product they approximate (int8 within 2%, 4 bits within 10%)
     full = x @ w.T
-    assert float((ops.int8_linear(x, q8, s8, None) - full).norm() / full.norm()) < 0.02
+    assert float((ops.int8_linear(x, kernels.int8_group(q8), s8, None, out) - full).norm() / full.norm()) < 0.02
     assert float((got - full).norm() / full.norm()) < 0.1
 
 
@@ -70,7 +70,7 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
         runs = []
         for n in (1, 2):
             torch.set_num_threads(n)
-            calls = (lambda r: ops.int8_linear(r, q8, s8, None), lambda r: ops.int4_linear(r, packed, params, None, 300),
+            calls = (lambda r: ops.int8_linear(r, kernels.int8_group(q8), s8, None, 300), lambda r: ops.int4_linear(r, packed, params, None, 300),
                      lambda r: ops.float_linear(r, w, None), lambda r: ops.float_linear(r, w.half(), None))
             runs.append([call(x) for call in calls])
             for i in (0, 5):
@@ -92,13 +92,24 @@ def test_int4_pack_lays_out_eight_rows_a_block_with_their_scales():
     assert packed[1, :, 4:32].eq(0).all() and p[1, :, 1:8].eq(0).all()  # row 8 is group 1's only row
 
 
+def test_int8_group_lays_out_eight_rows_four_inputs_at_a_time():
+    q = torch.arange(9 * 64).remainder(255).sub(127).to(torch.int8).reshape(9, 64)
+    grouped = kernels.int8_group(q)
+    assert grouped.shape == (2, 2, 256) and grouped.dtype == torch.int8
+    # group 0, block 1, chunk 5, row 3: inputs 32 + 20 .. 32 + 23
+    assert torch.equal(grouped[0, 1, 5 * 32 + 4 * 3:5 * 32 + 4 * 3 + 4], q[3, 52:56])
+    assert torch.equal(grouped[1, 0, :4], q[8, :4]) and grouped[1, :, :].reshape(2, 8, 8, 4)[:, :, 1:].eq(0).all()
+
+
 @needs_kernels
 def test_bad_shapes_are_refused_with_a_message():
     q8, s8 = int8_weights(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="columns"):
-        ops.int8_linear(torch.randn(2, 32), q8, s8, None)
+    with pytest.raises(RuntimeError, match=r"weight must be \(1, 1, 256\)"):  # 32 inputs for a weight of 64
+        ops.int8_linear(torch.randn(2, 32), kernels.int8_group(q8), s8, None, 8)
+    with pytest.raises(RuntimeError, match="as kernels.py lays it out"):  # the plain (out, in) layout
+        ops.int8_linear(torch.randn(2, 64), q8, s8, None, 8)
     with pytest.raises(RuntimeError, match="float32"):
-        ops.int8_linear(torch.randn(2, 64, dtype=torch.float64), q8, s8, None)
+        ops.int8_linear(torch.randn(2, 64, dtype=torch.float64), kernels.int8_group(q8), s8, None, 8)
 
 
 def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_path):

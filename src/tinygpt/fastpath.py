@@ -118,7 +118,7 @@ def _kernel_spec(layer) -> tuple | None:
     if isinstance(layer, quantize.FloatLinear):
         return 0, layer.out_features, layer.weight, torch.empty(0), layer.bias
     if isinstance(layer, quantize.Int8Linear) and layer.lowbit and layer.scales.dtype is torch.float32:
-        return 1, layer.out_features, layer.weight, layer.scales, layer.bias
+        return 1, layer.out_features, layer.grouped, layer.scales, layer.bias
     if isinstance(layer, quantize.Int4Linear) and layer.lowbit:
         return 2, layer.out_features, layer.packed, layer.params, layer.bias
     return None

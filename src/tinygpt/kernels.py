@@ -12,7 +12,7 @@ CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize kee
 kernels; TINYGPT_KERNELS=0 chooses that too.
 
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32 or float16, K % 8 == 0
-    int8_linear(x, weight, scales, bias)   weight (N, K) int8, scales (N,) float32, K % 32 == 0
+    int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
@@ -100,6 +100,18 @@ def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, torch.stack([scale[..., 0], low[..., 0]], dim=1).half().contiguous()
 
 
+def int8_group(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights (N, K) in int8_linear's layout: rows in groups of 8 (the last one padded with
+    zeros), for each group and block of 32 inputs 256 bytes, eight chunks of 4 inputs with row j's
+    four at 4j (so that each 32-bit lane the kernel multiplies is one row's): (groups, K / 32, 256)."""
+    n, k = q.shape
+    groups, blocks = -(-n // 8), k // BLOCK
+    padded = torch.zeros(groups * 8, k, dtype=torch.int8)
+    padded[:n] = q
+    # (group, row j, block, chunk, i) -> (group, block, chunk, j, i)
+    return padded.reshape(groups, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 256).contiguous()
+
+
 def int4_pack(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int4_codes' codes (N, K) and params (N, 2, K / 32) in int4_linear's layout: rows in groups of 8
     (the last one padded with zeros), for each group and block of 32 inputs 128 bytes and 16 float16.
@@ -141,6 +153,6 @@ def _agrees(ops) -> bool:
     want8 = xq @ (w8.float() * w_scales[:, None]).T + bias
     q4, params = int4_codes(w)
     want4 = xq @ int4_dequantize(q4, params).T + bias
-    pairs = [(ops.int8_linear(x, w8, w_scales, bias), want8), (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
+    pairs = [(ops.int8_linear(x, int8_group(w8), w_scales, bias, 40), want8), (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
              (ops.float_linear(x, w, bias), x @ w.T + bias), (ops.float_linear(x, w.half(), None), x @ w.half().float().T)]
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)

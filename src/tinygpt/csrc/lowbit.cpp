@@ -12,7 +12,9 @@
 //
 // Layouts (tinygpt/kernels.py builds them):
 //   float32, float16: weight (N, K), as nn.Linear keeps it.
-//   int8: weight (N, K) int8 in -127..127, scales (N) float32: w = q * scale.
+//   int8: q in -127..127 and a float32 scale per row, w = q * scale, for groups of 8 rows (the last
+//         one padded): weight (groups, K / 32, 256) int8, each block's 256 bytes eight chunks of 4
+//         inputs (row j's four at 4j); scales (N) float32.
 //   int4: codes 0..15 with a float16 scale and minimum per block of 32 inputs, w = q * scale + minimum,
 //         for groups of 8 rows (the last one padded): weight (groups, K / 32, 128) uint8, each block's
 //         128 bytes four chunks of 8 inputs (row j's four bytes at 4j, inputs 8c + i in the low half
@@ -97,27 +99,13 @@ Quantized quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-// The row functions below compute R sums at once: one row of weights against R rows of
-// activations, into total[0 .. R - 1]. Loading (and widening or unpacking) a weight block once
-// serves every row, and each row's arithmetic is the same whatever R is (its own four accumulators,
-// in the same order), so a row's result does not depend on its batch. Four accumulators a row for
-// the integer kernels, so that each multiply-add does not wait for the one before it.
-template <int R>
-using Acc = __m256[R][4];
-
-template <int R>
-inline void zero(Acc<R>& acc) {
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
-  }
-}
-
-template <int R>
-inline void sums(const Acc<R>& acc, float (&total)[R]) {
-  for (int r = 0; r < R; ++r) {
-    total[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
-  }
-}
+// rows_float computes R sums at once: one row of weights against R rows of activations, into
+// total[0 .. R - 1]. Loading (and widening) a weight block once serves every row, and each row's
+// arithmetic is the same whatever R is (its own accumulators, in the same order), so a row's result
+// does not depend on its batch. The integer kernels (group_i8, group_u4) take eight weight rows
+// against one row of activations instead: each 32-bit lane of their integer sums is one weight row's
+// (four of its inputs against the same four activations, broadcast), so a block of 32 inputs ends in
+// one float multiply-add for all eight rows and no row's sum needs folding across lanes.
 
 // float32 or float16 weights against float32 activations (rows K apart); K a multiple of 8
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
@@ -143,32 +131,31 @@ inline void rows_float(const W* w, const float* x, int64_t K, float (&total)[R])
   for (int r = 0; r < R; ++r) total[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-// int8 weights against activation codes x (rows K apart) and their block scales xs (rows `blocks` apart)
-template <int R>
-inline void rows_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t K, float (&total)[R]) {
-  Acc<R> acc;
-  zero<R>(acc);
-  const int64_t blocks = K / kBlock;
+// int8 weights, eight rows at once (a group of int8_group's layout), against one row of activation
+// codes x and its block scales xs: out[0 .. 7], before the rows' scales.
+inline void group_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t blocks, float* out) {
   const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    const __m256i magnitude = _mm256_sign_epi8(wv, wv);
-    for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + b * kBlock));
+    const int8_t* wb = w + b * 256;
+    const int8_t* xb = x + b * kBlock;
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {  // inputs 4c .. 4c + 3 of the block
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
+      int32_t four;
+      std::memcpy(&four, xb + 4 * c, 4);
       // maddubs multiplies unsigned by signed bytes: |w| times x with w's sign, each pair <= 2 * 127 * 127
-      const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
-      acc[r][b & 3] = _mm256_fmadd_ps(_mm256_broadcast_ss(xs + r * blocks + b),
-                                      _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), acc[r][b & 3]);
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(_mm256_set1_epi32(four), wv));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
     }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(xs[b]), _mm256_cvtepi32_ps(sum), acc);
   }
-  sums<R>(acc, total);
+  _mm256_storeu_ps(out, acc);
 }
 
-// 4-bit weights, eight rows at once (one group of int4_pack's layout), against one row of activation
-// codes x, its block scales xs and block sums xsum (scale times the sum of codes): out[0 .. 7].
-// Each 32-bit lane of the integer sums is one weight row's (its four codes of a chunk against the
-// same four activations), so a block ends in one float multiply-add for all eight rows, and the
-// minimums in another.
+// 4-bit weights, eight rows at once (a group of int4_pack's layout), against one row of activation
+// codes x, its block scales xs and block sums xsum (scale times the sum of codes): out[0 .. 7]. The
+// block's minimums take a second multiply-add.
 inline void group_u4(const uint8_t* w, const uint16_t* params, const int8_t* x, const float* xs,
                      const float* xsum, int64_t blocks, float* out) {
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
@@ -201,11 +188,11 @@ void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t mu
               " (a multiple of ", multiple, ")");
 }
 
-// out (M, N) = rows' sums times scale[n] (when given) plus bias[n] (when given). Each thread takes
-// whole weight rows, and for each one its M outputs up to Most rows at a time: rows(n, m, total)
-// fills total (float[R], R = 4, 2 or 1) with the sums of outputs (m, n) .. (m + R - 1, n).
-template <int Most, typename Rows>
-at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options, const float* scale,
+// out (M, N) = rows' sums plus bias[n] (when given), for rows_float. Each thread takes whole weight
+// rows, and for each one its M outputs up to 4 rows at a time: rows(n, m, total) fills total
+// (float[R], R = 4, 2 or 1) with the sums of outputs (m, n) .. (m + R - 1, n).
+template <typename Rows>
+at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options,
                            const c10::optional<at::Tensor>& bias, Rows rows) {
   at::Tensor out = at::empty({M, N}, options);
   const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
@@ -213,13 +200,13 @@ at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOpti
   float* op = out.data_ptr<float>();
   auto store = [&](int64_t n, int64_t m, const auto& total) {
     for (size_t r = 0; r < std::size(total); ++r) {
-      op[(m + r) * N + n] = total[r] * (scale ? scale[n] : 1.0f) + (bp ? bp[n] : 0.0f);
+      op[(m + r) * N + n] = total[r] + (bp ? bp[n] : 0.0f);
     }
   };
   at::parallel_for(0, N, std::max<int64_t>(1, 32768 / K), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       int64_t m = 0;
-      for (; Most >= 4 && m + 4 <= M; m += 4) {
+      for (; m + 4 <= M; m += 4) {
         float total[4];
         rows(n, m, total);
         store(n, m, total);
@@ -247,62 +234,81 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   const at::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   auto run = [&](const auto* wp) {
-    return for_each_output<4>(x.size(0), N, K, x.options(), nullptr, bias, [&](int64_t n, int64_t m, auto& total) {
+    return for_each_output(x.size(0), N, K, x.options(), bias, [&](int64_t n, int64_t m, auto& total) {
       rows_float(wp + n * K, xp + m * K, K, total);
     });
   };
   return weight.scalar_type() == at::kFloat ? run(weight.data_ptr<float>()) : run(weight.data_ptr<at::Half>());
 }
 
+// out (M, N) for the integer kernels: each thread takes whole groups of eight weight rows, and for
+// each group every row of x in turn (the group's weights stay in the cache from one row to the
+// next); group(g, m, total) fills total[0 .. 7] with outputs (m, 8g .. 8g + 7), which get scale[n]
+// (when given) and bias[n] (when given). The last group's padding rows are not stored.
+template <typename Group>
+at::Tensor for_each_group(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options, const float* scale,
+                          const c10::optional<at::Tensor>& bias, Group group) {
+  at::Tensor out = at::empty({M, N}, options);
+  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
+  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (N + 7) / 8, std::max<int64_t>(1, 4096 / K), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t rows = std::min<int64_t>(8, N - 8 * g);
+      for (int64_t m = 0; m < M; ++m) {
+        float total[8];
+        group(g, m, total);
+        for (int64_t r = 0, n = 8 * g; r < rows; ++r, ++n) {
+          op[m * N + n] = total[r] * (scale ? scale[n] : 1.0f) + (bp ? bp[n] : 0.0f);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void check_grouped(const at::Tensor& x, const at::Tensor& weight, int64_t N, at::ScalarType dtype, int64_t block_bytes) {
+  const int64_t K = x.dim() == 2 ? x.size(1) : 0;
+  check_input(x, weight, K);
+  const int64_t groups = (N + 7) / 8, blocks = K / kBlock;
+  TORCH_CHECK(N > 0 && weight.scalar_type() == dtype && weight.is_contiguous() && weight.dim() == 3 &&
+                  weight.size(0) == groups && weight.size(1) == blocks && weight.size(2) == block_bytes,
+              "weight must be (", groups, ", ", blocks, ", ", block_bytes, ") as kernels.py lays it out for ", N,
+              " outputs of ", K, " inputs");
+}
+
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& scales,
-                       const c10::optional<at::Tensor>& bias) {
-  const int64_t N = weight.size(0), K = weight.size(1);
-  check_input(x_in, weight, K);
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(), "weight must be contiguous int8");
+                       const c10::optional<at::Tensor>& bias, int64_t N) {
+  check_grouped(x_in, weight, N, at::kChar, 256);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N, "scales must be (N,) float32");
   const at::Tensor x = x_in.contiguous(), ws = scales.contiguous();
+  const int64_t K = x.size(1), blocks = K / kBlock;
   const Quantized xq = quantize_rows(x);
   const int8_t* wp = weight.data_ptr<int8_t>();
   const int8_t* qp = xq.codes.data_ptr<int8_t>();
   const float* sp = xq.scales.data_ptr<float>();
-  const int64_t blocks = K / kBlock;
-  return for_each_output<2>(x.size(0), N, K, x.options(), ws.data_ptr<float>(), bias, [&](int64_t n, int64_t m, auto& total) {
-    rows_i8(wp + n * K, qp + m * K, sp + m * blocks, K, total);
+  return for_each_group(x.size(0), N, K, x.options(), ws.data_ptr<float>(), bias, [&](int64_t g, int64_t m, float* total) {
+    group_i8(wp + g * blocks * 256, qp + m * K, sp + m * blocks, blocks, total);
   });
 }
 
 at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const at::Tensor& params,
                        const c10::optional<at::Tensor>& bias, int64_t N) {
-  const int64_t K = x_in.dim() == 2 ? x_in.size(1) : 0, blocks = K / kBlock, groups = (N + 7) / 8;
-  check_input(x_in, weight, K);
-  TORCH_CHECK(N > 0 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                  weight.numel() == groups * blocks * 128, "weight must be int4_pack's ", groups * blocks * 128,
-              " bytes for ", N, " outputs of ", K, " inputs");
-  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.numel() == groups * blocks * 16,
-              "params must be int4_pack's float16 (groups, K / 32, 16)");
+  check_grouped(x_in, weight, N, at::kByte, 128);
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0);
+  const int64_t K = x.size(1), blocks = K / kBlock;
+  TORCH_CHECK(params.scalar_type() == at::kHalf && params.is_contiguous() && params.dim() == 3 &&
+                  params.size(0) == weight.size(0) && params.size(1) == blocks && params.size(2) == 16,
+              "params must be int4_pack's float16 (groups, K / 32, 16)");
   const Quantized xq = quantize_rows(x);
   const uint8_t* wp = weight.data_ptr<uint8_t>();
   const uint16_t* pp = reinterpret_cast<const uint16_t*>(params.data_ptr<at::Half>());
   const int8_t* qp = xq.codes.data_ptr<int8_t>();
   const float* sp = xq.scales.data_ptr<float>();
   const float* up = xq.sums.data_ptr<float>();
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
-  at::Tensor out = at::empty({M, N}, x.options());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, groups, std::max<int64_t>(1, 4096 / K), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t rows = std::min<int64_t>(8, N - 8 * g);
-      for (int64_t m = 0; m < M; ++m) {  // the group's weights stay in the cache from one row to the next
-        float total[8];
-        group_u4(wp + g * blocks * 128, pp + g * blocks * 16, qp + m * K, sp + m * blocks, up + m * blocks, blocks, total);
-        for (int64_t r = 0; r < rows; ++r) op[m * N + 8 * g + r] = total[r] + (bp ? bp[8 * g + r] : 0.0f);
-      }
-    }
+  return for_each_group(x.size(0), N, K, x.options(), nullptr, bias, [&](int64_t g, int64_t m, float* total) {
+    group_u4(wp + g * blocks * 128, pp + g * blocks * 16, qp + m * K, sp + m * blocks, up + m * blocks, blocks, total);
   });
-  return out;
 }
 
 // One decode step of a whole GPT in one call (tinygpt/fastpath.py builds the plan from a model that
@@ -319,7 +325,7 @@ struct Linear {
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == 0) return float_linear(x, weight, bias);
-    if (kind == 1) return int8_linear(x, weight, aux, bias);
+    if (kind == 1) return int8_linear(x, weight, aux, bias, out_features);
     return int4_linear(x, weight, aux, bias, out_features);
   }
 };
@@ -470,7 +476,7 @@ struct DecodePlan : torch::CustomClassHolder {
 
 TORCH_LIBRARY(tinygpt_lowbit, m) {
   m.def("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias, int out_features) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
       .def(torch::init<at::Tensor, at::Tensor, double, int64_t, std::string>())

@@ -86,9 +86,11 @@ class Int8Linear(nn.Module):
         if dtype is torch.float32 and q.device.type == "cpu" and fbgemm_works():
             self.packed = _fbgemm_int8_pack(q, scales, bias)
         self.use_kernel = self.packed is None and self.in_features % INT8_KERNEL_ALIGN == 0 and _kernel_works(self)
-        # decoding rows in float32 on a CPU: tinygpt's own kernel, where it builds (tinygpt.kernels)
+        # decoding rows in float32 on a CPU: tinygpt's own kernel, where it builds (tinygpt.kernels), on
+        # a copy of q in its layout (q itself stays, for dequantized(); fbgemm's pack holds its own)
         self.lowbit = (self.packed is not None and self.in_features % kernels.BLOCK == 0
                        and kernels.lowbit() is not None)
+        self.grouped = kernels.int8_group(q) if self.lowbit else None  # not a buffer, as packed
         self.nbytes = q.numel() + scales.numel() * scales.element_size()
 
     def dequantized(self) -> torch.Tensor:
@@ -97,7 +99,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowbit and _decoding_rows(x):
-            return kernels.lowbit().int8_linear(x, self.weight, self.scales, self.bias)
+            return kernels.lowbit().int8_linear(x, self.grouped, self.scales, self.bias, self.out_features)
         x = x.to(self.scales.dtype)
         rows = x.reshape(-1, self.in_features)  # (N, in)
         if self.lowbit and _decoding_rows(rows):  # a few rows in another shape
