@@ -13,6 +13,7 @@ import torch
 from tinygpt import GPT, GPTConfig
 from tinygpt.lab.bench import (
     Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, machine, ratios, render, run,
+    peer_formats,
     train_dtypes,
 )
 from tinygpt.interop.quantize import quantize
@@ -51,7 +52,8 @@ def test_a_tiny_run_measures_every_row_and_ratio():
     assert train == {(i, d) for i in ("tinygpt", "transformers") for d in train_dtypes(torch.device("cpu"))}
     assert all(r["tokens_per_s"] > 0 for r in result["training"])
     gen = {(r["impl"], r["format"], r["batch"], r["kv_cache"]) for r in result["generation"]}
-    assert ("tinygpt", "int8", 2, True) in gen and ("transformers", "bf16", 1, False) in gen
+    assert ("tinygpt", "int8", 2, True) in gen and ("transformers", "fp32", 1, False) in gen
+    assert (("transformers", "bf16", 1, False) in gen) == ("bf16" in peer_formats(TINY, torch.device("cpu")))
     peer = next(r for r in result["generation"] if r["impl"] == "transformers" and r["format"] == "fp32"
                 and r["batch"] == 1 and r["kv_cache"])
     assert peer["same_tokens_as_tinygpt"]  # greedy on identical weights: the same tokens
@@ -64,7 +66,9 @@ def test_bfloat16_training_is_measured_only_where_it_is_native(monkeypatch):
     assert train_dtypes(torch.device("cpu")) == ("float32", "bfloat16")
     monkeypatch.setattr(bench_module, "cpu_has_native_bf16", lambda: False)  # emulated: minutes a step
     assert train_dtypes(torch.device("cpu")) == ("float32",)
+    assert peer_formats(bench_module.FULL, torch.device("cpu")) == ("fp32",)  # and transformers decodes in fp32
     assert train_dtypes(torch.device("cuda")) == ("float32", "bfloat16")
+    assert peer_formats(bench_module.FULL, torch.device("cuda")) == ("fp32", "bf16")
 
 
 def test_ratios_read_the_best_format_against_each_target():

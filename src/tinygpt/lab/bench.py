@@ -475,10 +475,21 @@ def run(
     return result
 
 
+def bf16_native(device: torch.device) -> bool:
+    """Whether bfloat16 is worth measuring on `device`: a CPU without it emulates bf16 at a few GFLOP/s
+    (a GPT-2 training step takes minutes, and transformers' bf16 prompt seconds)."""
+    return device.type != "cpu" or cpu_has_native_bf16()
+
+
 def train_dtypes(device: torch.device) -> tuple[str, ...]:
-    """The training dtypes worth measuring: bfloat16 only where it is native (a CPU without it emulates
-    bf16 at a few GFLOP/s, where a step takes minutes and `--dtype auto` trains in float32)."""
-    return ("float32", "bfloat16") if device.type != "cpu" or cpu_has_native_bf16() else ("float32",)
+    """The training dtypes worth measuring: bfloat16 only where it is native (`--dtype auto` trains in
+    float32 elsewhere)."""
+    return ("float32", "bfloat16") if bf16_native(device) else ("float32",)
+
+
+def peer_formats(plan: Plan, device: torch.device) -> tuple[str, ...]:
+    """transformers' formats worth measuring: the plan's, bf16 only where it is native."""
+    return tuple(f for f in plan.peer_formats if f != "bf16" or bf16_native(device))
 
 
 def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
@@ -516,6 +527,8 @@ def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]
 
 def _generation(plan: Plan, device, lim, peers: bool, llama: bool, log) -> list[dict[str, Any]]:
     rows = []
+    if peers and "bf16" in plan.peer_formats and "bf16" not in peer_formats(plan, device):
+        log("generate: transformers' bf16 rows left out: this CPU emulates bfloat16")
     llama_models = plan.llama_models if llama and device.type == "cpu" else ()
     for name in dict.fromkeys(plan.gen_models + llama_models):  # in order, each once
         with tempfile.TemporaryDirectory() as tmp:
@@ -534,7 +547,7 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
     engines: list[tuple[str, str, Any, list[tuple[bool, int]]]] = []
     if peers:
         hf = to_transformers(base).to(device)
-        for fmt in plan.peer_formats:
+        for fmt in peer_formats(plan, device):
             engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16), cases))
     if llama_dir is not None:
         for fmt, path in llama_files(base, llama_dir, plan.llama_formats).items():
