@@ -48,6 +48,11 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Asks for the weights 2 KB ahead of the ones being read, a cache line per call. On the Zen 3 the
+// hardware's own prefetcher left float32 weights streaming at 12-15 GB/s, 14-17 with this, and the
+// 12 x 768 model's decode 0-25% faster in every format (no clear change on the baby model).
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_T0); }
+
 // One row of K floats to int8 codes, a scale per block (absmax / 127) and each block's sum of codes
 // times its scale (what a weight block's minimum multiplies).
 void quantize_row(const float* x, int64_t K, int8_t* q, float* scale, float* sum) {
@@ -119,6 +124,7 @@ inline void rows_float(const W* w, const float* x, int64_t K, float (&total)[R])
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    prefetch(w + k);
     for (int j = 0; j < 2; ++j) {
       const __m256 wv = load8(w + k + 8 * j);
       for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
@@ -141,6 +147,7 @@ inline void group_i8(const int8_t* w, const int8_t* x, const float* xs, int64_t 
     const int8_t* xb = x + b * kBlock;
     __m256i sum = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {  // inputs 4c .. 4c + 3 of the block
+      if (c % 2 == 0) prefetch(wb + 32 * c);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
       int32_t four;
       std::memcpy(&four, xb + 4 * c, 4);
@@ -165,6 +172,7 @@ inline void group_u4(const uint8_t* w, const uint16_t* params, const int8_t* x, 
     const int8_t* xb = x + b * kBlock;
     __m256i sum = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // inputs 8c .. 8c + 7 of the block: low halves 8c + 0..3, high 8c + 4..7
+      if (c % 2 == 0) prefetch(wb + 32 * c);
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * c));
       int32_t lo_x, hi_x;
       std::memcpy(&lo_x, xb + 8 * c, 4);
