@@ -7,8 +7,8 @@ per row at one shared position, in fewer operators: the Linear layers (whatever 
 them) are called as they are, LayerNorm, GELU and attention are called as functions, and the new
 keys and values go straight into the cache's buffers. Where every Linear layer is one of tinygpt's
 kernels (a model `quantize` converted on a CPU where they build), the whole step is one call into
-them (tinygpt.kernels' DecodePlan: the same operators from C++). Tests hold both equal to the
-model's own path, bit for bit.
+them (tinygpt.kernels' DecodePlan: LayerNorm and attention as loops of its own). Tests hold the
+Python step equal to the model's own path bit for bit, and the one call to float32 rounding.
 
 `generate.decode_step` takes it when `applies` says so (eval mode, a CPU, no compiler tracing);
 everything else (training, accelerators, rows at different positions) runs the model's forward.

@@ -104,12 +104,9 @@ def int8_group(q: torch.Tensor) -> torch.Tensor:
     """int8 weights (N, K) in int8_linear's layout: rows in groups of 8 (the last one padded with
     zeros), for each group and block of 32 inputs 256 bytes, eight chunks of 4 inputs with row j's
     four at 4j (so that each 32-bit lane the kernel multiplies is one row's): (groups, K / 32, 256)."""
-    n, k = q.shape
-    groups, blocks = -(-n // 8), k // BLOCK
-    padded = torch.zeros(groups * 8, k, dtype=torch.int8)
-    padded[:n] = q
+    padded, blocks = _in_eights(q), q.shape[1] // BLOCK
     # (group, row j, block, chunk, i) -> (group, block, chunk, j, i)
-    return padded.reshape(groups, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, 256).contiguous()
+    return padded.reshape(-1, 8, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, blocks, 256).contiguous()
 
 
 def int4_pack(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,16 +120,19 @@ def int4_pack(codes: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, 
     Returns:
         (weight (groups, K / 32, 128) uint8, params (groups, K / 32, 16) float16).
     """
-    n, k = codes.shape
-    groups, blocks = -(-n // 8), k // BLOCK
-    padded = torch.zeros(groups * 8, k, dtype=torch.uint8)
-    padded[:n] = codes
+    blocks = codes.shape[1] // BLOCK
     # (group, row j, block, chunk c, half, i) -> (group, block, chunk, j, i, half)
-    t = padded.reshape(groups, 8, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-    weight = (t[..., 0] | (t[..., 1] << 4)).reshape(groups, blocks, 128).contiguous()
-    p = torch.zeros(groups * 8, 2, blocks, dtype=torch.float16)
-    p[:n] = params
-    return weight, p.reshape(groups, 8, 2, blocks).permute(0, 3, 2, 1).reshape(groups, blocks, 16).contiguous()
+    t = _in_eights(codes.to(torch.uint8)).reshape(-1, 8, blocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    weight = (t[..., 0] | (t[..., 1] << 4)).reshape(-1, blocks, 128).contiguous()
+    p = _in_eights(params.half()).reshape(-1, 8, 2, blocks).permute(0, 3, 2, 1).reshape(-1, blocks, 16).contiguous()
+    return weight, p
+
+
+def _in_eights(rows: torch.Tensor) -> torch.Tensor:
+    """rows (N, ...) with zero rows after them up to a multiple of 8 (the kernels' groups)."""
+    padded = rows.new_zeros((-(-rows.shape[0] // 8) * 8, *rows.shape[1:]))
+    padded[:rows.shape[0]] = rows
+    return padded
 
 
 def int4_dequantize(codes: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -153,6 +153,7 @@ def _agrees(ops) -> bool:
     want8 = xq @ (w8.float() * w_scales[:, None]).T + bias
     q4, params = int4_codes(w)
     want4 = xq @ int4_dequantize(q4, params).T + bias
-    pairs = [(ops.int8_linear(x, int8_group(w8), w_scales, bias, 40), want8), (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
+    pairs = [(ops.int8_linear(x, int8_group(w8), w_scales, bias, 40), want8),
+             (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
              (ops.float_linear(x, w, bias), x @ w.T + bias), (ops.float_linear(x, w.half(), None), x @ w.half().float().T)]
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)
