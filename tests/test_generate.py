@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -239,6 +241,9 @@ def test_the_one_call_step_computes_each_row_alone_and_follows_the_model_s_layer
         after = fastpath.step(model, token[1:2], alone, 30)
     assert after.shape == before.shape and not torch.allclose(after, before)
     torch.testing.assert_close(after, model(token[1:2].view(1, 1), alone, torch.tensor([30]))[:, -1])
+    twin = copy.deepcopy(model)  # a model that has decoded still copies, and the copy decodes alike
+    with torch.inference_mode():
+        assert torch.equal(fastpath.step(twin, token[1:2], alone, 30), after)
 
 
 def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatch):

@@ -17,6 +17,7 @@ everything else (training, accelerators, rows at different positions) runs the m
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -70,16 +71,19 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
 
 def _plan(model):
     """The model's step as one DecodePlan, or None where some layer is not tinygpt's kernels' (or not
-    float32). Kept on the model and built again after any module, parameter or buffer was assigned
+    float32). Kept for the model and built again after any module, parameter or buffer was assigned
     anywhere (a layer swapped, a weight replaced) or the model changed dtype: checking the modules
     themselves at every step would cost a tenth of a small model's step."""
     key = (_assignments[0], model.wte.weight.dtype)
-    kept = model.__dict__.get("_decode_plan")
+    kept = _plans.get(model)
     if kept is None or kept[0] != key:
-        kept = model.__dict__["_decode_plan"] = (key, _build(model))
+        kept = _plans[model] = (key, _build(model))
     return kept[1]
 
 
+# beside the models, not in them: a model stays copyable and picklable (a plan is neither), and a copy
+# builds its own plan for its own tensors
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _assignments = [0]  # modules, parameters and buffers assigned so far, in any nn.Module
 
 
