@@ -43,21 +43,21 @@ def data(tmp_path_factory):
     return root / "data"
 
 
-def test_prepare_train_sample_eval(data, tmp_path):
+def test_prepare_train_sample_eval(data, tmp_path, cli):
     run = tmp_path / "run"
-    r = tinygpt("train", "--data", data, "--out", run, "--max-iters", 50, "--eval-interval", 25, *SMALL)
+    r = cli("train", "--data", data, "--out", run, "--max-iters", 50, "--eval-interval", 25, *SMALL)
     assert r.returncode == 0, r.stderr
     assert "50 steps" in r.stdout
-    r = tinygpt("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
+    r = cli("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("the cat") and len(r.stdout) > 40
-    again = tinygpt("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
+    again = cli("sample", run, "--prompt", "the cat", "--max-new-tokens", 40, "--seed", 1)
     assert again.stdout == r.stdout
-    r = tinygpt("sample", run, "--prompt", "the", "--greedy", "--max-new-tokens", 60, "--stop", ".")
+    r = cli("sample", run, "--prompt", "the", "--greedy", "--max-new-tokens", 60, "--stop", ".")
     assert r.returncode == 0 and "." not in r.stdout
-    r = tinygpt("sample", run, "--num-samples", 2, "--max-new-tokens", 10, "--top-k", 5, "--top-p", 0.9)
+    r = cli("sample", run, "--num-samples", 2, "--max-new-tokens", 10, "--top-k", 5, "--top-p", 0.9)
     assert r.returncode == 0 and r.stdout.count("-" * 40) == 1
-    r = tinygpt("eval", run, "--json")
+    r = cli("eval", run, "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert {"loss", "perplexity", "bits_per_char"} <= set(report)
@@ -65,7 +65,7 @@ def test_prepare_train_sample_eval(data, tmp_path):
     assert report["loss"] < 3.0
     text = tmp_path / "held_out.txt"
     text.write_text(make_text(50, seed=9))
-    r = tinygpt("eval", run, "--text", text, "--json")
+    r = cli("eval", run, "--text", text, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["loss"] < 3.0
 
