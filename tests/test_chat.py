@@ -280,6 +280,9 @@ def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
         chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
                                                      stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        # a plain completion of the same ids stops at the end of turn too, as `tinygpt sample` does
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+        assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
         card = client.models.retrieve(NAME).model_dump()
         assert card["chat_template"]["kind"] == "run" and card["chat_template"]["end"] == "<|end|>"
         with pytest.raises(openai.BadRequestError, match="empty content"):

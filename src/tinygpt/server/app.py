@@ -203,11 +203,11 @@ class _Server:
         self.block_size = model.config.block_size
         # ids the tokenizer can decode (a model's vocabulary may be padded beyond it)
         self.vocab_size = min(model.config.vocab_size, tokenizer.vocab_size)
-        self.stop_tokens = frozenset() if tokenizer.eot_id is None else frozenset({tokenizer.eot_id})
-        # a run trained on chat data renders messages with its own template and stops at its end of turn;
-        # any other model gets the plain-text "User: ... Assistant:" prompt
+        # a generation ends at <|endoftext|> and, for a run trained on chat data, at its end of turn (a
+        # completion too, as `tinygpt sample` stops there); such a run renders messages with its own
+        # template, any other model gets the plain-text "User: ... Assistant:" prompt
+        self.stop_tokens = stop_ids(tokenizer)
         self.template = getattr(tokenizer, "chat_template", None)
-        self.chat_stop_tokens = stop_ids(tokenizer)
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.encodable = lru_cache(maxsize=4096)(self._encodable)
@@ -370,7 +370,7 @@ class _Server:
             settings.update(stop=CHAT_STOPS + req.stops, logprobs=top if req.logprobs else None)
         else:
             ids = await run_in_threadpool(self.render, req.messages)
-            settings.update(stop=req.stops, logprobs=top if req.logprobs else None, stop_tokens=self.chat_stop_tokens)
+            settings.update(stop=req.stops, logprobs=top if req.logprobs else None)
         return await self.generate(request, req, [ids], settings, chat=True)
 
     def render(self, messages: list[Message]) -> list[int]:
