@@ -186,8 +186,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
 
 def _whole_step_in_one_call(fmt) -> bool:
     # quantize's float32 formats on tinygpt's kernels: fastpath runs them as one DecodePlan call
-    return (fmt in ("fp32", "fp16", "int8", "int4") and kernels.lowbit() is not None
-            and activation_dtype(fmt, "cpu") is torch.float32)
+    return fmt is not None and kernels.lowbit() is not None and activation_dtype(fmt, "cpu") is torch.float32
 
 
 @pytest.mark.parametrize("fmt", [None, *FORMATS])  # None: the plain float model, as training leaves it

@@ -1,4 +1,4 @@
-"""tinygpt's own float32/float16/int8/int4 CPU kernels (tinygpt.kernels, csrc/lowbit.cpp): the exact products they
+"""tinygpt's own float32/float16/bfloat16/int8/int4 CPU kernels (tinygpt.kernels, csrc/lowbit.cpp): the exact products they
 stand for, rows independent of their batch and of the thread count, clear errors on bad shapes,
 and PyTorch's kernels wherever these cannot be built."""
 
@@ -10,7 +10,8 @@ import torch
 
 from tinygpt import kernels
 from tinygpt import GPT, GPTConfig, quantize
-from tinygpt.interop.quantize import FloatLinear, Fp16Linear, Int4Linear, Int8Linear, PackedLinear, weight_format
+from tinygpt.interop.quantize import (FloatLinear, Fp16Linear, Int4Linear, Int8Linear, PackedLinear, activation_dtype,
+                                      weight_format)
 
 ops = kernels.lowbit()
 needs_kernels = pytest.mark.skipif(ops is None, reason="tinygpt's CPU kernels cannot be built here")
@@ -55,8 +56,9 @@ def test_the_float_kernel_is_the_float_product(rows, out, inp):
     x, w, bias = torch.randn(rows, inp, generator=g), torch.randn(out, inp, generator=g), torch.randn(out, generator=g)
     want = x.double() @ w.double().T + bias.double()
     torch.testing.assert_close(ops.float_linear(x, w, bias).double(), want, atol=1e-4, rtol=1e-5)
-    want16 = x.double() @ w.half().double().T  # float16 weights, widened exactly
-    torch.testing.assert_close(ops.float_linear(x, w.half(), None).double(), want16, atol=1e-4, rtol=1e-5)
+    for dtype in (torch.float16, torch.bfloat16):  # 16-bit weights, widened exactly
+        want16 = x.double() @ w.to(dtype).double().T
+        torch.testing.assert_close(ops.float_linear(x, w.to(dtype), None).double(), want16, atol=1e-4, rtol=1e-5)
 
 
 @needs_kernels
@@ -71,7 +73,8 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
         for n in (1, 2):
             torch.set_num_threads(n)
             calls = (lambda r: ops.int8_linear(r, kernels.int8_group(q8), s8, None, 300), lambda r: ops.int4_linear(r, packed, params, None, 300),
-                     lambda r: ops.float_linear(r, w, None), lambda r: ops.float_linear(r, w.half(), None))
+                     lambda r: ops.float_linear(r, w, None), lambda r: ops.float_linear(r, w.half(), None),
+                     lambda r: ops.float_linear(r, w.bfloat16(), None))
             runs.append([call(x) for call in calls])
             for i in (0, 5):
                 for call, whole in zip(calls, runs[-1]):
@@ -156,16 +159,19 @@ def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):
 
 
 @needs_kernels
-def test_fp32_and_fp16_models_decode_with_the_float_kernel():
+def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64)).eval()
     idx = torch.randint(0, 37, (2, 9))
     ref = model(idx).detach()
-    for fmt, tol in (("fp32", 1e-5), ("fp16", 0.01)):
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    # bf16 takes the kernel where the CPU would emulate bfloat16 arithmetic (elsewhere it computes in it)
+    formats = [("fp32", 1e-5), ("fp16", 0.01)] + [("bf16", 0.05)] * (activation_dtype("bf16", "cpu") is torch.float32)
+    for fmt, tol in formats:
         q = quantize(copy.deepcopy(model), fmt)
         layer = q.h[0].mlp.c_fc
         assert isinstance(layer, FloatLinear) and weight_format(q) == fmt
-        assert layer.weight.dtype == (torch.float32 if fmt == "fp32" else torch.float16)
+        assert layer.weight.dtype == dtypes[fmt] and q.wte.weight.dtype == torch.float32
         assert layer.nbytes == 256 * 64 * layer.weight.element_size() + 256 * 4
         # 18 rows take PyTorch's matmul, one row tinygpt's kernel: the same logits either way
         torch.testing.assert_close(q(idx), ref, atol=tol, rtol=tol)

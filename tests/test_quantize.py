@@ -156,10 +156,14 @@ def test_each_format_computes_in_the_dtype_the_cpu_multiplies_fastest(monkeypatc
     monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: False)
     assert activation_dtype("int4", "cpu") == torch.float32  # bf16 arithmetic would be emulated
     assert activation_dtype("int8", "cpu") == (torch.float32 if fbgemm_works() else torch.bfloat16)
+    # bf16 weights on tinygpt's kernel, widened to float32 (bf16 arithmetic would be emulated)
+    assert activation_dtype("bf16", "cpu") == (torch.float32 if kernels.lowbit() is not None else torch.bfloat16)
     monkeypatch.setattr(quantize_module, "fbgemm_works", lambda: False)
     assert activation_dtype("int8", "cpu") == torch.bfloat16  # no fbgemm: the bf16 kernel is all there is
     assert activation_dtype("fp16", "cpu") == torch.float16
-    assert activation_dtype("bf16", "cpu") == torch.bfloat16 and activation_dtype("int8", "cuda") == torch.bfloat16
+    assert activation_dtype("bf16", "cuda") == torch.bfloat16 and activation_dtype("int8", "cuda") == torch.bfloat16
+    monkeypatch.setattr(quantize_module.kernels, "lowbit", lambda: None)
+    assert activation_dtype("bf16", "cpu") == torch.bfloat16  # no kernel: PyTorch's emulated bfloat16
     model = quantize(small_model(), "int8")  # and the model follows it
     assert model.wte.weight.dtype == torch.bfloat16 and model.h[0].attn.c_attn.packed is None
 

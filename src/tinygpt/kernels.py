@@ -1,9 +1,9 @@
 """tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
-float16, int8 and int4 weights.
+float16, bfloat16, int8 and int4 weights.
 
 PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
 weights well below the memory's speed (the README's Performance section has the figures). These
-read each weight once per call for up to a few rows, with AVX2: float32 and float16 weights against
+read each weight once per call for up to a few rows, with AVX2: float32, float16 and bfloat16 weights against
 float32 activations, int8 and int4 weights against activations quantized to int8 in blocks of 32.
 They are compiled on first use with PyTorch's extension builder (a C++ compiler and ninja; 20-60
 seconds once, then cached in ~/.cache/tinygpt/kernels, or $TINYGPT_KERNELS_DIR), and checked against
@@ -11,7 +11,7 @@ a reference before anything uses them. Where they cannot be built or do not agre
 CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize keeps PyTorch's
 kernels; TINYGPT_KERNELS=0 chooses that too.
 
-    float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32 or float16, K % 8 == 0
+    float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
 
@@ -155,5 +155,6 @@ def _agrees(ops) -> bool:
     want4 = xq @ int4_dequantize(q4, params).T + bias
     pairs = [(ops.int8_linear(x, int8_group(w8), w_scales, bias, 40), want8),
              (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
-             (ops.float_linear(x, w, bias), x @ w.T + bias), (ops.float_linear(x, w.half(), None), x @ w.half().float().T)]
+             (ops.float_linear(x, w, bias), x @ w.T + bias)]
+    pairs += [(ops.float_linear(x, w.to(dtype), None), x @ w.to(dtype).float().T) for dtype in (torch.half, torch.bfloat16)]
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)

@@ -1,9 +1,9 @@
-// Matrix-vector products for decoding on x86 CPUs with AVX2, FMA and F16C: float32, float16, int8
-// and int4 weights.
+// Matrix-vector products for decoding on x86 CPUs with AVX2, FMA and F16C: float32, float16,
+// bfloat16, int8 and int4 weights.
 //
 // Decoding multiplies one row of activations by each weight matrix, so the time is spent streaming
 // the weights. These kernels read the weights once per call, for up to a few rows of activations.
-// float32 and float16 weights (widened in registers) multiply float32 activations; int8 and packed
+// float32, float16 and bfloat16 weights (widened in registers) multiply float32 activations; int8 and packed
 // 4-bit weights multiply activations quantized to int8 in blocks of 32 (one scale per block, as
 // llama.cpp's Q8_0 activations): a few integer instructions per 32 products, with one float
 // multiply-add per block (for int8 a row's, for 4 bits a group of eight rows'). Each output is
@@ -11,7 +11,7 @@
 // result does not depend on the batch it is in. DecodePlan, at the end, is a whole decode step.
 //
 // Layouts (tinygpt/kernels.py builds them):
-//   float32, float16: weight (N, K), as nn.Linear keeps it.
+//   float32, float16, bfloat16: weight (N, K), as nn.Linear keeps it.
 //   int8: q in -127..127 and a float32 scale per row, w = q * scale, for groups of 8 rows (the last
 //         one padded): weight (groups, K / 32, 256) int8, each block's 256 bytes eight chunks of 4
 //         inputs (row j's four at 4j); scales (N) float32.
@@ -112,9 +112,14 @@ Quantized quantize_rows(const at::Tensor& x) {
 // (four of its inputs against the same four activations, broadcast), so a block of 32 inputs ends in
 // one float multiply-add for all eight rows and no row's sum needs folding across lanes.
 
-// float32 or float16 weights against float32 activations (rows K apart); K a multiple of 8
+// float32, float16 or bfloat16 weights against float32 activations (rows K apart); K a multiple of 8.
+// A bfloat16 is a float32's upper half: widening is a shift, so no CPU needs bfloat16 arithmetic here.
 inline __m256 load8(const float* w) { return _mm256_loadu_ps(w); }
 inline __m256 load8(const at::Half* w) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))); }
+inline __m256 load8(const at::BFloat16* w) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
 
 // Two accumulators a row: a float multiply-add per 32 bytes of float32 weights leaves the memory,
 // not the adds, to wait for, and two a row leave registers for four rows at once.
@@ -237,8 +242,9 @@ at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOpti
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_input(x_in, weight, K, 8);
-  TORCH_CHECK((weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf) && weight.is_contiguous(),
-              "weight must be contiguous float32 or float16");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) && weight.is_contiguous(),
+              "weight must be contiguous float32, float16 or bfloat16");
   const at::Tensor x = x_in.contiguous();
   const float* xp = x.data_ptr<float>();
   auto run = [&](const auto* wp) {
@@ -246,7 +252,8 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
       rows_float(wp + n * K, xp + m * K, K, total);
     });
   };
-  return weight.scalar_type() == at::kFloat ? run(weight.data_ptr<float>()) : run(weight.data_ptr<at::Half>());
+  if (dtype == at::kFloat) return run(weight.data_ptr<float>());
+  return dtype == at::kHalf ? run(weight.data_ptr<at::Half>()) : run(weight.data_ptr<at::BFloat16>());
 }
 
 // out (M, N) for the integer kernels: each thread takes whole groups of eight weight rows, and for
@@ -326,7 +333,7 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
 // for the one new query, the residual adds and the cache writes as plain loops, for rows that are
 // each computed on their own (a row's logits do not depend on its batch).
 struct Linear {
-  int64_t kind;  // 0: float32 or float16 weights, 1: int8 (aux: scales), 2: int4 (aux: params)
+  int64_t kind;  // 0: float32, float16 or bfloat16 weights, 1: int8 (aux: scales), 2: int4 (aux: params)
   int64_t out_features;
   at::Tensor weight, aux;
   c10::optional<at::Tensor> bias;

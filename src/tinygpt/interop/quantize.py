@@ -1,6 +1,7 @@
 """Low-precision weights for inference, applied to a built model from outside.
 
-    quantize(model, "bf16")   every weight and activation in bfloat16: half the bytes per token
+    quantize(model, "bf16")   bfloat16 weights: half the bytes per token (activations in bfloat16 too
+                              where the CPU multiplies it natively, else float32 around tinygpt's kernel)
     quantize(model, "fp16")   float16 weights, float32 activations: half the bytes, on any x86 CPU
     quantize(model, "int8")   int8 weights (out, in) with one scale per output channel
     quantize(model, "int4")   4-bit weights with a scale and offset per group of 32 inputs
@@ -15,8 +16,10 @@ when the model is converted (never assumed from the CPU's name):
   float32 in registers; longer inputs go to PyTorch's matmul. Where that kernel cannot be built,
   fp32 weights are reordered into oneDNN's blocked layout (PackedLinear) and fp16 uses fbgemm's fp16
   kernel (F16C, on every AVX2 CPU).
-- bf16 is fast only where the CPU multiplies bfloat16 natively (AVX-512 BF16, AMX); elsewhere
-  PyTorch emulates it, and fp16 is the 16-bit format to use.
+- bf16 computes in bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX). Elsewhere
+  PyTorch would emulate that arithmetic, so the weights go to tinygpt's kernel instead, widened to
+  float32 in registers as fp16's are, and the rest of the model stays float32; where that kernel
+  cannot be built the model computes in bfloat16 (emulated: slow), and fp16 is the 16-bit format to use.
 - int8 on a CPU with native bfloat16 uses PyTorch's weight-only int8 kernel
   (`aten._weight_int8pack_mm`), which wants bfloat16 activations and works through its input's
   rows one at a time: it takes a few rows (decoding), and longer inputs (a prompt, an evaluation
@@ -241,24 +244,26 @@ def int4_fits(linear: nn.Linear) -> bool:
 
 
 class FloatLinear(nn.Module):
-    """A Linear layer with float32 or float16 weights for tinygpt's own matrix-vector kernel (CPU).
+    """A Linear layer with float32, float16 or bfloat16 weights for tinygpt's own matrix-vector kernel (CPU).
 
     Up to INT8_KERNEL_ROWS rows (decoding) go to tinygpt.kernels' float_linear, which streams the
-    weights at the memory's speed (float16 widened to float32 in registers); longer inputs (a
-    prompt, an evaluation batch) go to PyTorch's matmul, float16 weights widened for the call.
+    weights at the memory's speed (16-bit weights widened to float32 in registers); longer inputs (a
+    prompt, an evaluation batch) go to PyTorch's matmul, 16-bit weights widened for the call.
     Activations, outputs and bias are float32. Such a layer only runs forward, on the CPU.
 
     Args:
         linear: the layer to convert; `FloatLinear.fits(linear)` must hold.
-        dtype: float32 or float16 for the weights.
+        dtype: float32, float16 or bfloat16 for the weights.
     """
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        # plain attributes, not buffers: float16 weights must not become float32 when the model moves
-        self.weight = linear.weight.detach().clamp(-65504, 65504).to(dtype).contiguous() if dtype is torch.float16 \
-            else linear.weight.detach().float().contiguous()
+        weight = linear.weight.detach().float()
+        if dtype is torch.float16:
+            weight = weight.clamp(-65504, 65504)  # float16's range
+        # plain attributes, not buffers: 16-bit weights must not become float32 when the model moves
+        self.weight = weight.to(dtype).contiguous()
         self.bias = linear.bias.detach().float() if linear.bias is not None else None
         self.nbytes = self.weight.numel() * self.weight.element_size() + (self.bias.numel() * 4 if self.bias is not None else 0)
 
@@ -345,8 +350,9 @@ def fbgemm_works() -> bool:
 def activation_dtype(fmt: str, device: torch.device | str) -> torch.dtype:
     """The dtype a model quantized to `fmt` computes in outside its Linear layers on `device`.
 
-    bf16 is bfloat16 by definition. fp16 computes in float32 around fbgemm's fp16 kernel on a CPU
-    (float16 throughout elsewhere). int8 and int4 compute in bfloat16 on accelerators and on CPUs
+    bf16 computes in bfloat16, except on a CPU that would emulate it where tinygpt's kernels build
+    (float32 around them). fp16 computes in float32 around fbgemm's fp16 kernel on a CPU (float16
+    throughout elsewhere). int8 and int4 compute in bfloat16 on accelerators and on CPUs
     that multiply it natively, else in float32 (bfloat16 arithmetic is emulated there, and int8
     then takes fbgemm's kernel, which wants float32 inputs).
     """
@@ -354,7 +360,7 @@ def activation_dtype(fmt: str, device: torch.device | str) -> torch.dtype:
     if fmt == "fp32":
         return torch.float32
     if fmt == "bf16":
-        return torch.bfloat16
+        return torch.float32 if cpu and not cpu_has_native_bf16() and kernels.lowbit() is not None else torch.bfloat16
     if fmt == "fp16":
         return torch.float32 if cpu and fbgemm_works() else torch.float16
     if cpu and not cpu_has_native_bf16() and (fmt == "int4" or fbgemm_works()):
@@ -378,8 +384,8 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
 
     Args:
         model: a tinygpt GPT (any nn.Module whose Linear layers should be converted).
-        fmt: "fp32" (float32 values unchanged, only given a faster kernel), "bf16" (weights and
-            activations in bfloat16), "fp16" (float16 weights), "int8" (int8 weights with a scale
+        fmt: "fp32" (float32 values unchanged, only given a faster kernel), "bf16" (bfloat16
+            weights; activations too where the CPU multiplies it natively), "fp16" (float16 weights), "int8" (int8 weights with a scale
             per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
             inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
         pack: give fp32 and bf16 Linear layers a faster CPU kernel: tinygpt's own for fp32 where it
@@ -411,16 +417,26 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     elif fmt == "fp16" and dtype is torch.float32:
         _replace_linears(model, lambda linear: FloatLinear(linear, torch.float16) if FloatLinear.fits(linear) else
                          Fp16Linear(linear))
+    elif fmt == "bf16" and dtype is torch.float32:  # a layer the kernel cannot take keeps float32 bfloat16 values
+        _replace_linears(model, lambda linear: FloatLinear(linear, torch.bfloat16) if FloatLinear.fits(linear) else
+                         _rounded(linear, torch.bfloat16))
     elif fmt == "fp32" and pack:
         _replace_linears(model, lambda linear: FloatLinear(linear) if FloatLinear.fits(linear) else linear)
     model.to(dtype)  # embeddings, LayerNorms, biases, Int8Linear scales (int8 and int4 weights keep their dtype)
-    converted = fmt in ("int8", "int4") or (fmt == "fp16" and dtype is torch.float32)
+    converted = fmt in ("int8", "int4") or (fmt in ("fp16", "bf16") and dtype is torch.float32)
     if pack and not converted:  # the Linear layers still as they were
         _replace_linears(model, lambda linear: PackedLinear(linear, dtype))
     model.requires_grad_(False)
     if converted or pack:
         model.inference_only = True  # checkpoint.save refuses it: the state dict no longer holds the weights
     return model
+
+
+def _rounded(linear: nn.Linear, dtype: torch.dtype) -> nn.Linear:
+    """The layer with its weight rounded to dtype's values, kept in float32."""
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.to(dtype))
+    return linear
 
 
 def _replace_linears(model: nn.Module, make) -> None:
@@ -436,7 +452,9 @@ def weight_format(model: nn.Module) -> str:
     for cls, name in ((Int4Linear, "int4"), (Int8Linear, "int8"), (Fp16Linear, "fp16")):
         if cls in kinds:
             return name
-    if any(isinstance(m, FloatLinear) and m.weight.dtype is torch.float16 for m in model.modules()):
-        return "fp16"
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    for m in model.modules():
+        if isinstance(m, FloatLinear) and m.weight.dtype in names:
+            return names[m.weight.dtype]
     dtype = model.wte.weight.dtype if hasattr(model, "wte") else next(model.parameters()).dtype
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    return names.get(dtype, "fp32")
