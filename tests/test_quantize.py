@@ -65,6 +65,10 @@ def test_int8_linear_with_float32_inputs_multiplies_int8_by_int8(rows, kernel):
     q = Int8Linear(linear, torch.float32)
     assert q.packed is not None and not q.use_kernel and q.scales.dtype == torch.float32
     assert q.lowbit == (kernel == "tinygpt")  # decoding rows; fbgemm takes longer inputs either way
+    # no (out, in) copy of its own beside fbgemm's: dequantized() reads the codes back from the pack
+    assert q.weight is None and "weight" not in q.state_dict()
+    codes = torch.round(linear.weight.detach() / q.scales[:, None]).clamp(-127, 127)
+    assert torch.equal(q.dequantized(), codes * q.scales[:, None])
     x = torch.randn(rows, 64)
     got = q(x)
     assert got.dtype == torch.float32 and got.shape == (rows, 40)

@@ -80,17 +80,18 @@ class Int8Linear(nn.Module):
         w = linear.weight.detach().float()
         # round the scale to its stored dtype first, so q * scale is exactly what the kernel computes
         scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127).to(dtype)
-        q = torch.round(w / scales.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("weight", q.contiguous())  # (out, in) int8
-        self.register_buffer("scales", scales)  # (out,)
+        q = torch.round(w / scales.float().unsqueeze(1)).clamp(-127, 127).to(torch.int8).contiguous()
         bias = linear.bias.detach().to(dtype) if linear.bias is not None else None
-        self.register_buffer("bias", bias)
         self.packed = None  # fbgemm's prepacked weights (not a buffer: it cannot be copied or saved)
         if dtype is torch.float32 and q.device.type == "cpu" and fbgemm_works():
             self.packed = _fbgemm_int8_pack(q, scales, bias)
+        # (out, in) int8; None where fbgemm's pack holds q (dequantized() reads it back from there)
+        self.register_buffer("weight", q if self.packed is None else None)
+        self.register_buffer("scales", scales)  # (out,)
+        self.register_buffer("bias", bias)
         self.use_kernel = self.packed is None and self.in_features % INT8_KERNEL_ALIGN == 0 and _kernel_works(self)
         # decoding rows in float32 on a CPU: tinygpt's own kernel, where it builds (tinygpt.kernels), on
-        # a copy of q in its layout (q itself stays, for dequantized(); fbgemm's pack holds its own)
+        # q in its layout (beside fbgemm's, which prompts take: two bytes a weight in all)
         self.lowbit = (self.packed is not None and self.in_features % kernels.BLOCK == 0
                        and kernels.lowbit() is not None)
         self.grouped = kernels.int8_group(q) if self.lowbit else None  # not a buffer, as packed
@@ -98,7 +99,8 @@ class Int8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The weights the layer computes with, q * s, exactly: (out, in) in float32."""
-        return self.weight.float() * self.scales.float().unsqueeze(1)
+        q = self.weight if self.packed is None else torch.ops.quantized.linear_unpack(self.packed)[0].int_repr()
+        return q.float() * self.scales.float().unsqueeze(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lowbit and _decoding_rows(x):
