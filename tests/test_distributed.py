@@ -157,6 +157,27 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs, char_data, tmp_
     assert max_weight_diff(run, runs / "s20") < 1e-4
 
 
+def test_finetune_in_two_processes_matches_one_process_with_twice_the_batch(runs, char_data, tmp_path):
+    """LoRA fine-tuning under torchrun: the adapters one process trains with batch 8, the report
+    printed and written once, by rank 0, and --merge's run written by rank 0 alone."""
+    flags = ["--data", char_data, "--method", "lora", "--lora-targets", "attn,mlp", "--max-iters", 6,
+             "--eval-iters", 2, "--lr", "1e-3", "--dtype", "float32", "--device", "cpu", "--quiet"]
+    single("finetune", runs / "s10", "--out", tmp_path / "one", "--batch-size", 8, *flags)
+    r = torchrun("finetune", runs / "s10", "--out", tmp_path / "two", "--batch-size", 4, "--merge",
+                 tmp_path / "merged", *flags)
+    assert r.stdout.startswith("max_iters: 6 steps on 2 processes"), r.stdout
+    assert r.stdout.count("fine-tuned from") == 1 and r.stdout.count("merged: ") == 1, r.stdout
+    one, two = (load_file(tmp_path / run / "adapter.safetensors") for run in ("one", "two"))
+    assert one.keys() == two.keys() and len(one) == 16  # A and B on 2 blocks x 4 layers
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
+    reports = [json.loads((tmp_path / run / "finetune_report.json").read_text()) for run in ("one", "two")]
+    assert reports[1]["before"] == reports[0]["before"]
+    assert reports[1]["after"]["data"]["loss"] == pytest.approx(reports[0]["after"]["data"]["loss"], abs=1e-4)
+    merged, folded = load(tmp_path / "merged").state_dict(), load(tmp_path / "one", merge=True).state_dict()
+    assert merged.keys() == folded.keys()
+    assert max((merged[k] - folded[k]).abs().max().item() for k in merged) < 1e-4
+
+
 @contextmanager
 def _job(char_data, run: Path, debug: Path, timeout: str = "30s"):
     """A long 2-process run, yielded once both processes have trained a few steps; whatever the

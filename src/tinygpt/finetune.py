@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint
+from . import checkpoint, distributed
 from .config import FinetuneConfig, GPTConfig, TrainConfig
 from .data import DataSet, load_data
+from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .fileio import read_json, write_json
 from .generate import generate
@@ -154,29 +155,33 @@ def finetune(
     from_, out = Path(from_), Path(out)
     if merge is not None and cfg.method != "lora":
         raise ConfigError("merge goes with method lora: a full fine-tune is a plain run already")
-    dataset = load_data(data)
-    base = _load_base(from_)
-    tokenizer = _base_tokenizer(from_)
-    data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
-    new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
-    model_config = _finetune_config(base.config, cfg, from_, new_ids)
-    texts = _report_texts(from_, dataset, cfg, tokenizer)
-    start = _start(from_, base, model_config, cfg, new_ids)
-    before = _measure(_shaped(base, model_config, from_, new_ids), texts, data_tokenizer, cfg)
-    del base  # the training builds its own copy: do not hold two through the run
-    counter = _CountParams()
-    started = time.perf_counter()
-    result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
-                   should_stop=should_stop)
-    after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
-    after = _measure(after_model, texts, data_tokenizer, cfg)
-    report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started)
-    write_json(out / REPORT, report)
-    merged = None
-    if merge is not None:
-        checkpoint.merge_run(out, merge)
-        merged = Path(merge)
-    return FinetuneResult(out, result, report, merged)
+    # under torchrun every process fine-tunes its slice of each batch (train() joins the job); each
+    # measures the same "before" and "after", and rank 0 alone writes the report and the merged run
+    with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
+        dataset = load_data(data)
+        base = _load_base(from_)
+        tokenizer = _base_tokenizer(from_)
+        data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+        new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
+        model_config = _finetune_config(base.config, cfg, from_, new_ids)
+        texts = _report_texts(from_, dataset, cfg, tokenizer)
+        start = _start(from_, base, model_config, cfg, new_ids)
+        before = _measure(_shaped(base, model_config, from_, new_ids), texts, data_tokenizer, cfg)
+        del base  # the training builds its own copy: do not hold two through the run
+        counter = _CountParams()
+        started = time.perf_counter()
+        result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
+                       should_stop=should_stop)
+        ctx.barrier()  # rank 0 has written the checkpoint the others read
+        after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
+        after = _measure(after_model, texts, data_tokenizer, cfg)
+        report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started)
+        if ctx.is_main:
+            write_json(out / REPORT, report)
+            if merge is not None:
+                checkpoint.merge_run(out, merge)
+        ctx.barrier()
+    return FinetuneResult(out, result, report, Path(merge) if merge is not None else None)
 
 
 def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:

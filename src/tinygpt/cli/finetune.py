@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from ..errors import ConfigError
@@ -75,26 +76,34 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     validation loss and bits before and after, the same prompts sampled before and after, the loss
     on a reference text (forgetting), parameters, peak memory and time (`tinygpt report RUN`).
     """
+    from ..device import resolve_device
+    from ..distributed import process_group
     from ..errors import NonFiniteError
     from ..finetune import finetune
     from ..train import has_checkpoint
 
     resume = args.resume and has_checkpoint(args.out)
-    if args.resume and not resume:
+    if args.resume and not resume and os.environ.get("RANK", "0") == "0":
         print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
     ft, train_cfg = _configs(args, resume)
-    try:
-        result = finetune(args.base, args.data, args.out, ft, train_cfg, resume=resume, merge=args.merge,
-                          progress=not args.quiet)
-    except NonFiniteError as e:
-        print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged (a lower --lr, or "
-              "--dtype float32, usually cures a NaN at the first steps)", file=sys.stderr)
-        return EXIT_NONFINITE
-    t = result.train
-    print(f"{t.stopped}: {t.step} steps, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
-    print("\n".join(format_report(result.report)))
-    if result.merged is not None:
-        print(f"merged: the adapters folded into a plain run in {result.merged}")
+    # under torchrun, as for train: one group until rank 0 has printed, and only rank 0 prints
+    with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
+        try:
+            result = finetune(args.base, args.data, args.out, ft, train_cfg, resume=resume, merge=args.merge,
+                              progress=not args.quiet)
+        except NonFiniteError as e:
+            if ctx.is_main:
+                print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged (a lower --lr, or "
+                      "--dtype float32, usually cures a NaN at the first steps)", file=sys.stderr)
+            return EXIT_NONFINITE
+        t = result.train
+        if ctx.is_main:
+            procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
+            print(f"{t.stopped}: {t.step} steps{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
+            print("\n".join(format_report(result.report)))
+            if result.merged is not None:
+                print(f"merged: the adapters folded into a plain run in {result.merged}")
+        ctx.barrier()
     return EXIT_SIGNAL.get(t.stopped, 0)
 
 
