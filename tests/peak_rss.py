@@ -3,7 +3,7 @@ steps on a small model, printing the process's peak RSS above what it held befor
 built (Linux's VmHWM, reset through /proc/self/clear_refs between methods) beside `tinygpt params`'
 estimate of the peak (calc.training_memory(...).peak), one JSON line per method.
 
-Usage: python peak_rss.py '{}' '{"lora": {"rank": 8}}' '{"freeze_layers": 2}'
+Usage: python peak_rss.py '{}' '{"lora": {"rank": 8}}' '{"freeze_layers": 2}' '{"grad_checkpoint": true}'
 
 Run with MALLOC_MMAP_THRESHOLD_ set (the test does): glibc then returns freed large blocks to the
 system at once, so RSS follows the tensors alive rather than what the allocator chose to keep.
@@ -55,6 +55,7 @@ def measure(method: dict, idx: torch.Tensor) -> dict:
         apply_lora(model, lora.rank, lora.alpha, lora.targets)
     else:
         freeze(model, embeddings=method.get("freeze_embeddings", False), layers=method.get("freeze_layers", 0))
+    model.grad_checkpoint = method.get("grad_checkpoint", False)
     steps(model.train(), idx)
     estimate = calc.training_memory(CONFIG, B, T, lora=lora, **method)
     return {"peak": high_water_mark() - baseline, "estimate": estimate.peak, "total": estimate.total}

@@ -179,3 +179,23 @@ def test_real_process_exit_codes():
     r = subprocess.run([sys.executable, "-m", "tinygpt", "params", "--preset", "gpt2-xl", "--json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout.splitlines()[-1])["total"] == 1_557_611_200
+
+
+def test_params_with_grad_checkpoint_keeps_each_blocks_input_and_one_block(capsys):
+    import dataclasses
+
+    from tinygpt.calc import training_memory
+
+    gpt2 = ["--preset", "gpt2", "--batch-size", "4", "--seq-len", "256", "--json"]
+    _, out, _ = run(capsys, "params", *gpt2)
+    full = last_json(out)["memory"]["training"]
+    _, out, _ = run(capsys, "params", *gpt2, "--grad-checkpoint")
+    t = last_json(out)["memory"]["training"]
+    cfg = GPTConfig.from_preset("gpt2")
+    one, two = (training_memory(dataclasses.replace(cfg, n_layer=n), 4, 256).activations for n in (1, 2))
+    block = two - one  # a block's saved tensors
+    # what the blocks kept goes from 12 blocks' saved tensors to 12 inputs (4 x 256 x 768 float32) and one block
+    assert full["activations"] - t["activations"] == 11 * block - 12 * 4 * 256 * 768 * 4
+    assert t["grad_checkpoint"] and t["recomputed"] == block and t["weights"] == full["weights"]
+    _, out, _ = run(capsys, "params", *gpt2[:-1], "--grad-checkpoint")
+    assert "activations recomputed block by block" in out and "one block rebuilt at a time" in out

@@ -261,17 +261,19 @@ def test_grad_checkpoint_gives_the_same_gradients():
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures Linux's VmHWM")
 def test_measured_peak_memory_is_within_15_percent_of_the_estimate():
-    # full, LoRA r=8, frozen-but-the-last: each method's peak RSS in a fresh process against `params`' figure
-    methods = [{}, {"lora": {"rank": 8}}, {"freeze_embeddings": True, "freeze_layers": 3}]
+    # full, LoRA r=8, frozen-but-the-last, full with recomputation: each method's peak RSS in a fresh
+    # process against `params`' figure
+    methods = [{}, {"lora": {"rank": 8}}, {"freeze_embeddings": True, "freeze_layers": 3}, {"grad_checkpoint": True}]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
            "PYTHONPATH": os.pathsep.join([str(Path(tinygpt.__file__).parent.parent), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("peak_rss.py")), *map(json.dumps, methods)],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     results = [json.loads(line) for line in out.splitlines()]
-    assert len(results) == 3
+    assert len(results) == 4
     for method, r in zip(methods, results):
         assert r["peak"] == pytest.approx(r["estimate"], rel=0.15), method
     assert results[1]["estimate"] < 0.75 * results[0]["estimate"]  # LoRA's saving is real, and measured
+    assert results[3]["peak"] < 0.8 * results[0]["peak"]  # and recomputation's
 
 
 # ---- the command line -------------------------------------------------------------------------

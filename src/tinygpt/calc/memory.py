@@ -33,6 +33,9 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
                 with dropout, CPU attention leaves the fused kernel for the math path, which
                 computes in float32 and keeps q, k, v (3 BTd x 4 bytes instead of 3 BTd c) and
                 three a T x T matrices (weights, dropout mask, dropped weights: 3 BaT^2 x 4)
+    recompute   with grad_checkpoint (torch's activation recomputation, block by block) each block
+                that takes part in backward keeps only its input (BTd r), and backward rebuilds
+                one block's saved tensors at a time: the sum of those inputs plus the largest block
     bf16, CPU   autocast training takes tinygpt's matmul attention path while BaT^2 <= 2^25
                 (PyTorch's bf16 flash backward is slow there): q, k, v (3 BTd c), the
                 probabilities (BaT^2 c; with dropout also the mask and the dropped ones, 3 BaT^2 c)
@@ -86,6 +89,9 @@ class TrainingMemory:
         loss_workspace: what the fused head and loss hold while they run, at the end of the forward
             pass with everything saved still held: a chunk's logits, and under autocast the
             compute-dtype copies of the head and its input.
+        grad_checkpoint: whether the activations are counted for block-by-block recomputation.
+        recomputed: with grad_checkpoint, the bytes of the block backward rebuilds at a time (the
+            largest; part of activations, but not yet there while the loss runs).
     """
 
     batch_size: int
@@ -98,6 +104,8 @@ class TrainingMemory:
     activations: int
     autocast_weights: int
     loss_workspace: int = 0
+    grad_checkpoint: bool = False
+    recomputed: int = 0
 
     @property
     def total(self) -> int:
@@ -108,7 +116,7 @@ class TrainingMemory:
         """The high-water mark of a training step: as the loss runs, everything saved is held with
         its workspace, and the parameters' gradients are not made yet (they grow as backward frees
         the activations). What a run's peak RSS is measured against."""
-        return max(self.total, self.total - self.gradients + self.loss_workspace)
+        return max(self.total, self.total - self.gradients - self.recomputed + self.loss_workspace)
 
     def to_dict(self) -> dict[str, int | str]:
         return {**asdict(self), "total": self.total, "peak": self.peak}
@@ -169,9 +177,10 @@ def activation_bytes(
 
 def _saved(
     config: GPTConfig, batch_size: int, seq_len: int | None, dtype: str, param_dtype: str, lora: LoraConfig | None,
-    freeze_embeddings: bool, freeze_layers: int,
-) -> tuple[int, int]:
-    """activation_bytes, and the matmul weight elements whose compute-dtype copy autocast keeps."""
+    freeze_embeddings: bool, freeze_layers: int, grad_checkpoint: bool = False,
+) -> tuple[int, int, int]:
+    """activation_bytes, the matmul weight elements whose compute-dtype copy autocast keeps, and (with
+    grad_checkpoint) the bytes of the largest block, which backward rebuilds."""
     B, T = check_int(batch_size, "batch_size"), tokens_in_view(config, seq_len, "seq_len")
     method = _Method.of(config, lora, freeze_embeddings, freeze_layers)
     d, V = config.n_embd, config.vocab_size
@@ -183,17 +192,23 @@ def _saved(
     if method.embeddings:  # the token ids and positions, the embedding dropout's mask
         total += 8 * B * T + 8 * T + (BTd * r if dropout else 0)
     casts = 0
+    blocks = []
     for ln, kept in method.blocks:
         block, flows, block_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
-        total += block
+        blocks.append(block)
         casts += block_casts
+    recomputed = max(blocks, default=0) if grad_checkpoint else 0
+    if grad_checkpoint:  # each block's input where it saves anything, and one block rebuilt at a time
+        total += sum(BTd * r for block in blocks if block) + recomputed
+    else:
+        total += sum(blocks)
     if flows or method.ln_f:
         total += BTd * r + 8 * B * T  # ln_f's input, mean and rstd
     flows = flows or method.ln_f
     # the fused head and loss keep no logits, only the gradients their forward pass made: the hidden
     # states' (where a gradient flows on) and the head weight's (where it trains), in float32
     total += (BTd * r if flows else 0) + (4 * d * V if method.head else 0)
-    return total, casts
+    return total, casts, recomputed
 
 
 def _block_bytes(
@@ -278,6 +293,7 @@ def training_memory(
     lora: LoraConfig | None = None,
     freeze_embeddings: bool = False,
     freeze_layers: int = 0,
+    grad_checkpoint: bool = False,
 ) -> TrainingMemory:
     """Bytes to train `config` with AdamW on micro-batches of `batch_size` x `seq_len` tokens.
 
@@ -289,13 +305,14 @@ def training_memory(
         param_dtype: dtype of weights, gradients and AdamW's moments.
         lora, freeze_embeddings, freeze_layers: a fine-tuning method (see calc.params.trainable_params):
             gradients and moments for what it trains only. Default: full training.
+        grad_checkpoint: each block's activations recomputed in backward (`--grad-checkpoint`).
     """
     dtype, param_dtype = dtype_name(dtype), dtype_name(param_dtype)
     method = trainable_params(config, lora=lora, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers)
     p = dtype_bytes(param_dtype)
     # LoRA's A and B are matmul weights too: autocast casts them as it casts the frozen ones
-    activations, casts = _saved(config, batch_size, seq_len, dtype, param_dtype, lora, freeze_embeddings,
-                                freeze_layers)
+    activations, casts, recomputed = _saved(config, batch_size, seq_len, dtype, param_dtype, lora, freeze_embeddings,
+                                freeze_layers, grad_checkpoint)
     return TrainingMemory(
         batch_size=check_int(batch_size, "batch_size"),
         seq_len=tokens_in_view(config, seq_len, "seq_len"),
@@ -310,6 +327,8 @@ def training_memory(
         autocast_weights=0 if dtype == param_dtype else casts * dtype_bytes(dtype),
         loss_workspace=_loss_workspace(config, batch_size * tokens_in_view(config, seq_len, "seq_len"), dtype,
                                        param_dtype, _Method.of(config, lora, freeze_embeddings, freeze_layers).head),
+        grad_checkpoint=bool(grad_checkpoint),
+        recomputed=recomputed,
     )
 
 

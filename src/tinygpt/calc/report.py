@@ -24,6 +24,7 @@ def model_report(
     lora: LoraConfig | None = None,
     freeze_embeddings: bool = False,
     freeze_layers: int = 0,
+    grad_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """Everything the calculators know about one architecture, as JSON-ready data.
 
@@ -35,6 +36,7 @@ def model_report(
         dtype: compute dtype: activations, KV cache and inference weights.
         lora, freeze_embeddings, freeze_layers: the training method the "trainable" figures and the
             training memory are for (default: full training; see calc.params.trainable_params).
+        grad_checkpoint: the training memory with each block's activations recomputed in backward.
 
     Returns:
         A dict whose "total" is the parameter count (of the model without adapters).
@@ -45,7 +47,7 @@ def model_report(
     T = flops.seq_len
     method = dict(lora=lora, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers)
     trainable = trainable_params(config, **method)
-    memory = training_memory(config, batch_size, T, dtype=dtype, **method)
+    memory = training_memory(config, batch_size, T, dtype=dtype, grad_checkpoint=grad_checkpoint, **method)
     return {
         "name": name,
         "config": config.to_dict(),
@@ -144,13 +146,16 @@ def render_model_report(report: dict[str, Any]) -> str:
     lines += [
         "",
         f"Training with AdamW (batch {t['batch_size']} x {t['seq_len']:,} tokens, {t['dtype']} activations, "
-        f"{t['param_dtype']} weights{', autocast' if autocast else ''}{method})",
+        f"{t['param_dtype']} weights{', autocast' if autocast else ''}{method}"
+        f"{', activations recomputed block by block' if t['grad_checkpoint'] else ''})",
     ]
     lines += _rows([
         ("weights", format_bytes(t["weights"]), ""),
         ("gradients", format_bytes(t["gradients"]), "trainable parameters only" if method else ""),
         ("AdamW moments (2)", format_bytes(t["optimizer"]), "trainable parameters only" if method else ""),
-        ("activations saved for backward", format_bytes(t["activations"]), "for what trains" if method else ""),
+        ("activations saved for backward", format_bytes(t["activations"]),
+         "each block's input, and one block rebuilt at a time" if t["grad_checkpoint"] else
+         "for what trains" if method else ""),
         *([("autocast weight copies", format_bytes(t["autocast_weights"]), "")] if autocast else []),
         ("total", format_bytes(t["total"]), ""),
         *([("peak, as the loss runs", format_bytes(t["peak"]),

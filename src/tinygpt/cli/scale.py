@@ -69,7 +69,8 @@ def _params_method(args: argparse.Namespace) -> dict:
     if args.lora_rank is not None or args.lora_alpha is not None or args.lora_targets is not None:
         given = {"rank": args.lora_rank, "alpha": args.lora_alpha, "targets": args.lora_targets}
         lora = LoraConfig(**{k: v for k, v in given.items() if v is not None})
-    return dict(lora=lora, freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers or 0)
+    return dict(lora=lora, freeze_embeddings=args.freeze_embeddings, freeze_layers=args.freeze_layers or 0,
+                grad_checkpoint=args.grad_checkpoint)
 
 
 def cmd_params(args: argparse.Namespace) -> int:
@@ -84,6 +85,8 @@ def cmd_params(args: argparse.Namespace) -> int:
             for LoRA (any of the three turns it on; defaults rank 8, alpha 8, c_attn).
         --freeze-layers N, --freeze-embeddings: the same for full training with the first N blocks
             and/or the embeddings frozen.
+        --grad-checkpoint: the training memory with each block's activations recomputed in backward
+            (finetune's --grad-checkpoint).
         --family: the GPT-2 family table instead of one model.
         --json: one JSON object (last line); for one model its "total" is the parameter count.
     """
@@ -97,7 +100,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     if args.family:
         model_flags = [args.preset, args.run, args.n_layer, args.n_head, args.n_embd, args.vocab_size,
                        args.block_size, args.bias, args.tie, batch_size, seq_len, method["lora"],
-                       args.freeze_layers, args.freeze_embeddings or None]
+                       args.freeze_layers, args.freeze_embeddings or None, args.grad_checkpoint or None]
         if any(v is not None for v in model_flags):
             raise ConfigError("--family describes the four GPT-2 sizes: it takes no model, batch or method flags")
         rows = report.family_report(args.dtype)
@@ -201,6 +204,8 @@ def add_params(sub: argparse._SubParsersAction) -> None:
                    help="projections to adapt: c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
     f.add_argument("--freeze-layers", metavar="N", type=Number("int", 0), help="full training with the first N blocks frozen")
     f.add_argument("--freeze-embeddings", action="store_true", help="full training with wte and wpe frozen")
+    f.add_argument("--grad-checkpoint", action="store_true",
+                   help="activations recomputed block by block in backward (finetune --grad-checkpoint)")
     p.add_argument("--family", action="store_true", help="print the GPT-2 family table")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_params)
