@@ -311,8 +311,8 @@ def training_memory(
     method = trainable_params(config, lora=lora, freeze_embeddings=freeze_embeddings, freeze_layers=freeze_layers)
     p = dtype_bytes(param_dtype)
     # LoRA's A and B are matmul weights too: autocast casts them as it casts the frozen ones
-    activations, casts, recomputed = _saved(config, batch_size, seq_len, dtype, param_dtype, lora, freeze_embeddings,
-                                freeze_layers, grad_checkpoint)
+    activations, casts, recomputed = _saved(config, batch_size, seq_len, dtype, param_dtype, lora,
+                                            freeze_embeddings, freeze_layers, grad_checkpoint)
     return TrainingMemory(
         batch_size=check_int(batch_size, "batch_size"),
         seq_len=tokens_in_view(config, seq_len, "seq_len"),
