@@ -176,3 +176,42 @@ def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel():
         # 18 rows take PyTorch's matmul, one row tinygpt's kernel: the same logits either way
         torch.testing.assert_close(q(idx), ref, atol=tol, rtol=tol)
         torch.testing.assert_close(q(idx[:1, :1]), ref[:1, :1], atol=tol, rtol=tol)
+
+
+@needs_kernels
+def test_gpt2_gelu_and_its_gradient_on_the_kernel():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 1003, generator=g) * 4).requires_grad_()  # 3,009 values: the last block of eight partial
+    grad = torch.randn(3, 1003, generator=g)
+    exact = x.detach().double().requires_grad_()
+    want = torch.nn.functional.gelu(exact, approximate="tanh")
+    want.backward(grad.double())
+    got = kernels.gelu_tanh(x)
+    got.backward(grad)
+    torch.testing.assert_close(got.double(), want.detach(), atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(x.grad.double(), exact.grad, atol=1e-5, rtol=1e-5)
+    # only where autograd records: inference keeps PyTorch's GELU, as the decode steps do
+    assert kernels.trains_gelu(x) and not kernels.trains_gelu(x.detach()) and not kernels.trains_gelu(x.double())
+    with torch.no_grad():
+        assert not kernels.trains_gelu(x)
+
+
+@needs_kernels
+def test_a_training_step_with_the_gelu_kernel_matches_pytorchs_gelu(monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, activation="gelu_tanh")).train()
+    idx = torch.randint(0, 37, (3, 17))
+    calls = []
+    monkeypatch.setattr(kernels, "gelu_tanh", lambda x, f=kernels.gelu_tanh: calls.append(x.shape) or f(x))
+
+    def grads():
+        model.zero_grad()
+        model(idx[:, :-1], targets=idx[:, 1:]).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fast = grads()
+    assert len(calls) == 2  # each block's MLP
+    monkeypatch.setattr(kernels, "trains_gelu", lambda x: False)
+    for a, b in zip(fast, grads()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert len(calls) == 2

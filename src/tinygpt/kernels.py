@@ -1,5 +1,5 @@
 """tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
-float16, bfloat16, int8 and int4 weights.
+float16, bfloat16, int8 and int4 weights, and GPT-2's GELU for training (csrc/gelu.cpp).
 
 PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
 weights well below the memory's speed (the README's Performance section has the figures). These
@@ -14,6 +14,7 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
+    gelu_tanh(x), gelu_tanh_backward(grad, x) x contiguous float32 (gelu_tanh below: with autograd)
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
 (tinygpt.fastpath builds it from a quantized model).
@@ -32,7 +33,7 @@ import torch
 from .device import cpu_flag_set
 
 BLOCK = 32  # inputs per activation scale, and per int4 weight scale and minimum
-SOURCE = Path(__file__).parent / "csrc" / "lowbit.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "gelu.cpp")]
 NEEDS = ("avx2", "fma", "f16c")
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def lowbit():
             log.warning("tinygpt: compiling its CPU kernels, once (20-60 s) into %s", folder)
         folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="tinygpt_lowbit", sources=[str(SOURCE)], is_python_module=False, verbose=False,
+            name="tinygpt_lowbit", sources=[str(source) for source in SOURCES], is_python_module=False, verbose=False,
             build_directory=str(folder),
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
         )
@@ -156,5 +157,37 @@ def _agrees(ops) -> bool:
     pairs = [(ops.int8_linear(x, int8_group(w8), w_scales, bias, 40), want8),
              (ops.int4_linear(x, *int4_pack(q4, params), bias, 40), want4),
              (ops.float_linear(x, w, bias), x @ w.T + bias)]
-    pairs += [(ops.float_linear(x, w.to(dtype), None), x @ w.to(dtype).float().T) for dtype in (torch.half, torch.bfloat16)]
+    pairs += [(ops.float_linear(x, w.to(dtype), None), x @ w.to(dtype).float().T)
+              for dtype in (torch.half, torch.bfloat16)]
+    t = torch.linspace(-9, 9, 203)  # GELU: 25 blocks of eight and a partial one
+    v = t.double().requires_grad_()
+    gelu = torch.nn.functional.gelu(v, approximate="tanh")
+    gelu.sum().backward()
+    pairs += [(ops.gelu_tanh(t).double(), gelu.detach()),
+              (ops.gelu_tanh_backward(torch.ones_like(t), t).double(), v.grad)]
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)
+
+
+class _GeluTanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return lowbit().gelu_tanh(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return lowbit().gelu_tanh_backward(grad.contiguous(), x)
+
+
+def trains_gelu(x: torch.Tensor) -> bool:
+    """Whether gelu_tanh takes x: a float32 CPU tensor autograd records (training), not under
+    torch.compile, with the kernels built here."""
+    return (x.requires_grad and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.is_contiguous() and not torch.compiler.is_compiling() and lowbit() is not None)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """F.gelu(x, approximate="tanh") and its gradient on tinygpt's kernel (2-3 times faster than
+    PyTorch's on a CPU; within a few float32 ulps of it). Only where trains_gelu(x)."""
+    return _GeluTanh.apply(x)

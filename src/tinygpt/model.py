@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
 from .config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
 
@@ -211,11 +212,20 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.c_proj(y)), weights
 
 
+class GELU(nn.GELU):
+    """nn.GELU; GPT-2's tanh form takes tinygpt's CPU kernel where it trains in float32 (kernels.trains_gelu)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "tanh" and kernels.trains_gelu(x):
+            return kernels.gelu_tanh(x)
+        return super().forward(x)
+
+
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        self.gelu = GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.drop = nn.Dropout(config.dropout)
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint, distributed
+from . import checkpoint, distributed, kernels
 from .config import DEFAULT_LR, GPTConfig, TrainConfig
 from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
@@ -723,6 +723,8 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
     stopped = "max_iters"
     try:
         hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total()))
+        if run.device.type == "cpu":
+            kernels.lowbit()  # compiled (the first time on a machine: GPT-2's GELU) before the clock starts
         started = clock()
         pace = _Pace(cfg, started)
         with _signals(stop):
