@@ -113,6 +113,13 @@ def test_bad_shapes_are_refused_with_a_message():
         ops.int8_linear(torch.randn(2, 64), q8, s8, None, 8)
     with pytest.raises(RuntimeError, match="float32"):
         ops.int8_linear(torch.randn(2, 64, dtype=torch.float64), kernels.int8_group(q8), s8, None, 8)
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="k must be .* shaped as q"):
+        ops.causal_attention(q, q[:, :, :4], q[:, :, :4])
+    with pytest.raises(RuntimeError, match="last dimension contiguous"):
+        ops.causal_attention(q, q, q.transpose(2, 3))
+    with pytest.raises(RuntimeError, match="x must be contiguous float32"):
+        ops.gelu_tanh(q.double())
 
 
 def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_path):
@@ -197,12 +204,49 @@ def test_gpt2_gelu_and_its_gradient_on_the_kernel():
 
 
 @needs_kernels
-def test_a_training_step_with_the_gelu_kernel_matches_pytorchs_gelu(monkeypatch):
+@pytest.mark.parametrize("shape", [(2, 3, 13, 44), (1, 1, 1, 8), (3, 2, 40, 37), (1, 2, 64, 32)])
+def test_causal_attention_and_its_gradients_on_the_kernel(shape):
+    B, H, T, D = shape  # partial tiles of positions and of dimensions, one position, whole tiles
+    g = torch.Generator().manual_seed(T)
+    qkv = torch.randn(B, T, 3 * H * D, generator=g, requires_grad=True)  # as the model splits c_attn's output
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
+    grad = torch.randn(B, H, T, D, generator=g)
+    exact = qkv.detach().double().requires_grad_()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.view(B, T, H, D).transpose(1, 2) for t in exact.split(H * D, dim=-1)), is_causal=True)
+    want.backward(grad.double())
+    assert kernels.trains_attention(q, k, v)
+    got = kernels.causal_attention(q, k, v)
+    got.backward(grad)
+    torch.testing.assert_close(got.double(), want.detach(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(qkv.grad.double(), exact.grad, atol=1e-5, rtol=1e-5)
+    assert got.transpose(1, 2).is_contiguous()  # the model's transpose back to (B, T, C) copies nothing
+
+
+def test_causal_attention_takes_only_what_it_is_for():
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    if kernels.lowbit() is None:
+        assert not kernels.trains_attention(q, q, q)
+        return
+    assert kernels.trains_attention(q, q, q)
+    assert not kernels.trains_attention(q.detach(), q.detach(), q.detach())  # inference keeps PyTorch's
+    assert not kernels.trains_attention(q.double(), q.double(), q.double())
+    assert not kernels.trains_attention(q, q[:, :, :4], q[:, :, :4])  # keys of another length (a cache)
+    long = torch.randn(1, 1, kernels.ATTENTION_MAX_T + 1, 8, requires_grad=True)
+    assert not kernels.trains_attention(long, long, long)
+    with torch.no_grad():
+        assert not kernels.trains_attention(q, q, q)
+
+
+@needs_kernels
+def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, activation="gelu_tanh")).train()
     idx = torch.randint(0, 37, (3, 17))
     calls = []
-    monkeypatch.setattr(kernels, "gelu_tanh", lambda x, f=kernels.gelu_tanh: calls.append(x.shape) or f(x))
+    monkeypatch.setattr(kernels, "gelu_tanh", lambda x, f=kernels.gelu_tanh: calls.append("gelu") or f(x))
+    monkeypatch.setattr(kernels, "causal_attention",
+                        lambda q, k, v, f=kernels.causal_attention: calls.append("attention") or f(q, k, v))
 
     def grads():
         model.zero_grad()
@@ -210,8 +254,9 @@ def test_a_training_step_with_the_gelu_kernel_matches_pytorchs_gelu(monkeypatch)
         return [p.grad.clone() for p in model.parameters()]
 
     fast = grads()
-    assert len(calls) == 2  # each block's MLP
+    assert sorted(calls) == ["attention"] * 2 + ["gelu"] * 2  # each block's
     monkeypatch.setattr(kernels, "trains_gelu", lambda x: False)
+    monkeypatch.setattr(kernels, "trains_attention", lambda q, k, v: False)
     for a, b in zip(fast, grads()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
-    assert len(calls) == 2
+    assert len(calls) == 4  # PyTorch's, the second time

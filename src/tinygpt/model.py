@@ -32,9 +32,10 @@ def attention(
     """Causal scaled dot-product attention over (..., T, head_dim) tensors.
 
     One contract, three ways to compute it. The fast path calls PyTorch's fused
-    `scaled_dot_product_attention`, except for bf16 training on a CPU, where a batched-matmul path
-    is faster (_sdpa_is_slow). The explicit path is the lesson's: scores / sqrt(d_head), the tril
-    mask as -inf, softmax; it also returns the attention weights (..., T_q, T_k).
+    `scaled_dot_product_attention`, except for training on a CPU: in float32 tinygpt's kernel
+    (kernels.causal_attention) where it applies, in bf16 a batched-matmul path (_sdpa_is_slow).
+    The explicit path is the lesson's: scores / sqrt(d_head), the tril mask as -inf, softmax; it
+    also returns the attention weights (..., T_q, T_k).
 
     Args:
         q, k, v: queries (..., T_q, D), keys and values (..., T_k, D).
@@ -48,6 +49,8 @@ def attention(
         (output (..., T_q, D), weights or None).
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
+    if not explicit and mask is None and dropout == 0.0 and kernels.trains_attention(q, k, v):
+        return kernels.causal_attention(q, k, v), None  # training on a CPU: tinygpt's kernel
     if not explicit and not _sdpa_is_slow(q, k):
         causal = mask is None and t_q > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)

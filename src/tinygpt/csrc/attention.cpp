@@ -1,0 +1,282 @@
+// Causal self-attention for training on x86 CPUs with AVX2 and FMA: forward and backward, float32.
+//
+// PyTorch's CPU flash-attention kernel is made for long sequences; for the short contexts and small
+// heads a model trains on a CPU (64-256 positions, 32-64 dimensions a head) it runs at a fraction of
+// the machine's speed. Here each (batch, head) pair is one thread's work: its rows are copied into
+// scratch buffers padded to multiples of eight (positions) and eight (dimensions), the T x T
+// products are register tiles of 4 rows x 8 (scores) or 4 rows x 16 (the rest), and the T x T
+// probabilities live in the scratch only (backward recomputes them from the log-sum-exp the
+// forward keeps, as flash attention does).
+//
+// Tensors are (B, H, T, D) float32 with the last dimension contiguous (such as the views of
+// c_attn's output the model passes); outputs and gradients come back as (B, H, T, D) views of
+// (B, T, H, D) buffers, so the model's transpose back to (B, T, C) copies nothing.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// e^x for eight floats (Cephes' expf: x = n ln 2 + r, a degree-6 polynomial in r, 2^n in the
+// exponent bits), within ~2 ulp; inputs below -87 give ~1e-38 rather than 0.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline int64_t eights(int64_t n) { return (n + 7) / 8 * 8; }
+
+// A matrix in scratch: rows x cols floats, row-major, both padded (multiples of 8), zero outside.
+struct Mat {
+  std::vector<float> data;
+  int64_t cols = 0;
+  void reset(int64_t rows, int64_t c) {
+    cols = c;
+    data.assign(rows * c, 0.0f);
+  }
+  float* operator[](int64_t r) { return data.data() + r * cols; }
+  const float* operator[](int64_t r) const { return data.data() + r * cols; }
+};
+
+// One head's (T, D) rows of a (B, H, T, D) tensor into m (Tp, Dp), zero-padded.
+void load_head(const at::Tensor& t, int64_t b, int64_t h, int64_t Tp, int64_t Dp, Mat& m) {
+  const int64_t T = t.size(2), D = t.size(3);
+  m.reset(Tp, Dp);
+  const float* base = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
+  for (int64_t i = 0; i < T; ++i) std::copy_n(base + i * t.stride(2), D, m[i]);
+}
+
+void store_head(const Mat& m, at::Tensor& t, int64_t b, int64_t h) {
+  const int64_t T = t.size(2), D = t.size(3);
+  float* base = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
+  for (int64_t i = 0; i < T; ++i) std::copy_n(m[i], D, base + i * t.stride(2));
+}
+
+void transpose(const Mat& m, int64_t rows, int64_t cols, Mat& out) {
+  out.reset(cols, rows);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[c][r] = m[r][c];
+}
+
+// out[i0 + r][j .. j + 8) = scale * x[i0 + r] . columns j .. j + 8 of cols (Dp, Tp), for r < 4 and
+// every block of eight j below j_end: four rows of x against eight columns at a time.
+void dot_tiles(const Mat& x, int64_t i0, const Mat& cols, int64_t Dp, int64_t j_end, float scale, Mat& out) {
+  for (int64_t j = 0; j < j_end; j += 8) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t d = 0; d < Dp; ++d) {
+      const __m256 c = _mm256_loadu_ps(cols[d] + j);
+      for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[i0 + r][d]), c, acc[r]);
+    }
+    for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out[i0 + r] + j, _mm256_mul_ps(_mm256_set1_ps(scale), acc[r]));
+  }
+}
+
+// out[i0 + r] = sum over k in [k0, k1) of A(i0 + r, k) * rows[k], for r < 4, where A(i, k) is a[i][k],
+// or a[k][i] when transposed (so that dK and dV need no transposed copy of dS and P): four output
+// rows, 16 dimensions at a time (the last chunk 8 where Dp is not a multiple of 16).
+template <bool transposed>
+void row_tiles(const Mat& a, int64_t i0, const Mat& rows, int64_t k0, int64_t k1, int64_t Dp, Mat& out) {
+  auto weight = [&](int r, int64_t k) { return _mm256_set1_ps(transposed ? a[k][i0 + r] : a[i0 + r][k]); };
+  int64_t c = 0;
+  for (; c + 16 <= Dp; c += 16) {
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 v0 = _mm256_loadu_ps(rows[k] + c), v1 = _mm256_loadu_ps(rows[k] + c + 8);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 w = weight(r, k);
+        acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_ps(out[i0 + r] + c, acc[r][0]);
+      _mm256_storeu_ps(out[i0 + r] + c + 8, acc[r][1]);
+    }
+  }
+  if (c < Dp) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 v = _mm256_loadu_ps(rows[k] + c);
+      for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(weight(r, k), v, acc[r]);
+    }
+    for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out[i0 + r] + c, acc[r]);
+  }
+}
+
+// Row i of s (scores, already scaled) to probabilities e^(s - shift) over keys 0 .. i, 0 after;
+// returns their sum. shift: the row's max (forward) or its log-sum-exp (backward, sum ~1).
+float probabilities(float* s, int64_t i, int64_t Tp, float shift) {
+  const __m256 m = _mm256_set1_ps(shift);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < Tp; j += 8) {
+    __m256 e = _mm256_setzero_ps();
+    if (j <= i) {
+      e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+      if (j + 7 > i) {  // the diagonal's block: keys after i are not seen
+        alignas(32) float keep[8];
+        for (int k = 0; k < 8; ++k) keep[k] = j + k <= i ? 1.0f : 0.0f;
+        e = _mm256_mul_ps(e, _mm256_load_ps(keep));
+      }
+    }
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  float sum = 0.0f;
+  for (float x : lanes) sum += x;
+  return sum;
+}
+
+void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.stride(3) == 1 &&
+                  t.sizes() == like.sizes(),
+              what, " must be (B, H, T, D) float32 on the CPU, shaped as q, its last dimension contiguous");
+}
+
+// (B, H, T, D) view of a fresh (B, T, H, D) buffer
+at::Tensor heads_view(const at::Tensor& q) {
+  return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
+}
+
+struct Scratch {
+  Mat q, k, v, o, g, kt, vt, p, dp, out;
+};
+
+std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check(q, q, "q");
+  check(k, q, "k");
+  check(v, q, "v");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tp = eights(T), Dp = eights(D);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::Tensor out = heads_view(q), lse = at::empty({B, H, T}, q.options());
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      load_head(q, b, h, Tp, Dp, w.q);
+      load_head(k, b, h, Tp, Dp, w.k);
+      load_head(v, b, h, Tp, Dp, w.v);
+      transpose(w.k, Tp, Dp, w.kt);
+      w.p.reset(Tp, Tp);
+      w.out.reset(Tp, Dp);
+      float* lp = lse.data_ptr<float>() + bh * T;
+      for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
+        dot_tiles(w.q, i0, w.kt, Dp, std::min(Tp, eights(i0 + 4)), scale, w.p);
+        for (int64_t i = i0; i < i0 + 4; ++i) {
+          if (i >= T) {  // a padding row: no probabilities
+            std::fill_n(w.p[i], Tp, 0.0f);
+            continue;
+          }
+          float m = -std::numeric_limits<float>::infinity();
+          for (int64_t j = 0; j <= i; ++j) m = std::max(m, w.p[i][j]);
+          const float sum = probabilities(w.p[i], i, Tp, m), inv = 1.0f / sum;
+          for (int64_t j = 0; j <= i; ++j) w.p[i][j] *= inv;
+          lp[i] = m + std::log(sum);
+        }
+        row_tiles<false>(w.p, i0, w.v, 0, std::min(i0 + 4, T), Dp, w.out);
+      }
+      store_head(w.out, out, b, h);
+    }
+  });
+  return {out, lse};
+}
+
+// Gradients of causal_attention: P = e^(S - lse) again, dP = dO V^T, dS = P (dP - rowsum(dO O)),
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+    const at::Tensor& grad_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse) {
+  check(q, q, "q");
+  check(k, q, "k");
+  check(v, q, "v");
+  check(out, q, "out");
+  const at::Tensor grad = grad_in.stride(3) == 1 ? grad_in : grad_in.contiguous();
+  check(grad, q, "grad");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tp = eights(T), Dp = eights(D);
+  TORCH_CHECK(lse.is_contiguous() && lse.numel() == B * H * T, "lse must be causal_attention's (B, H, T)");
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::Tensor dq = heads_view(q), dk = heads_view(q), dv = heads_view(q);
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    Scratch w;
+    std::vector<float> delta(Tp);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      load_head(q, b, h, Tp, Dp, w.q);
+      load_head(k, b, h, Tp, Dp, w.k);
+      load_head(v, b, h, Tp, Dp, w.v);
+      load_head(out, b, h, Tp, Dp, w.o);
+      load_head(grad, b, h, Tp, Dp, w.g);
+      transpose(w.k, Tp, Dp, w.kt);
+      transpose(w.v, Tp, Dp, w.vt);
+      w.p.reset(Tp, Tp);
+      w.dp.reset(Tp, Tp);
+      const float* lp = lse.data_ptr<float>() + bh * T;
+      for (int64_t i = 0; i < T; ++i) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; ++d) s += w.g[i][d] * w.o[i][d];
+        delta[i] = s;
+      }
+      for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
+        const int64_t j_end = std::min(Tp, eights(i0 + 4));
+        dot_tiles(w.q, i0, w.kt, Dp, j_end, scale, w.p);
+        dot_tiles(w.g, i0, w.vt, Dp, j_end, 1.0f, w.dp);
+        for (int64_t i = i0; i < i0 + 4; ++i) {
+          if (i >= T) {
+            std::fill_n(w.p[i], Tp, 0.0f);
+            std::fill_n(w.dp[i], Tp, 0.0f);
+            continue;
+          }
+          probabilities(w.p[i], i, Tp, lp[i]);
+          // dS, times scale for dQ and dK: 0 after the diagonal, where P is
+          for (int64_t j = 0; j < Tp; ++j) w.dp[i][j] = w.p[i][j] * (w.dp[i][j] - delta[i]) * scale;
+        }
+      }
+      // w.dp now holds scale * dS; dQ = (scale dS) K row tile by row tile
+      w.out.reset(Tp, Dp);
+      for (int64_t i0 = 0; i0 < Tp; i0 += 4) row_tiles<false>(w.dp, i0, w.k, 0, std::min(i0 + 4, T), Dp, w.out);
+      store_head(w.out, dq, b, h);
+      for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.dp, j0, w.q, j0, T, Dp, w.out);
+      store_head(w.out, dk, b, h);
+      for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.p, j0, w.g, j0, T, Dp, w.out);
+      store_head(w.out, dv, b, h);
+    }
+  });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
+  m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
+        "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
+  m.impl("causal_attention", &causal_attention);
+  m.impl("causal_attention_backward", &causal_attention_backward);
+}
