@@ -1,6 +1,6 @@
 """tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
-float16, bfloat16, int8 and int4 weights, and for training GPT-2's GELU (csrc/gelu.cpp) and causal
-attention (csrc/attention.cpp).
+float16, bfloat16, int8 and int4 weights, and for training GPT-2's GELU and causal attention
+(csrc/training.cpp).
 
 PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
 weights well below the memory's speed (the README's Performance section has the figures). These
@@ -36,7 +36,7 @@ import torch
 from .device import cpu_flag_set
 
 BLOCK = 32  # inputs per activation scale, and per int4 weight scale and minimum
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "gelu.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "training.cpp")]
 # the longest sequence causal_attention takes: measured faster than PyTorch's flash kernel up to here
 ATTENTION_MAX_T = 512
 NEEDS = ("avx2", "fma", "f16c")
@@ -188,11 +188,17 @@ class _GeluTanh(torch.autograd.Function):
         return lowbit().gelu_tanh_backward(grad.contiguous(), x)
 
 
+def _trains_on_cpu(*tensors: torch.Tensor) -> bool:
+    """float32 CPU tensors that autograd records (training), not under torch.compile, with the
+    kernels built here: what the training kernels take."""
+    return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.compiler.is_compiling() and lowbit() is not None)
+
+
 def trains_gelu(x: torch.Tensor) -> bool:
-    """Whether gelu_tanh takes x: a float32 CPU tensor autograd records (training), not under
-    torch.compile, with the kernels built here."""
-    return (x.requires_grad and torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.is_contiguous() and not torch.compiler.is_compiling() and lowbit() is not None)
+    """Whether gelu_tanh takes x: a contiguous tensor that _trains_on_cpu."""
+    return x.is_contiguous() and _trains_on_cpu(x)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -214,12 +220,10 @@ class _CausalAttention(torch.autograd.Function):
 
 
 def trains_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention takes q, k, v (B, H, T, D): float32 CPU tensors of one length up to
-    ATTENTION_MAX_T that autograd records (training), not under torch.compile, with the kernels built."""
-    return (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and q.device.type == "cpu"
-            and all(t.dtype == torch.float32 and t.dim() == 4 and t.stride(3) == 1 and t.shape == q.shape
-                    for t in (q, k, v))
-            and q.shape[2] <= ATTENTION_MAX_T and not torch.compiler.is_compiling() and lowbit() is not None)
+    """Whether causal_attention takes q, k, v: (B, H, T, D) alike, T up to ATTENTION_MAX_T, the last
+    dimension contiguous, tensors that _trains_on_cpu."""
+    return (all(t.dim() == 4 and t.shape == q.shape and t.stride(3) == 1 for t in (q, k, v))
+            and q.shape[2] <= ATTENTION_MAX_T and _trains_on_cpu(q, k, v))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

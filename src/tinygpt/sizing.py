@@ -26,7 +26,12 @@ SIZE_FIELDS = ("n_layer", "n_head", "n_embd")  # setting any of these turns budg
 
 MIN_SIZED_STEPS = 100  # a model sized for a time budget gets at least this many optimizer steps
 
-SIZED_STEPS = 2_000  # ... and a context short enough for this many, down to MIN_SIZED_CONTEXT
+# ... and a context short enough for this many planned steps, down to MIN_SIZED_CONTEXT. At least
+# 2,000 real steps is what paid on the corpora measured; the plan asks 3,000, since a run makes
+# 75-110% of its plan on a shared 2-core host (the probe's speed is not the chosen model's, and the
+# host's moves): `make demo` planned 2,180 steps at context 256 and made 1,674 (2.05 bits a char,
+# against 1.93 at context 128 with 3,940 steps).
+SIZED_STEPS = 3_000
 
 MIN_SIZED_CONTEXT = 64
 
