@@ -197,8 +197,9 @@ def _trains_on_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def trains_gelu(x: torch.Tensor) -> bool:
-    """Whether gelu_tanh takes x: a contiguous tensor that _trains_on_cpu."""
-    return x.is_contiguous() and _trains_on_cpu(x)
+    """Whether gelu_tanh takes x: a contiguous tensor that _trains_on_cpu (checked first: inference,
+    every layer of every forward pass, answers no at its first test)."""
+    return _trains_on_cpu(x) and x.is_contiguous()
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -220,10 +221,10 @@ class _CausalAttention(torch.autograd.Function):
 
 
 def trains_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention takes q, k, v: (B, H, T, D) alike, T up to ATTENTION_MAX_T, the last
-    dimension contiguous, tensors that _trains_on_cpu."""
-    return (all(t.dim() == 4 and t.shape == q.shape and t.stride(3) == 1 for t in (q, k, v))
-            and q.shape[2] <= ATTENTION_MAX_T and _trains_on_cpu(q, k, v))
+    """Whether causal_attention takes q, k, v: tensors that _trains_on_cpu (checked first, as for
+    trains_gelu), (B, H, T, D) alike, T up to ATTENTION_MAX_T, the last dimension contiguous."""
+    return (_trains_on_cpu(q, k, v) and all(t.dim() == 4 and t.shape == q.shape and t.stride(3) == 1 for t in (q, k, v))
+            and q.shape[2] <= ATTENTION_MAX_T)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

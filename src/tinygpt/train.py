@@ -724,7 +724,7 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
     try:
         hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total()))
         if run.device.type == "cpu":
-            kernels.lowbit()  # compiled (the first time on a machine: GPT-2's GELU) before the clock starts
+            kernels.lowbit()  # training's GELU and attention kernels, compiled (once a machine) before the clock
         started = clock()
         pace = _Pace(cfg, started)
         with _signals(stop):
