@@ -154,6 +154,18 @@ def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_p
     kernels.lowbit.cache_clear()
 
 
+@needs_kernels
+def test_the_kernels_are_checked_alike_when_first_asked_for_without_autograd():
+    # a library user's first call is often tinygpt.generate, which runs under no_grad
+    try:
+        for mode in (torch.no_grad, torch.inference_mode):
+            kernels.lowbit.cache_clear()
+            with mode():
+                assert kernels.lowbit() is not None
+    finally:
+        kernels.lowbit.cache_clear()
+
+
 def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
     flags = {"fpu", "sse2", "avx", "avx2", "fma", "f16c"}
