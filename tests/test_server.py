@@ -91,6 +91,21 @@ def test_n_seed_stop_and_echo(client, model, tok):
     assert [c.text for c in r.choices] == ["abc" + greedy[:5], "xyz" + reference(model, tok, "xyz", 5)]
 
 
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client, model, tok):
+    greedy = reference(model, tok, "abc", 20)
+    # a character held back (it may begin the first stop), then the next one, a stop of its own: the
+    # held character is sent, the stop's token is not reported
+    i = next(i for i in range(1, 19) if greedy[i + 1] not in greedy[: i + 1])
+    stop, text = [greedy[i] + "\x00", greedy[i + 1]], greedy[: i + 1]
+    r = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, stop=stop, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and lp.tokens == list(text) and lp.text_offset == list(range(len(text)))
+    chunks = list(client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, stop=stop,
+                                            logprobs=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == list(text)
+
+
 def test_logprobs_are_the_models_own_distribution(client, model, tok):
     r = client.completions.create(model=NAME, prompt="hello", max_tokens=3, temperature=0, logprobs=5)
     lp = r.choices[0].logprobs

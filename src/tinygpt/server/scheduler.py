@@ -121,6 +121,7 @@ class Sequence:
     cancelled: bool = field(default=False, init=False)
     generated: int = field(default=0, init=False)
     chars: int = field(default=0, init=False)  # characters of text decoded so far (for text offsets)
+    sent: int = field(default=0, init=False)  # characters of text emitted so far (the rest is held back or cut)
     filled: int = field(default=0, init=False)  # cache positions of this slot holding the current context
 
     def start(self, tokenizer, vocab_size: int, device: torch.device) -> None:
@@ -480,8 +481,7 @@ class Scheduler:
         if s.generated >= s.max_tokens:
             return self._finish(s, "length", text)
         if text:
-            tokens, s.pending = s.pending, []
-            _safe_emit(s, Event(s.index, text, tokens))
+            _safe_emit(s, Event(s.index, text, _sent_tokens(s, text)))
         return False
 
     def _finish(self, s: Sequence, reason: str, text: str = "") -> bool:
@@ -490,8 +490,7 @@ class Scheduler:
             if s.stopper.done:
                 reason = "stop"
             text += tail + s.stopper.flush()
-        # tokens whose text was cut away with a stop string are not reported
-        tokens = s.pending if text else []
+        tokens = _sent_tokens(s, text) if s.stopper.done else s.pending
         _safe_emit(s, Event(s.index, text, tokens, finish_reason=reason, completion_tokens=s.generated))
         self.counters["completed"] += 1
         return True
@@ -569,6 +568,16 @@ def _attempt(fn: Callable[[], object]) -> object:
         return fn()
     except Exception as e:  # returned, and turned into that sequence's error event
         return e
+
+
+def _sent_tokens(s: Sequence, text: str) -> list[TokenInfo]:
+    """The pending tokens whose text begins within what has been emitted once `text` is: a token
+    whose text is still held back (it may start a stop string) stays pending, and one whose text a
+    stop string cut away is never reported."""
+    s.sent += len(text)
+    n = sum(1 for t in s.pending if t.offset < s.sent)  # offsets only grow
+    tokens, s.pending = s.pending[:n], s.pending[n:]
+    return tokens
 
 
 def _safe_emit(seq: Sequence, event: Event) -> None:
