@@ -81,10 +81,17 @@ def test_malformed_conversations_and_templates_are_refused():
         ([{"role": "robot", "content": "hi"}], "unknown role 'robot'"),
         ([{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}], "empty content"),
         ([{"role": "user", "content": "hi"}], "no assistant turn"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}], "empty content"),
     ]
     for messages, why in bad:
         with pytest.raises(ChatError, match=why):
             render_chat(tok, messages)
+    # a prompt may hold an empty reply (the model ended its turn at once), not an empty question
+    empty_reply = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    ends = [tok.special_ids()[name] for name in ("<|assistant|>", "<|end|>")]
+    assert render_chat_prompt(tok, empty_reply)[-3:-1] == ends
+    with pytest.raises(ChatError, match=r"message 1 \(user\) has empty content"):
+        render_chat_prompt(tok, [{"role": "user", "content": " "}])
     with pytest.raises(ChatError, match="no chat template"):
         render_chat(CharTokenizer.from_text(TEXT), CONVO)
     with pytest.raises(ChatError, match="role"):
@@ -386,6 +393,11 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     assert "(system message set)" in captured.err and "(conversation reset)" in captured.err
     assert "(dropped the 2 oldest messages to stay within the model's context of 48 tokens)" in captured.err
     assert "unknown command /nope" in captured.err
+    # an empty reply (here: no room for any) is a turn like another: the next message still goes
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
+    assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "0"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("bot> ") == 2 and "cannot send" not in captured.err
     # a run without a template cannot chat: one line says what to do
     tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
     assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2

@@ -884,14 +884,16 @@ class Rendered:
     mask: list[int]
 
 
-def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, need_assistant: bool = True) -> None:
+def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, training: bool = True) -> None:
     """Refuse a conversation that is not a list of {"role", "content"} messages with known roles and
-    non-empty text content.
+    text content.
 
     Args:
         messages: the conversation.
         roles: the roles allowed (the template's).
-        need_assistant: also require an assistant turn (training data needs something to learn).
+        training: the conversation is training data: it needs an assistant turn (something to learn),
+            and no turn may be empty. A prompt may hold an empty assistant turn (a reply the model
+            ended at once, or one stopped before its first word) but no empty system or user turn.
 
     Raises:
         ChatError: what is wrong, naming the message (1-based).
@@ -906,9 +908,9 @@ def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, need_assistan
             raise ChatError(f"message {n} has an unknown role {role!r} (expected {', '.join(roles)})")
         if not isinstance(content, str):
             raise ChatError(f"message {n} ({role}) has no text content")
-        if not content.strip():
+        if not content.strip() and (training or role != "assistant"):
             raise ChatError(f"message {n} ({role}) has empty content")
-    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+    if training and not any(m["role"] == "assistant" for m in messages):
         raise ChatError("the conversation has no assistant turn")
 
 
@@ -960,7 +962,7 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> 
         ChatError, TokenizerError: as render_chat (no assistant turn is needed).
     """
     template = chat_template_of(tokenizer)
-    check_messages(messages, template.roles, need_assistant=False)
+    check_messages(messages, template.roles, training=False)
     ids, _ = _render(tokenizer, template, messages)
     return ids + [tokenizer.special_ids()[template.start_token("assistant")]]
 
