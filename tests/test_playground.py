@@ -89,6 +89,9 @@ def test_playground_streams_coloured_tokens_with_top5_and_attention(browser, url
     assert len(rows) == 6  # the chosen token, then the 5 candidates
     assert rows[0].text.startswith(f'chose "{expected[3]}"')
     assert "chosen" in rows[1].get_attribute("class")  # greedy: the chosen token is the most likely
+    bars = [int(row.find_element(By.CSS_SELECTOR, "span.bar").get_attribute("style").split("width:")[1].split("px")[0])
+            for row in rows[1:]]
+    assert bars[0] == 80 and bars == sorted(bars, reverse=True)  # each candidate's bar, relative to the top one
 
     # the attention view of prompt + output, then another head
     wait.until(lambda d: "tokens" in text_of(d, "attn-status"))
@@ -145,6 +148,17 @@ def test_playground_chat_tab_for_a_run_with_a_template(browser):
         assert "finish reason stop" in text_of(browser, "chat-status")  # at the end-of-turn token
         replies = browser.find_elements(By.CSS_SELECTOR, "#chat-log .msg.assistant")
         assert [r.get_attribute("textContent") for r in replies] == [expected]
+        # a message the vocabulary cannot write fails alone: it is not kept, and the chat goes on
+        browser.find_element(By.ID, "chat-input").send_keys("caf\u00e9")
+        browser.find_element(By.ID, "chat-send").click()
+        wait.until(lambda d: text_of(d, "chat-status").startswith("error"))
+        assert "vocabulary" in text_of(browser, "chat-status")
+        browser.find_element(By.ID, "chat-input").send_keys("hello there")
+        browser.find_element(By.ID, "chat-send").click()
+        wait.until(lambda d: text_of(d, "chat-status").startswith("done"))
+        assert browser.execute_script("return chat.messages.map(m => m.role + ':' + m.content)") == [
+            "user:hello there", f"assistant:{expected}", "user:hello there",
+            f"assistant:{browser.find_elements(By.CSS_SELECTOR, '#chat-log .msg.assistant')[-1].get_attribute('textContent')}"]
 
 
 def test_playground_has_no_chat_tab_without_a_template(browser, url):
