@@ -4,6 +4,7 @@ and PyTorch's kernels wherever these cannot be built."""
 
 import copy
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,6 +165,28 @@ def test_the_kernels_are_checked_alike_when_first_asked_for_without_autograd():
                 assert kernels.lowbit() is not None
     finally:
         kernels.lowbit.cache_clear()
+
+
+def test_a_build_killed_midway_does_not_hold_later_ones_and_checkouts_share_one(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TINYGPT_KERNELS_DIR", str(tmp_path))
+    folder = kernels.build_directory()
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # PyTorch's lock, left by a build killed by a signal: it waits on it forever
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append((kw, (folder / "lock").exists())))
+    kernels._build(folder)
+    (kw, stale), = calls
+    assert not stale and kw["build_directory"] == str(folder)
+    # the build reads copies in its folder: the same paths from any checkout, so ninja need not rebuild
+    assert kw["sources"] == [str(folder / "src" / s.name) for s in kernels.SOURCES]
+    assert [Path(s).read_bytes() for s in kw["sources"]] == [s.read_bytes() for s in kernels.SOURCES]
+    # and other sources build in a folder of their own
+    other = tmp_path / "lowbit.cpp"
+    other.write_text("// another version")
+    monkeypatch.setattr(kernels, "SOURCES", [other])
+    assert kernels.build_directory() != folder and kernels.build_directory().parent == folder.parent
 
 
 def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):

@@ -26,6 +26,7 @@ and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -34,6 +35,11 @@ from pathlib import Path
 import torch
 
 from .device import cpu_flag_set
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialized beyond PyTorch's own lock
+    fcntl = None
 
 BLOCK = 32  # inputs per activation scale, and per int4 weight scale and minimum
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "training.cpp")]
@@ -51,10 +57,46 @@ def cpu_supports() -> bool:
     return flags is not None and all(flag in flags for flag in NEEDS)
 
 
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+
+
 def build_directory() -> Path:
-    """Where the compiled kernels are kept: one folder per torch release (its headers are compiled in)."""
+    """Where the compiled kernels are kept: one folder per torch release (its headers are compiled
+    in) and per content of the sources and flags, so that checkouts of the same code share one
+    build and checkouts of different code never rebuild each other's."""
     root = os.environ.get("TINYGPT_KERNELS_DIR") or Path.home() / ".cache" / "tinygpt" / "kernels"
-    return Path(root) / f"torch-{torch.__version__}"
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return Path(root) / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
+
+
+def _build(folder: Path) -> None:
+    """Compile (or load the compiled) kernels in folder, one process at a time.
+
+    The sources are copied into the folder so that the build sees the same paths from any checkout
+    (ninja rebuilds when a path changes). PyTorch's builder keeps a lock file of its own that a
+    killed build leaves behind, and every later build then waits for it forever; tinygpt holds an
+    OS lock (flock: let go of when its holder dies, however it dies) around the build, so whoever
+    holds it knows that a lock file it finds is stale."""
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "build.lock", "a") as held:
+        if fcntl is not None:
+            fcntl.flock(held, fcntl.LOCK_EX)  # another process building here: wait for it
+        (folder / "lock").unlink(missing_ok=True)
+        sources = []
+        for source in SOURCES:
+            copy = folder / "src" / source.name
+            if not copy.exists() or copy.read_bytes() != source.read_bytes():
+                copy.parent.mkdir(exist_ok=True)
+                copy.write_bytes(source.read_bytes())
+            sources.append(str(copy))
+        cpp_extension.load(
+            name="tinygpt_lowbit", sources=sources, is_python_module=False, verbose=False,
+            build_directory=str(folder), extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+        )
 
 
 @functools.cache
@@ -63,17 +105,10 @@ def lowbit():
     if os.environ.get("TINYGPT_KERNELS", "1") == "0" or not cpu_supports():
         return None
     try:
-        from torch.utils import cpp_extension
-
         folder = build_directory()
         if not (folder / "tinygpt_lowbit.so").exists():
             log.warning("tinygpt: compiling its CPU kernels, once (20-60 s) into %s", folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="tinygpt_lowbit", sources=[str(source) for source in SOURCES], is_python_module=False, verbose=False,
-            build_directory=str(folder),
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-        )
+        _build(folder)
         ops = torch.ops.tinygpt_lowbit
         ok = _agrees(ops)
     except Exception as e:  # a missing compiler or ninja, a failed build: PyTorch's kernels do the work
