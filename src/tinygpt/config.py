@@ -27,6 +27,7 @@ def _check(ok: bool, field: str, message: str) -> None:
         raise ConfigError(f"{field}: {message}")
 
 
+MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; this leaves room for the seed + rank / + step offsets training adds
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from ..config import MAX_THREADS
 from ..errors import ConfigError
 from .common import NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model
 
@@ -47,8 +48,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key == "":
         raise ConfigError("--api-key must not be empty")
     if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(args.threads)
@@ -107,7 +106,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="also answer Host: NAME (repeatable; bound to loopback, only localhost and loopback addresses "
                         "are answered otherwise)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
-    p.add_argument("--threads", type=POSITIVE, metavar="N", help="torch's CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=Number("int", 1, MAX_THREADS), metavar="N", help="torch's CPU threads (default: torch's choice)")
     add_device_flag(p, help="auto, cpu, cuda, cuda:N, mps")
     add_quantize_flag(p)
     p.set_defaults(func=cmd_serve)

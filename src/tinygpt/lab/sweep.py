@@ -42,7 +42,7 @@ from ..calc import (
     format_count,
     shape_for_params,
 )
-from ..config import GPTConfig, TrainConfig
+from ..config import MAX_THREADS, GPTConfig, TrainConfig
 from ..data import load_data
 from ..errors import ConfigError, NonFiniteError, SweepError
 from ..fileio import atomic_write, read_json, write_json
@@ -374,8 +374,9 @@ def run_sweep(
         n = len(getattr(dataset, split))
         if n < settings.block_size + 1:
             raise ConfigError(f"the {split} split has {n} tokens, fewer than block_size + 1 = {settings.block_size + 1}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise ConfigError(f"threads: must be an integer from 1 to {MAX_THREADS}, got {threads!r}")
     state = _open_results(out, data, settings)
     done = {_record_key(r): r for r in state["points"]}
     import torch
