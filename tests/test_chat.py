@@ -168,14 +168,16 @@ def test_prepare_chat_reports_malformed_lines_or_skips_them(tmp_path):
         json.dumps({"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}),
         json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "y"}]}),
         json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        '{"messages": [], "n": ' + "9" * 5000 + "}",  # past Python's digit limit for int: a ValueError
+        "[" * 100_000 + "]" * 100_000,  # past the decoder's recursion limit
     ]
     src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(6)], bad)
     with pytest.raises(DataError) as e:
         prepare_chat(src, tmp_path / "d")
-    assert "c.jsonl:7: not JSON" in str(e.value) and "3 more malformed lines: 8, 9, 10" in str(e.value)
+    assert "c.jsonl:7: not JSON" in str(e.value) and "5 more malformed lines: 8, 9, 10, 11, 12" in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     meta = prepare_chat(src, tmp_path / "d", errors="skip")
-    assert meta["skipped"] == 4 and meta["skipped_lines"] == [7, 8, 9, 10] and meta["conversations"] == 6
+    assert meta["skipped"] == 6 and meta["skipped_lines"] == [7, 8, 9, 10, 11, 12] and meta["conversations"] == 6
 
 
 # --- training on chat data -------------------------------------------------------------------

@@ -51,9 +51,10 @@ def test_truncated_weights(tmp_path):
 
 def test_config_not_json(tmp_path):
     save(tiny(), tmp_path)
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="not valid JSON"):
-        load(tmp_path)
+    for text in ("{not json", '{"n_layer": ' + "9" * 5000 + "}", "[" * 100_000):  # the last two: int's digit
+        (tmp_path / "config.json").write_text(text)                                # limit, deep nesting
+        with pytest.raises(CheckpointError, match="not valid JSON"):
+            load(tmp_path)
 
 
 def test_config_disagrees_with_weights(tmp_path):

@@ -37,7 +37,6 @@ How text is read:
 from __future__ import annotations
 
 import codecs
-import json
 import math
 import os
 import re
@@ -53,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import read_json, write_json
+from .fileio import parse_json, read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     KINDS,
@@ -782,9 +781,9 @@ def read_conversations(path: str | os.PathLike, roles: Iterable[str] = ("system"
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = parse_json(line)
                 except ValueError as e:
-                    out.malformed.append((n, f"not JSON ({e.msg})"))
+                    out.malformed.append((n, f"not JSON ({e})"))
                     continue
                 messages = record.get("messages") if isinstance(record, dict) else None
                 try:

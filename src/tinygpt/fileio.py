@@ -63,16 +63,25 @@ def check_regular_file(path: str | os.PathLike, error: type[Exception]) -> int:
     return info.st_size
 
 
+def parse_json(text: str | bytes) -> Any:
+    """json.loads, with every way a text fails to parse as a ValueError with a one-line message: a
+    JSONDecodeError, a number past Python's digit limit for int, nesting past the recursion limit."""
+    try:
+        return json.loads(text)
+    except RecursionError:  # json gives up on deeply nested arrays or objects this way
+        raise ValueError("nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError among them, for bytes
+        raise ValueError(str(e).split(";")[0].splitlines()[0]) from None
+
+
 def read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
     """Parse a JSON file; a missing, special, oversized or malformed file raises `error` with a one-line message."""
     size = check_regular_file(path, error)
     if size > MAX_JSON_BYTES:
         raise error(f"{path} holds {size:,} bytes, more than a tinygpt JSON file may ({MAX_JSON_BYTES:,})")
     try:
-        return json.loads(Path(path).read_bytes().decode("utf-8"))
+        return parse_json(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise error(f"{path} is missing") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:
         raise error(f"{path} is not valid JSON: {e}") from None
-    except RecursionError:  # json gives up on deeply nested arrays or objects this way
-        raise error(f"{path} is not valid JSON: nested too deeply") from None

@@ -11,10 +11,10 @@ from .common import Number, add_device_flag, int_flag
 
 def _run_config(run: str) -> tuple[dict, str]:
     """The architecture in a run folder's config.json (or a Hugging Face GPT-2 folder's, or the file itself)."""
-    import json
     from pathlib import Path
 
     from ..checkpoint import CONFIG
+    from ..fileio import parse_json
     from ..interop.hf_gpt2 import is_hf_config
     from ..config import GPTConfig
 
@@ -26,8 +26,8 @@ def _run_config(run: str) -> tuple[dict, str]:
     elif not path.is_file():
         raise ConfigError(f"{run}: no such run folder or {CONFIG} file")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = parse_json(path.read_text())
+    except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if is_hf_config(data):
         from ..interop.hf_gpt2 import config_from_hf

@@ -51,6 +51,7 @@ from typing import Protocol
 import torch
 
 from ..errors import ConfigError
+from ..fileio import parse_json
 from ..generate import StopText, generate_stream
 from ..tokenizer import IncrementalDecoder
 
@@ -139,8 +140,8 @@ def read_task(path: str | os.PathLike) -> Task:
             continue
         where = f"{path}, line {number}"
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
+            record = parse_json(line)
+        except ValueError as e:
             raise ConfigError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(record, dict):
             raise ConfigError(f"{where}: expected a JSON object")
