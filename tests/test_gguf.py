@@ -191,3 +191,10 @@ def test_bad_targets(tmp_path):
         model = GPT(GPTConfig(vocab_size=3, block_size=4, n_layer=1, n_head=1, n_embd=4))
         export_gguf(model, tok, tmp_path / "dir.gguf")
     assert not (tmp_path / "x.gguf").exists()
+    # an existing file is replaced only when it is an earlier export
+    (tmp_path / "notes.txt").write_text("my notes")
+    with pytest.raises(CheckpointError, match="exists and is not a GGUF file"):
+        export_gguf(model, tok, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+    export_gguf(model, tok, tmp_path / "x.gguf")
+    export_gguf(model, tok, tmp_path / "x.gguf")

@@ -369,6 +369,8 @@ def test_unsupported_tokenizer_and_cli_refusals(tmp_path, hf_folder, runs, cli):
     run = runs["char"]
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     assert_clean_error(cli("export", run, "--format", "hf", "--out", run), "--out must not be")
+    for target in ("model.safetensors", "sub/model.gguf"):  # the run's own weights, once overwritten by GGUF
+        assert_clean_error(cli("export", run, "--format", "gguf", "--out", run / target), "nor inside it")
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     assert_clean_error(cli("export", run, "--format", "hf", "--out", tmp_path / "other"), "not empty")

@@ -30,8 +30,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..checkpoint import TOKENIZER, load_run
 
     src, out = Path(args.run), Path(args.out)
-    if out.resolve() == src.resolve():
-        raise ConfigError("--out must not be the folder being exported")
+    if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+        raise ConfigError("--out must not be the folder being exported, nor inside it")
     if args.dtype != "float32" and args.format != "gguf":
         raise ConfigError("--dtype applies to --format gguf only")
     model, tokenizer = load_run(src, "cpu", tokenizer_required=args.format == "gguf")

@@ -76,6 +76,14 @@ def gguf_notes(model: GPT, tokenizer: Tokenizer) -> list[str]:
     return notes
 
 
+def _is_gguf(path: Path) -> bool:
+    """Whether path is a regular file that starts as every GGUF file does."""
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def export_gguf(
     model: GPT,
     tokenizer: Tokenizer,
@@ -102,6 +110,8 @@ def export_gguf(
     out = Path(out)
     if out.is_dir():
         raise CheckpointError(f"{out} is a folder; give the .gguf file to write")
+    if out.exists() and not _is_gguf(out):  # an earlier export is replaced; nothing else is
+        raise CheckpointError(f"{out} exists and is not a GGUF file; give a new path to write")
     config = model.config
     check_gpt2_computes(config, "llama.cpp's gpt2")
     if tokenizer.vocab_size > config.vocab_size:
