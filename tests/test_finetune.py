@@ -228,7 +228,14 @@ def test_longer_context_and_merge_with_full_are_refused(world, tmp_path):
     with pytest.raises(ConfigError, match="merge goes with method lora"):
         tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", FinetuneConfig(), quick(),
                          merge=tmp_path / "m")
-    assert not (tmp_path / "r").exists()
+    # a merge target that is taken is refused before any training, not after it
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("mine")
+    lora = FinetuneConfig(method="lora", lora_rank=2)
+    for target in (tmp_path / "taken", tmp_path / "r", world / "base"):
+        with pytest.raises(tinygpt.CheckpointError, match="already exists; merge into a new folder"):
+            tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", lora, quick(), merge=target)
+    assert not (tmp_path / "r").exists() and (tmp_path / "taken" / "x").read_text() == "mine"
 
 
 def test_lr_schedules():

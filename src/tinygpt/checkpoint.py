@@ -411,6 +411,19 @@ def load_adapter_run(
     return model.to(device).eval()
 
 
+def check_merge_target(out: str | Path, *taken: str | Path) -> None:
+    """Refuse `out` as a merged run's folder: it exists (and is not an empty folder), or it is one
+    of `taken` (folders in use, such as the run being trained and its base).
+
+    Raises:
+        CheckpointError: naming the folder.
+    """
+    out = Path(out)
+    if (out.exists() and (not out.is_dir() or any(out.iterdir()))) or any(
+            out.resolve() == Path(t).resolve() for t in taken):
+        raise CheckpointError(f"{out} already exists; merge into a new folder")
+
+
 def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     """Write an adapter run's model, adapters folded in, as a plain run (model.safetensors, config.json,
     tokenizer.json): what `tinygpt merge` does.
@@ -428,8 +441,7 @@ def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     run, out = Path(run), Path(out)
     if not is_adapter_run(run):
         raise CheckpointError(f"{run}: not an adapter run (no {ADAPTER_CONFIG}), so there is nothing to merge")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; merge into a new folder")
+    check_merge_target(out)
     model = load_adapter_run(run, merge_adapters=True)
     tokenizer = load_tokenizer(run) if (run / TOKENIZER).exists() else None
     save(model, out, tokenizer)

@@ -155,6 +155,8 @@ def finetune(
     from_, out = Path(from_), Path(out)
     if merge is not None and cfg.method != "lora":
         raise ConfigError("merge goes with method lora: a full fine-tune is a plain run already")
+    if merge is not None:  # before the training, not after it
+        checkpoint.check_merge_target(merge, out, from_)
     # under torchrun every process fine-tunes its slice of each batch (train() joins the job); each
     # measures the same "before" and "after", and rank 0 alone writes the report and the merged run
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
