@@ -378,3 +378,25 @@ def test_unsupported_tokenizer_and_cli_refusals(tmp_path, hf_folder, runs, cli):
     assert_clean_error(cli("import", hf_folder, "--out", run), "already exists")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     assert_clean_error(cli("sample", tmp_path / "other"), "not a tinygpt run")
+
+
+def test_hand_edited_config_and_tokenizer_files_are_one_line_errors(tmp_path):
+    from tinygpt.interop.hf_gpt2 import config_from_hf
+    from tinygpt.interop.hf_tokenizer import save_hf_tokenizer
+    from tinygpt.tokenizer import CharTokenizer
+
+    good = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2}
+    for edit in ({"activation_function": ["gelu_new"]}, {"n_embd": None, "n_inner": 128}):
+        with pytest.raises(CheckpointError, match="hand/config.json"):
+            config_from_hf({**good, **edit}, "hand/config.json")
+    save_hf_tokenizer(CharTokenizer.from_text("abc\n"), tmp_path, 16)
+    original = json.loads((tmp_path / "tokenizer.json").read_text())
+    edits = [lambda d: d.update(model=[1]), lambda d: d["model"].update(vocab=list(d["model"]["vocab"])),
+             lambda d: d["model"]["vocab"].update(a="x"), lambda d: d.update(added_tokens=[{"special": True}]),
+             lambda d: d.update(added_tokens=["x"])]
+    for edit in edits:
+        data = json.loads(json.dumps(original))
+        edit(data)
+        (tmp_path / "tokenizer.json").write_text(json.dumps(data))
+        with pytest.raises(TokenizerError, match="tokenizer.json"):
+            load_hf_tokenizer(tmp_path)

@@ -214,14 +214,14 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
     if model_type != MODEL_TYPE:
         raise CheckpointError(f'{where}: a {model_type!r} model, not GPT-2 (tinygpt reads model_type "gpt2")')
     activation = data.get("activation_function", "gelu_new")
-    if activation not in ACTIVATION_FROM_HF:
+    if not isinstance(activation, str) or activation not in ACTIVATION_FROM_HF:
         raise CheckpointError(
             f"{where}: activation_function {activation!r} is not supported "
             f"(tinygpt computes {', '.join(ACTIVATION_FROM_HF)})"
         )
     n_embd = data.get("n_embd", 768)
-    if data.get("n_inner") not in (None, 4 * n_embd if isinstance(n_embd, int) else None):
-        raise CheckpointError(f"{where}: n_inner={data['n_inner']}; tinygpt's MLP is 4 x n_embd = {4 * n_embd}")
+    if data.get("n_inner") is not None and not (isinstance(n_embd, int) and data["n_inner"] == 4 * n_embd):
+        raise CheckpointError(f"{where}: n_inner={data['n_inner']!r}; tinygpt's MLP is 4 x n_embd (n_embd={n_embd!r})")
     for flag, needed in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                          ("add_cross_attention", False)):
         if data.get(flag, needed) != needed:

@@ -176,18 +176,25 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
 def _char_from_hf(data: dict[str, Any], where: str) -> CharTokenizer:
     """A tokenizer.json in the shape `to_hf_tokenizer` gives a char tokenizer, back as a CharTokenizer."""
     split = {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
-    vocab = data["model"].get("vocab") or {}
-    chars = sorted(vocab, key=vocab.get)
-    # special tokens after the characters (a chat template's), in id order
-    added = sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [] if t.get("special"))
+    unsupported = TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
+    try:  # a hand-edited file may hold any JSON where these are
+        vocab = data["model"].get("vocab") or {}
+        if not all(isinstance(i, int) for i in vocab.values()):
+            raise unsupported
+        chars = sorted(vocab, key=vocab.get)
+        # special tokens after the characters (a chat template's), in id order
+        added = sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [] if t.get("special"))
+    except (AttributeError, KeyError, TypeError):
+        raise unsupported from None
     if (
         data.get("pre_tokenizer") != split
         or data.get("normalizer") is not None
         or sorted(vocab.values()) != list(range(len(vocab)))
         or not all(len(c) == 1 for c in chars)
+        or not all(isinstance(i, int) and isinstance(t, str) for i, t in added)
         or [i for i, _ in added] != list(range(len(chars), len(chars) + len(added)))
     ):
-        raise TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
+        raise unsupported
     return CharTokenizer(chars, [t for _, t in added])
 
 
@@ -237,7 +244,8 @@ def _load_hf_tokenizer(path: Path, template: ChatTemplate | None) -> Tokenizer |
             raise gpt2_error
         return None
     data = read_json(file, TokenizerError)
-    model_type = (data.get("model") or {}).get("type") if isinstance(data, dict) else None
+    model = data.get("model") if isinstance(data, dict) else None
+    model_type = model.get("type") if isinstance(model, dict) else None
     if model_type == "WordLevel":
         return _char_from_hf(data, str(file))
     if model_type == "BPE":
