@@ -125,6 +125,15 @@ def test_refuses_existing_run_and_short_data(char_data, tmp_path):
     train(char_data, tmp_path / "run", MODEL, cfg(max_iters=1), progress=False)
     with pytest.raises(TrainingError, match="already holds a run"):
         train(char_data, tmp_path / "run", MODEL, cfg(max_iters=1), progress=False)
+    # a run whose weights were lost is not started over, resumed or not: its state and metrics stay
+    (tmp_path / "run" / "model.safetensors").unlink()
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    with pytest.raises(TrainingError, match="holds a training state but not its weights"):
+        train(char_data, tmp_path / "run", MODEL, cfg(max_iters=1), progress=False)
+    from tinygpt.cli import main
+
+    assert main(["train", "--data", str(char_data), "--out", str(tmp_path / "run"), "--resume", "--quiet"]) == 2
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == kept
     big = GPTConfig(**{**MODEL.to_dict(), "block_size": 100_000})
     with pytest.raises(TrainingError, match="fewer than block_size"):
         train(char_data, tmp_path / "other", big, cfg(), progress=False)

@@ -481,8 +481,7 @@ def _settings(
         state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
         _check_state(state, run)
     else:
-        if has_checkpoint(run):
-            raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
+        check_new_run(run)
         if choice is not None:
             notes = {**(notes or {}), "model_choice": choice.to_dict()}
     if cfg.lr is None:
@@ -958,6 +957,22 @@ def has_checkpoint(run: str | Path) -> bool:
     """Whether a run folder holds weights (or an adapter run's adapters) to resume from (a run killed
     before its first save holds none)."""
     return checkpoint.has_weights(run)
+
+
+def check_new_run(run: str | Path) -> None:
+    """Refuse to start a new run in a folder that holds one: its weights, or a training state
+    without them (a save renames the weights first, so that is a run whose weights were lost,
+    not one killed before its first save; a new run would write over what is left of it).
+
+    Raises:
+        TrainingError: naming what the folder holds.
+    """
+    if has_checkpoint(run):
+        raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
+    run = Path(run)
+    if (run / checkpoint.STATE).exists() or (run / (checkpoint.STATE + ".tmp")).exists():
+        raise TrainingError(f"{run} holds a training state but not its weights ({checkpoint.weights_file(run).name} "
+                            "is missing): restore them to resume, or pick another --out")
 
 
 def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None, *, remedy: str | None = None) -> None:

@@ -60,7 +60,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..device import resolve_device
     from ..distributed import process_group
     from ..errors import NonFiniteError
-    from ..train import has_checkpoint, train
+    from ..train import check_new_run, has_checkpoint, train
 
     model_over, train_over, preset = train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
@@ -69,8 +69,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume
                else "torchrun: each process would time itself; give the model (--preset or size flags)")
         raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
-    if args.resume and not resume and os.environ.get("RANK", "0") == "0":
-        print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
+    if args.resume and not resume:
+        check_new_run(args.out)  # a folder whose weights were lost is not started over
+        if os.environ.get("RANK", "0") == "0":
+            print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
     if resume:
         model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset)
     else:
