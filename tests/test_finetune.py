@@ -337,3 +337,20 @@ def test_cli_report_and_prepare_refusals(world, tmp_path, capsys):
     assert cli.main(["finetune", str(tmp_path / "nowhere"), "--data", str(world / "data-b"), "--out",
                      str(tmp_path / "r")]) == 2
     assert "no such model folder" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_method_the_adapters_and_the_base(world, tmp_path):
+    lora = FinetuneConfig(method="lora", lora_rank=2)
+    tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", lora, quick(max_iters=2))
+    other = tinygpt.finetune(world / "base", world / "data-b", tmp_path / "other", FinetuneConfig(),
+                             quick(max_iters=2)).run  # a plain run: other weights
+    kept = {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()}
+    for cfg, from_, why in [(FinetuneConfig(), world / "base", "with method 'lora', not 'full'"),
+                            (FinetuneConfig(method="lora", lora_rank=4), world / "base", "with lora_rank 2, not 4"),
+                            (lora, other, "is not the base")]:
+        with pytest.raises(ConfigError, match=why):
+            tinygpt.finetune(from_, world / "data-b", tmp_path / "r", cfg, quick(max_iters=4), resume=True)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()} == kept
+    # the same settings, from the base's Hugging Face export (the same weights): it resumes
+    result = tinygpt.finetune(world / "hf", world / "data-b", tmp_path / "r", lora, quick(max_iters=4), resume=True)
+    assert result.train.step == 4

@@ -43,7 +43,8 @@ from .generate import generate
 from .lora import apply_lora, weights_checksum
 from .model import GPT, grow_vocab
 from .tokenizer import Tokenizer, render_chat_prompt, stop_ids, with_chat_template
-from .train import TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, evaluate_chat, train
+from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, evaluate_chat,
+                    has_checkpoint, train)
 from .weights import reconfigured
 
 REPORT = "finetune_report.json"
@@ -162,6 +163,8 @@ def finetune(
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
         dataset = load_data(data)
         base = _load_base(from_)
+        if resume and has_checkpoint(out):
+            _check_resume(out, from_, base, cfg)
         tokenizer = _base_tokenizer(from_)
         data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
@@ -318,6 +321,28 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
         freeze(model, embeddings=cfg.freeze_embeddings, layers=cfg.freeze_layers)
     model.grad_checkpoint = cfg.grad_checkpoint
     return model.train()
+
+
+def _check_resume(out: Path, from_: Path, base: GPT, cfg: FinetuneConfig) -> None:
+    """A resumed fine-tune keeps its method, its adapters' settings and its base: settings that
+    would change them are refused before anything in the run is touched (the adapters trained so
+    far are of that shape, on that base's weights).
+
+    Raises:
+        ConfigError: naming the setting, or the base.
+    """
+    record = read_json(out / TRAIN_CONFIG, ConfigError) if (out / TRAIN_CONFIG).exists() else None
+    saved = record.get("finetune") if isinstance(record, dict) else None
+    if isinstance(saved, dict):
+        now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
+        keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
+            else ("method",)
+        for key in keys:
+            if key in saved and saved[key] != now[key]:
+                raise ConfigError(f"{out} was fine-tuned with {key} {saved[key]!r}, not {now[key]!r}: "
+                                  "drop the setting to resume it")
+    if checkpoint.is_adapter_run(out) and checkpoint.read_adapter_config(out).checksum != weights_checksum(base):
+        raise ConfigError(f"{from_} is not the base {out}'s adapters were trained on: resume it from that base")
 
 
 def _start(from_: Path, base: GPT, model_config: GPTConfig, cfg: FinetuneConfig, new_ids: range) -> Start:
