@@ -186,6 +186,10 @@ def test_eval_text_with_unknown_characters(data, tmp_path, capsys):
     assert main(["eval", str(run), "--text", str(tmp_path / "new.txt")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "'Z'" in err and "--unknown skip" in err
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 au lait")  # not UTF-8: the message names the file
+    assert main(["eval", str(run), "--text", str(tmp_path / "latin1.txt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "latin1.txt: not UTF-8" in err
 
     assert main(["eval", str(run), "--text", str(tmp_path / "new.txt"), "--unknown", "skip", "--json"]) == 0
     out = capsys.readouterr().out

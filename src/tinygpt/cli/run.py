@@ -195,11 +195,16 @@ def _from_text(path: str, tokenizer, unknown: str) -> _Scored:
     """A --text file's tokens; with --unknown skip, without the characters the vocabulary lacks."""
     import numpy as np
 
-    from ..errors import TokenizerError
+    from ..errors import DataError, TokenizerError
+    from ..fileio import check_regular_file
     from ..tokenizer import encode_skipping_unknown
 
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    check_regular_file(path, DataError)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
     segments, skipped = None, None
     if unknown == "skip":
         tokens, segments, skipped = encode_skipping_unknown(tokenizer, text)
