@@ -163,14 +163,15 @@ def finetune(
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
         dataset = load_data(data)
         base = _load_base(from_)
+        base_checksum = weights_checksum(base) if cfg.method == "lora" else None  # hashed once: every weight
         if resume and has_checkpoint(out):
-            _check_resume(out, from_, base, cfg)
+            _check_resume(out, from_, base_checksum, cfg)
         tokenizer = _base_tokenizer(from_)
         data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
         model_config = _finetune_config(base.config, cfg, from_, new_ids)
         texts = _report_texts(from_, dataset, cfg, tokenizer)
-        start = _start(from_, base, model_config, cfg, new_ids)
+        start = _start(from_, base_checksum, model_config, cfg, new_ids)
         before = _measure(_shaped(base, model_config, from_, new_ids), texts, data_tokenizer, cfg)
         del base  # the training builds its own copy: do not hold two through the run
         counter = _CountParams()
@@ -323,7 +324,7 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
     return model.train()
 
 
-def _check_resume(out: Path, from_: Path, base: GPT, cfg: FinetuneConfig) -> None:
+def _check_resume(out: Path, from_: Path, base_checksum: str | None, cfg: FinetuneConfig) -> None:
     """A resumed fine-tune keeps its method, its adapters' settings and its base: settings that
     would change them are refused before anything in the run is touched (the adapters trained so
     far are of that shape, on that base's weights).
@@ -341,11 +342,13 @@ def _check_resume(out: Path, from_: Path, base: GPT, cfg: FinetuneConfig) -> Non
             if key in saved and saved[key] != now[key]:
                 raise ConfigError(f"{out} was fine-tuned with {key} {saved[key]!r}, not {now[key]!r}: "
                                   "drop the setting to resume it")
-    if checkpoint.is_adapter_run(out) and checkpoint.read_adapter_config(out).checksum != weights_checksum(base):
+    if (base_checksum is not None and checkpoint.is_adapter_run(out)
+            and checkpoint.read_adapter_config(out).checksum != base_checksum):
         raise ConfigError(f"{from_} is not the base {out}'s adapters were trained on: resume it from that base")
 
 
-def _start(from_: Path, base: GPT, model_config: GPTConfig, cfg: FinetuneConfig, new_ids: range) -> Start:
+def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
+           new_ids: range) -> Start:
     lora = cfg.method == "lora"
     if lora and checkpoint.is_adapter_run(from_):
         raise ConfigError(f"{from_} is an adapter run: LoRA needs a full model as its base (tinygpt merge it first)")
@@ -359,7 +362,7 @@ def _start(from_: Path, base: GPT, model_config: GPTConfig, cfg: FinetuneConfig,
 
     record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve())}}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
-                 base_checksum=weights_checksum(base) if lora else None, keep=cfg.keep, record=record)
+                 base_checksum=base_checksum, keep=cfg.keep, record=record)
 
 
 class _CountParams(TrainCallback):
