@@ -112,6 +112,10 @@ def test_bad_inputs(data, tmp_path, cli):
     bad.write_text("n_layer = \n")
     assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--config", bad), "TOML")
     assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--max-time", "soon"), "--max-time")
+    # a size this machine cannot hold: the allocator's error, as one line, and nothing written
+    assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "huge", "--n-embd", 10**10, "--n-head", 1,
+                           "--n-layer", 1, "--block-size", 8, "--quiet"), "not enough memory", "GiB")
+    assert not (tmp_path / "huge").exists()
     assert_clean_error(cli("sample", tmp_path), "not a tinygpt run")
     assert_clean_error(cli("eval", tmp_path / "missing"), "no such run folder")
     # --resume where there is nothing to resume yet starts a new run

@@ -318,6 +318,7 @@ def test_cli_finetune_lora_merge_report_and_resume(world, tmp_path, capsys):
     (["--lr", "nan"], "--lr"),
     (["--merge", "m"], "merge goes with method lora"),
     (["--reference", "/nonexistent.txt"], "cannot read the reference text"),
+    (["--method", "lora", "--lora-rank", str(10**12)], "not enough memory"),  # the allocator's error
 ])
 def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, message):
     from tinygpt import cli

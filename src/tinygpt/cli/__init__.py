@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from ..errors import TinyGPTError
@@ -57,6 +58,29 @@ def _version() -> str:
     return __version__
 
 
+def _report(message: str) -> int:
+    rank = os.environ.get("RANK", "0")  # under torchrun every process may report
+    print(f"tinygpt: error: {'' if rank == '0' else f'[rank {rank}] '}{message}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+_CPU_ALLOCATION = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def _out_of_memory(e: RuntimeError) -> str | None:
+    """The one-line message for an allocation that failed (a size flag too big for this machine), or
+    None for any other RuntimeError: those are bugs, and keep their traceback."""
+    advice = "choose smaller sizes (model, batch, context, adapters' rank)"
+    cpu = _CPU_ALLOCATION.search(str(e))
+    if cpu:
+        return f"not enough memory: one allocation of {int(cpu.group(1)) / 2**30:,.1f} GiB failed; {advice}"
+    if str(e).startswith("Storage size calculation overflowed"):
+        return f"not enough memory: a tensor larger than any machine's memory was asked for; {advice}"
+    if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError: CUDA, MPS, XPU
+        return f"out of memory on the device ({str(e).splitlines()[0][:200]}); {advice}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command line (default: sys.argv) and return its exit code.
 
@@ -71,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args) or 0
     except (TinyGPTError, ValueError, OSError) as e:
-        rank = os.environ.get("RANK", "0")  # under torchrun every process may report
-        print(f"tinygpt: error: {'' if rank == '0' else f'[rank {rank}] '}{e}", file=sys.stderr)
-        return EXIT_ERROR
+        return _report(str(e))
+    except RuntimeError as e:
+        message = _out_of_memory(e)
+        if message is None:
+            raise
+        return _report(message)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
