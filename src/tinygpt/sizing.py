@@ -75,6 +75,23 @@ class ModelChoice:
     def to_dict(self) -> dict[str, Any]:
         return {"rule": self.rule, "reason": self.reason, "config": self.config.to_dict(), "plan": self.plan}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelChoice:
+        """A choice as to_dict() wrote it (train_config.json's notes.model_choice); its lr is in the
+        run's training settings, not here.
+
+        Raises:
+            ConfigError: a field is missing or malformed.
+        """
+        try:
+            plan = data.get("plan")
+            if not (isinstance(data["rule"], str) and isinstance(data["reason"], str)
+                    and (plan is None or isinstance(plan, dict))):
+                raise TypeError("rule, reason or plan")
+            return cls(GPTConfig.from_dict(data["config"]), data["rule"], data["reason"], plan)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"the recorded model choice is not valid ({e})") from None
+
 
 def eval_overhead(cfg: TrainConfig) -> float:
     """Evaluation time as a share of training time: an evaluation runs 2 x eval_iters forward passes

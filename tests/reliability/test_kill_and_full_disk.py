@@ -147,6 +147,34 @@ def test_sigkill_at_random_moments_then_resume(char_data, tmp_path, trials, figu
            f"(rolled forward); no resume lost more than 1 step; the final weights equal a straight run's")
 
 
+def test_killed_before_its_first_save_resumes_as_it_began(char_data, tmp_path):
+    """--resume on a run that has no checkpoint yet starts it over with the model and settings it
+    began with (train_config.json records them before the first step), not the data's default."""
+    run = tmp_path / "run"
+    began = ["--n-layer", "1", "--n-head", "2", "--n-embd", "24", "--block-size", "8", "--batch-size", "3",
+             "--eval-iters", "1", "--device", "cpu", "--quiet"]
+    p = subprocess.Popen([sys.executable, "-m", "tinygpt", "train", "--data", str(char_data), "--out", str(run),
+                          "--max-iters", "100000", "--eval-interval", "100000", *began],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 120
+    while p.poll() is None and time.monotonic() < deadline and len(logged_steps(run)) < 2:
+        time.sleep(0.05)
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    p.stderr.close()
+    assert not (run / "model.safetensors").exists()
+    r = tinygpt("train", "--data", char_data, "--out", run, "--resume", "--max-iters", 3, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "starting it over with the settings it began with" in r.stderr
+    config = json.loads((run / "config.json").read_text())
+    assert (config["n_layer"], config["n_embd"], config["block_size"]) == (1, 24, 8)
+    settings = json.loads((run / "train_config.json").read_text())
+    assert settings["train"]["batch_size"] == 3 and settings["train"]["max_iters"] == 3
+    assert settings["notes"]["model_choice"]["rule"] == "given"
+    assert logged_steps(run) == [1, 2, 3]  # the killed run's steps are not kept
+
+
 # ---- a full disk --------------------------------------------------------------------------------
 
 

@@ -69,12 +69,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume
                else "torchrun: each process would time itself; give the model (--preset or size flags)")
         raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
+    begun = None  # the model a run killed before its first save was started with
     if args.resume and not resume:
         check_new_run(args.out)  # a folder whose weights were lost is not started over
+        begun = _begun_with(args.out)
         if os.environ.get("RANK", "0") == "0":
-            print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
-    if resume:
-        model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset)
+            again = "it over with the settings it began with" if begun else "a new run there"
+            print(f"no checkpoint in {args.out} yet: starting {again}", file=sys.stderr)
+    if resume or begun:
+        model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset, begun)
     else:
         train_cfg = from_mapping(TrainConfig, train_over)
         model_cfg = _new_model(args, train_cfg, model_over, preset, distributed)
@@ -100,9 +103,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_SIGNAL.get(result.stopped, 0)
 
 
-def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str | None):
-    """(GPTConfig or None, TrainConfig) to continue `run` with: its saved settings with the flags over
-    them; a new GPTConfig only when --preset or a model flag changes the saved one."""
+def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str | None, begun=None):
+    """(model, TrainConfig) to continue `run` with, or to start it over (`begun`, its recorded
+    ModelChoice): its saved settings with the flags over them. The model is None on resume (the
+    run's own) and `begun` on a start over, a new GPTConfig only when --preset or a model flag
+    changes the saved one."""
     from ..checkpoint import load_config
     from ..config import GPTConfig, TrainConfig, from_mapping
     from ..train import read_train_config
@@ -110,9 +115,31 @@ def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str |
     saved, _ = read_train_config(run)
     train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
     if not (model_over or preset):
-        return None, train_cfg
-    base = GPTConfig.from_preset(preset).to_dict() if preset else load_config(run).to_dict()
+        return begun, train_cfg
+    base = (GPTConfig.from_preset(preset) if preset else begun.config if begun else load_config(run)).to_dict()
     return from_mapping(GPTConfig, {**base, **model_over}), train_cfg
+
+
+def _begun_with(run: str):
+    """The ModelChoice that train_config.json recorded for a run that has no checkpoint yet (one
+    killed before its first save), or None where there is no record of one."""
+    from ..errors import TrainingError
+    from ..fileio import read_json
+    from ..sizing import ModelChoice
+    from ..train import TRAIN_CONFIG
+
+    file = os.path.join(run, TRAIN_CONFIG)
+    if not os.path.isfile(file):
+        return None
+    saved = read_json(file, TrainingError)
+    notes = saved.get("notes") if isinstance(saved, dict) else None
+    choice = notes.get("model_choice") if isinstance(notes, dict) else None
+    if not isinstance(choice, dict):
+        return None
+    try:
+        return ModelChoice.from_dict(choice)
+    except ConfigError as e:
+        raise TrainingError(f"{file}: {e}") from None
 
 
 def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: str | None, distributed: bool):
@@ -121,13 +148,15 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
 
     from ..config import GPTConfig, from_mapping
     from ..data import load_data
-    from ..sizing import choose_model
+    from ..sizing import ModelChoice, choose_model
 
     meta = load_data(args.data).meta
     vocab = int(meta["vocab_size"])
     if preset:
         base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
-        return from_mapping(GPTConfig, {**base, **model_over})
+        config = from_mapping(GPTConfig, {**base, **model_over})
+        flags = " with its flags over it" if model_over else ""
+        return ModelChoice(config, "preset", f"model: the {preset} preset{flags}")  # recorded, as any choice
     # one path for every default: sized for --max-time when no size flag is given, else for the
     # data; under torchrun the data's default, which every process computes alike
     sweep = None
