@@ -64,18 +64,18 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     model_over, train_over, preset = train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if args.sweep and (resume or preset or distributed):
-        why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume
-               else "torchrun: each process would time itself; give the model (--preset or size flags)")
-        raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
     begun = None  # the model a run killed before its first save was started with
     if args.resume and not resume:
         check_new_run(args.out)  # a folder whose weights were lost is not started over
         begun = _begun_with(args.out)
-        if os.environ.get("RANK", "0") == "0":
-            again = "it over with the settings it began with" if begun else "a new run there"
-            print(f"no checkpoint in {args.out} yet: starting {again}", file=sys.stderr)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.sweep and (resume or begun or preset or distributed):
+        why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume or begun
+               else "torchrun: each process would time itself; give the model (--preset or size flags)")
+        raise ConfigError(f"--sweep sizes a new model: it does not go with {why}")
+    if args.resume and not resume and os.environ.get("RANK", "0") == "0":
+        again = "it over with the settings it began with" if begun else "a new run there"
+        print(f"no checkpoint in {args.out} yet: starting {again}", file=sys.stderr)
     if resume or begun:
         model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset, begun)
     else:
