@@ -189,6 +189,21 @@ def test_training_memory_parts():
         calc.training_memory(cfg, 1, dtype="int3")
 
 
+
+@pytest.mark.parametrize("method", [dict(), dict(freeze_layers=2), dict(freeze_embeddings=True, freeze_layers=1),
+                                    dict(lora=LoraConfig(rank=4)), dict(grad_checkpoint=True)])
+def test_memory_of_any_depth_is_arithmetic_not_a_loop(method):
+    # the estimate used to build a tuple per block: `tinygpt params --n-layer 10**18` took the
+    # machine's memory; blocks alike are a count now, and every block past the frozen ones adds the same
+    def at(n_layer):
+        return calc.training_memory(GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=8, vocab_size=10),
+                                    2, dtype="float32", **method)
+    per_block = at(4).activations - at(3).activations
+    assert per_block > 0 and at(5).activations - at(4).activations == per_block
+    deep = at(10**18)
+    assert deep.activations == at(4).activations + (10**18 - 4) * per_block
+
+
 METHODS = [
     dict(),
     dict(lora=LoraConfig(rank=4, targets="c_attn")),

@@ -128,10 +128,13 @@ _MATMULS = (("attn.c_attn", 1), ("attn.c_proj", 1), ("mlp.c_fc", 1), ("mlp.c_pro
 
 @dataclass(frozen=True)
 class _Method:
-    """What trains, as autograd sees it: per block, whether its LayerNorms train and which matmuls
-    need their input kept (their weight trains, or LoRA adapts them); the embeddings, ln_f, the head."""
+    """What trains, as autograd sees it: per run of alike blocks, whether their LayerNorms train and
+    which matmuls need their input kept (their weight trains, or LoRA adapts them), and how many
+    blocks the run has (a count, not a tuple per block: any n_layer costs the same); the embeddings,
+    ln_f, the head."""
 
-    blocks: tuple[tuple[bool, frozenset[str]], ...]  # (LayerNorms train, matmuls whose weight trains or is adapted)
+    # ((LayerNorms train, matmuls whose weight trains or is adapted), blocks in the run)
+    blocks: tuple[tuple[tuple[bool, frozenset[str]], int], ...]
     adapted: frozenset[str]  # LoRA's targets (empty without LoRA)
     lora: LoraConfig | None
     embeddings: bool
@@ -143,8 +146,9 @@ class _Method:
         L, every = config.n_layer, frozenset(name for name, _ in _MATMULS)
         if lora is not None:
             targets = frozenset(lora.targets)
-            return cls(((False, targets),) * L, targets, lora, False, False, False)
-        blocks = tuple((i >= freeze_layers, every if i >= freeze_layers else frozenset()) for i in range(L))
+            return cls((((False, targets), L),), targets, lora, False, False, False)
+        frozen = min(freeze_layers, L)
+        blocks = tuple(run for run in (((False, frozenset()), frozen), ((True, every), L - frozen)) if run[1])
         # a tied head is wte: it freezes with the embeddings, an untied one always trains
         return cls(blocks, frozenset(), None, not freeze_embeddings, True,
                    not (freeze_embeddings and config.tie_weights))
@@ -192,16 +196,19 @@ def _saved(
     if method.embeddings:  # the token ids and positions, the embedding dropout's mask
         total += 8 * B * T + 8 * T + (BTd * r if dropout else 0)
     casts = 0
-    blocks = []
-    for ln, kept in method.blocks:
-        block, flows, block_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
-        blocks.append(block)
-        casts += block_casts
-    recomputed = max(blocks, default=0) if grad_checkpoint else 0
+    blocks = []  # (a block's saved bytes, how many blocks save that much)
+    for (ln, kept), n in method.blocks:
+        # a run's first block may be the first one whose input needs a gradient; from its second
+        # on, every block of the run is alike (`flows` only ever turns on)
+        first, flows, first_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
+        rest, flows, rest_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
+        blocks += [(first, 1), (rest, n - 1)]
+        casts += first_casts + rest_casts * (n - 1)
+    recomputed = max((size for size, n in blocks if n), default=0) if grad_checkpoint else 0
     if grad_checkpoint:  # each block's input where it saves anything, and one block rebuilt at a time
-        total += sum(BTd * r for block in blocks if block) + recomputed
+        total += sum(BTd * r * n for size, n in blocks if size) + recomputed
     else:
-        total += sum(blocks)
+        total += sum(size * n for size, n in blocks)
     if flows or method.ln_f:
         total += BTd * r + 8 * B * T  # ln_f's input, mean and rstd
     flows = flows or method.ln_f
