@@ -308,6 +308,8 @@ def test_the_fits_own_optimum_minimises_its_loss():
         (dict(flops=1e21, params=1e9), "disagree"),
         (dict(params=280e9, tokens=300e9), "disagree"),
         (dict(flops=1e21, tokens_per_param=0), "tokens_per_param"),
+        (dict(params=1e300), "overflow"),  # C = 6 N D is past a float: printed as Infinity before
+        (dict(params=70e9, tokens_per_param=1e300), "overflow"),
     ],
 )
 def test_chinchilla_bad_budgets(kwargs, message):

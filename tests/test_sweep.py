@@ -144,6 +144,8 @@ def test_grid_with_given_sizes_skips_what_it_cannot_train():
         ({"budgets": [1e12], "sizes": [-5.0]}, "sizes"),
         ({"budgets": [1e12], "points": 0}, "points"),
         ({"budgets": [1e12], "spread": 1.0}, "spread"),
+        ({"budgets": [1e12], "spread": 1e200}, "smaller --spread"),  # an OverflowError's traceback before
+        ({"budgets": [1e12], "points": 2100}, "fewer --points"),
     ],
 )
 def test_grid_refuses_bad_input(kwargs, match):

@@ -131,6 +131,9 @@ def compute_optimal(
                 f"{source} means {what} {derived:.4g}; give one budget, or another tokens-per-param ratio"
             )
     fit_N, fit_D = fit.optimal(C)
+    if not all(math.isfinite(x) and x > 0 for x in (N, D, C, fit_N, fit_D)):
+        raise ConfigError(f"{source} with {tokens_per_param:g} tokens per parameter is past what a float can hold "
+                          "(the plan's figures overflow); give a smaller budget")
     return ChinchillaPlan(
         params=N, tokens=D, flops=C, loss=fit.loss(N, D), tokens_per_param=float(tokens_per_param),
         fit_params=fit_N, fit_tokens=fit_D, fit_loss=fit.loss(fit_N, fit_D),

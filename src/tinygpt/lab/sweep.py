@@ -221,7 +221,13 @@ def plan_grid(
     for budget in budgets:
         if sizes is None:
             middle = centre * compute_optimal(flops=budget).params
-            targets = [middle * spread ** (k - (points - 1) / 2) for k in range(points)]
+            try:
+                targets = [middle * spread ** (k - (points - 1) / 2) for k in range(points)]
+            except OverflowError:
+                targets = [math.inf]
+            if not all(0 < t < math.inf for t in targets):
+                raise ConfigError(f"spread {spread:g} over {points} points sizes models past what a float can hold "
+                                  f"around C={budget:.3g}; give a smaller --spread or fewer --points")
         else:
             targets = sorted(float(n) for n in sizes)
         seen: set[tuple] = set()
