@@ -136,3 +136,21 @@ def test_llama_cpp_decodes_tinygpt_s_gguf_export_beside_tinygpt():
 def test_cli_refuses_an_unknown_section():
     r = subprocess.run([sys.executable, "-m", "tinygpt", "bench", "--only", "nothing"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_json_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
+    from tinygpt.cli import main
+
+    (tmp_path / "file").write_text("")
+    for bad, message in ((tmp_path, "is a folder"), (tmp_path / "file" / "b.json", "is not a folder")):
+        assert main(["bench", "--quick", "--only", "limits", "--json", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err  # at once: no measurement was logged
+
+
+def test_atomic_write_names_the_file_asked_for_not_its_temp(tmp_path):
+    from tinygpt.fileio import write_json
+
+    with pytest.raises(OSError) as e:
+        write_json(tmp_path / "missing" / "x.json", {})
+    assert e.value.filename == str(tmp_path / "missing" / "x.json")

@@ -98,6 +98,13 @@ def test_picture_names_and_label_counts(model, tmp_path):
     assert not (tmp_path / "x.jpg").exists() and not (tmp_path / "x.png").exists()
     viz.plot_attention(w[0, 0], ["a", "b", "c"], tmp_path / "new" / "x.svg")
     assert (tmp_path / "new" / "x.svg").read_text().lstrip().startswith("<?xml")
+    # a name that cannot become a file is refused by the check every command makes before its work
+    # (fewshot --plot used to fail after the whole evaluation, naming its temp file)
+    (tmp_path / "d.png").mkdir()
+    (tmp_path / "f").write_text("")
+    for bad, message in ((tmp_path / "d.png", "is a folder"), (tmp_path / "f" / "x.png", "is not a folder")):
+        with pytest.raises(ConfigError, match=message):
+            viz.check_picture(bad)
 
 
 def write_metrics(run, steps=40, eval_every=10, start_loss=3.0, tokens_per_step=64, tail=""):

@@ -37,12 +37,25 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
-        if e.filename is None:  # a failed write or fsync names no file: say which one
+        if e.filename is None or e.filename == str(tmp):  # name the file the caller asked for, not the temp
             raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def check_output_file(path: str | os.PathLike, error: type[Exception]) -> None:
+    """Refuse, before any work, a path that cannot become a file: an existing folder, or one below a
+    file. Folders that do not exist yet are fine (the writer makes them). Raises `error`."""
+    path = Path(path)
+    if path.is_dir():
+        raise error(f"{path} is a folder: give a file's name")
+    for parent in path.parents:  # the nearest one that exists must be a folder
+        if parent.exists():
+            if not parent.is_dir():
+                raise error(f"{path}: {parent} is not a folder")
+            return
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:

@@ -19,14 +19,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --no-peers: skip transformers and llama.cpp even when they are installed.
     """
 
-    from ..lab import bench
-    from ..fileio import write_json
+    from pathlib import Path
 
+    from ..errors import ConfigError
+    from ..fileio import check_output_file, write_json
+    from ..lab import bench
+
+    if args.json:
+        check_output_file(args.json, ConfigError)  # before the minutes of measuring, not after
     sections = tuple(args.only or ("limits", "train", "generate"))
     result = bench.run(quick=args.quick, sections=sections, peers=not args.no_peers,
                        log=lambda line: print(line, file=sys.stderr, flush=True))
     print(bench.render(result))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         write_json(args.json, result)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError, MissingDependencyError
-from ..fileio import atomic_write
+from ..fileio import atomic_write, check_output_file
 
 # ---------------------------------------------------------------------------------------------
 # Shared helpers
@@ -36,6 +36,7 @@ def check_picture(out: str | os.PathLike) -> str:
     fmt = Path(out).suffix.lower().lstrip(".")
     if fmt not in FORMATS:
         raise ConfigError(f"{out}: the picture's name must end in .png, .svg or .pdf")
+    check_output_file(out, ConfigError)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
