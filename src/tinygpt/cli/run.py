@@ -156,7 +156,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     skipped = scored.skipped
     if args.max_tokens is not None and args.max_tokens < len(tokens):
         tokens = np.asarray(tokens[: args.max_tokens])
-        kept = tokenizer.decode_bytes(tokens.tolist())
+        # counted as the data folder counts them: text only, not the separators between documents
+        kept = tokenizer.decode_bytes([t for t in tokens.tolist() if t != tokenizer.eot_id])
         chars, nbytes = len(kept.decode("utf-8", errors="replace")), len(kept)
         if segments is not None:
             segments = [(a, min(b, len(tokens))) for a, b in segments if a < len(tokens)]
