@@ -99,6 +99,7 @@ def test_signal_finishes_step_saves_and_exits(data, tmp_path, sig, code):
 
 
 def test_bad_inputs(data, tmp_path, cli):
+    (tmp_path / "t.txt").write_text(make_text(100))
     assert_clean_error(cli("train", "--data", tmp_path / "nope", "--out", tmp_path / "r", *SMALL))
     assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "r", "--n-embd", "30", "--n-head", "4"),
                        "n_embd")
@@ -116,6 +117,12 @@ def test_bad_inputs(data, tmp_path, cli):
     assert_clean_error(cli("train", "--data", data, "--out", tmp_path / "huge", "--n-embd", 10**10, "--n-head", 1,
                            "--n-layer", 1, "--block-size", 8, "--quiet"), "not enough memory", "GiB")
     assert not (tmp_path / "huge").exists()
+    # a folder prepared without a validation split: the remedy is --val-fraction, said before any
+    # time budget's speed measurement (the message named --block-size, which cannot help)
+    assert cli("prepare", tmp_path / "t.txt", "--out", tmp_path / "d0", "--val-fraction", 0).returncode == 0
+    for extra in (("--max-iters", 2), ("--max-time", "30s")):
+        assert_clean_error(cli("train", "--data", tmp_path / "d0", "--out", tmp_path / "r0", *extra), "--val-fraction")
+    assert not (tmp_path / "r0").exists()
     assert_clean_error(cli("sample", tmp_path), "not a tinygpt run")
     assert_clean_error(cli("eval", tmp_path / "missing"), "no such run folder")
     # --resume where there is nothing to resume yet starts a new run

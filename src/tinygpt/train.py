@@ -496,6 +496,13 @@ def _settings(
     return _Setup(dataset, model_config, cfg, state, notes, start)
 
 
+def check_has_val(dataset: DataSet) -> None:
+    """Refuse a data folder prepared without a validation split (training evaluates on it)."""
+    if not dataset.is_chat and not int(dataset.meta["val_tokens"]):
+        raise TrainingError(f"{dataset.path} has no validation split (prepared with --val-fraction 0): "
+                            "prepare it again with a --val-fraction above 0")
+
+
 def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
     """The model must cover the data's vocabulary, and each split must hold one window of its context
     (chat data: one conversation)."""
@@ -509,6 +516,7 @@ def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
                                     "prepare more conversations or another --val-fraction")
         return
     block = model_config.block_size
+    check_has_val(dataset)
     for split in ("train", "val"):
         n = len(getattr(dataset, split))
         if n < block + 1:

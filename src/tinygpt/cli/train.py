@@ -149,8 +149,11 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     from ..config import GPTConfig, from_mapping
     from ..data import load_data
     from ..sizing import ModelChoice, choose_model
+    from ..train import check_has_val
 
-    meta = load_data(args.data).meta
+    dataset = load_data(args.data)
+    check_has_val(dataset)  # before a time budget's speed is measured
+    meta = dataset.meta
     vocab = int(meta["vocab_size"])
     if preset:
         base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
