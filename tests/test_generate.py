@@ -263,3 +263,21 @@ def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatc
         model.eval()
     assert calls == [4, 6]
     assert not fastpath.applies(model, idx[:, 0], cache, 8)  # past block_size: the model raises its error
+
+
+def test_a_model_in_training_mode_generates_without_dropout_and_keeps_its_mode():
+    # a freshly built GPT is in training mode: with dropout its greedy text changed from call to
+    # call and the cache and the reference disagreed
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16, dropout=0.5))
+    assert model.training
+    idx = torch.tensor([[1, 2, 3]])
+    runs = [generate(model, idx, 12, greedy=True, use_cache=cache) for cache in (True, True, False)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    seeded = [generate(model, idx, 12, generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    assert torch.equal(*seeded)
+    assert model.training  # put back as it was
+    stream = generate_stream(model, idx, 5)
+    next(stream)
+    stream.close()
+    assert model.training

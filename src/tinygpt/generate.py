@@ -93,30 +93,35 @@ def generate_stream(
     tokens = idx
     kv_cache = KVCache.for_model(model, idx.shape[0]) if use_cache else None
     filled = 0  # positions of the cache that hold the current context
-    for step in range(max_new_tokens):
-        if not use_cache:
-            logits = model(tokens[:, -block_size:])[:, -1]
-        elif step > 0 and filled < block_size:
-            logits = decode_step(model, tokens[:, -1], kv_cache, filled)
-            filled += 1
-        else:  # the first step, or the context slid past block_size: (re)build the cache
-            context = tokens[:, -block_size:]
-            logits = prefill(model, context, kv_cache)
-            filled = context.shape[1]
-        processed = process_logits(logits, tokens, cfg, vocab_size)
-        token = choose(processed, cfg, generator)
-        if stops.numel():
-            # rows that already stopped keep repeating their stop token
-            token = torch.where(finished, last_stop, token)
-            hit = torch.isin(token, stops) & ~finished
-            last_stop = torch.where(hit, token, last_stop)
-            finished |= hit
-        if observer is not None:
-            observer(StepTrace(step, tokens[:, -block_size:], logits, processed, token, cfg))
-        tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
-        yield token
-        if stops.numel() and bool(finished.all()):
-            return
+    training = model.training
+    model.eval()  # dropout off: greedy and seeded sampling repeat, with and without the cache
+    try:
+        for step in range(max_new_tokens):
+            if not use_cache:
+                logits = model(tokens[:, -block_size:])[:, -1]
+            elif step > 0 and filled < block_size:
+                logits = decode_step(model, tokens[:, -1], kv_cache, filled)
+                filled += 1
+            else:  # the first step, or the context slid past block_size: (re)build the cache
+                context = tokens[:, -block_size:]
+                logits = prefill(model, context, kv_cache)
+                filled = context.shape[1]
+            processed = process_logits(logits, tokens, cfg, vocab_size)
+            token = choose(processed, cfg, generator)
+            if stops.numel():
+                # rows that already stopped keep repeating their stop token
+                token = torch.where(finished, last_stop, token)
+                hit = torch.isin(token, stops) & ~finished
+                last_stop = torch.where(hit, token, last_stop)
+                finished |= hit
+            if observer is not None:
+                observer(StepTrace(step, tokens[:, -block_size:], logits, processed, token, cfg))
+            tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
+            yield token
+            if stops.numel() and bool(finished.all()):
+                return
+    finally:
+        model.train(training)
 
 
 def generate(
@@ -138,7 +143,8 @@ def generate(
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
     Args:
-        model: a tinygpt GPT.
+        model: a tinygpt GPT. It generates in eval mode (no dropout), and is put back in the mode
+            it was in when the tokens are done.
         idx: prompt token ids (B, T); rows share one length. Prompts longer than block_size are
             seen through their last block_size tokens, as the lesson's loop does.
         max_new_tokens: how many tokens to add (n < max_new_tokens only when every row hit a stop token).
