@@ -56,7 +56,7 @@ class ScriptedModel:
             return ANSWERS[query]
         return "dunno"
 
-    def generate_until(self, prompt, stops, max_new_tokens):
+    def generate_until(self, prompt, stops, max_new_tokens, lead=""):
         return " " + self._answer(prompt)  # a leading space, as a model continuing "A:" would write
 
     def loglikelihood(self, context, continuations):
@@ -273,6 +273,12 @@ def test_gpt_generate_until_cuts_at_the_stop_text():
     assert len(free) == 12
     cut = lm.generate_until("ab=", [free[3]], 12)
     assert cut == free[: free.index(free[3])]
+    # the whitespace taken off a prompt's end comes back as the answer's lead: a stop string inside
+    # it does not cut the answer to nothing (template "{input}\n{output}" scored 0% before)
+    lead = free[0]
+    assert lm.generate_until("ab=", [lead], 12) == ""
+    assert lm.generate_until("ab=", [lead], 12, lead=lead) == lead + free[1:].split(lead)[0]
+    assert lm.generate_until("ab=", [], 12, lead=lead + "zz") == free  # no lead: as without one
 
 
 def test_gpt_generate_until_never_generates_ids_past_the_tokenizer():

@@ -124,7 +124,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     print(f"{report.task}: {report.results[0].total} queries, {how}")
     print(f"{'shots':>5}  {'accuracy':>8}  correct")
     for r in report.results:
-        note = f"  ({r.truncated} prompts longer than the context)" if r.truncated else ""
+        note = f"  ({r.truncated} prompts with their answer longer than the context)" if r.truncated else ""
         print(f"{r.shots:>5}  {100 * r.accuracy:7.1f}%  {r.correct}/{r.total}{note}")
     if report.chance is not None:
         print(f"chance: {100 * report.chance:.1f}%")

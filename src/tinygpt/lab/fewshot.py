@@ -281,8 +281,9 @@ class LanguageModel(Protocol):
 
     def token_count(self, text: str) -> int: ...
 
-    def generate_until(self, prompt: str, stops: Sequence[str], max_new_tokens: int) -> str:
-        """Greedy continuation of `prompt`, cut before the first stop string."""
+    def generate_until(self, prompt: str, stops: Sequence[str], max_new_tokens: int, lead: str = "") -> str:
+        """Greedy continuation of `prompt`, cut before the first stop string; a `lead` the
+        continuation begins with (the whitespace taken off the prompt's end) is not cut."""
         ...
 
     def loglikelihood(self, context: str, continuations: Sequence[str]) -> list[float]:
@@ -310,19 +311,35 @@ class GPTLanguageModel:
             ids = [self.tokenizer.eot_id]
         return ids
 
-    def generate_until(self, prompt: str, stops: Sequence[str], max_new_tokens: int) -> str:
+    def generate_until(self, prompt: str, stops: Sequence[str], max_new_tokens: int, lead: str = "") -> str:
         idx = torch.tensor([self._context_ids(prompt)], device=self.device)
         eot = self.tokenizer.eot_id
         decoder, stopper = IncrementalDecoder(self.tokenizer), StopText(stops)
-        text = ""
+        text, held = "", ("" if lead else None)  # held: the continuation while it may still be `lead`
+
+        def past_lead(piece: str) -> str:
+            """What of `piece` the stop strings see: nothing of the lead, if the continuation has it."""
+            nonlocal text, held
+            if held is None:
+                return piece
+            held += piece
+            if len(held) < len(lead) and lead.startswith(held):
+                return ""
+            kept = len(lead) if held.startswith(lead) else 0
+            text, rest, held = text + held[:kept], held[kept:], None
+            return rest
+
         for token in generate_stream(self.model, idx, max_new_tokens, greedy=True,
                                      stop_tokens=None if eot is None else [eot], vocab_size=self.tokenizer.vocab_size):
             if eot is not None and int(token[0]) == eot:
                 break
-            text += stopper.push(decoder.push([int(token[0])]))
+            piece = past_lead(decoder.push([int(token[0])]))  # (which may move the lead into text)
+            text += stopper.push(piece)
             if stopper.done:
                 return text
-        return text + stopper.push(decoder.flush()) + stopper.flush()
+        piece = past_lead(decoder.flush())
+        text += stopper.push(piece) + stopper.flush()
+        return text + (held or "")
 
     @torch.inference_mode()
     def loglikelihood(self, context: str, continuations: Sequence[str]) -> list[float]:
@@ -365,7 +382,7 @@ class ShotResult:
     shots: int
     correct: int
     total: int
-    truncated: int = 0  # prompts longer than the model's context
+    truncated: int = 0  # prompts whose text with its answer is longer than the model's context
 
     @property
     def accuracy(self) -> float:
@@ -475,7 +492,7 @@ def evaluate(
             if scoring == "generate":
                 if max_new is None:
                     max_new = model.token_count(space + longest + end) + 1
-                answer = model.generate_until(prompt, stops, max_new)
+                answer = model.generate_until(prompt, stops, max_new, lead=space)
                 ok = answer.strip() == query.output.strip()
                 full = prompt + space + query.output + end
             else:
