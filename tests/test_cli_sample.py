@@ -39,3 +39,16 @@ def test_a_padded_vocabulary_never_samples_past_the_tokenizer(tmp_path, capsys):
         assert code == 0, err
         assert out.startswith("the cat") and len(out) == len("the cat") + 200 + 1  # every token decoded, then "\n"
         assert set(out[:-1]) <= set(chars.decode(range(28)))
+
+
+def test_a_reader_that_goes_away_ends_sample_quietly(run):
+    import subprocess
+    import sys
+
+    # `tinygpt sample RUN | head -c 10`: the error line "[Errno 32] Broken pipe" used to follow
+    p = subprocess.Popen([sys.executable, "-m", "tinygpt", "sample", str(run), "--max-new-tokens", "200000"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(10)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == cli.EXIT_PIPE == 141 and err == "", err

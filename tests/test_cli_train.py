@@ -146,6 +146,24 @@ def test_bad_run_files(data, tmp_path, cli):
     assert_clean_error(cli("sample", run), "not valid JSON")
 
 
+def test_eval_json_of_a_diverged_run_is_strict_json(data, tmp_path, cli):
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    assert cli("train", "--data", data, "--out", run, "--max-iters", 2, *SMALL).returncode == 0
+    weights = load_file(run / "model.safetensors")
+    weights["lm_head.weight" if "lm_head.weight" in weights else next(iter(weights))].fill_(float("nan"))
+    save_file(weights, run / "model.safetensors")
+    r = cli("eval", run, "--allow-nonfinite", "--json")
+    assert r.returncode == 0, r.stderr
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} is not JSON")
+
+    report = json.loads(r.stdout.strip().splitlines()[-1], parse_constant=refuse)
+    assert report["loss"] is None and report["tokens"] > 0
+
+
 @pytest.mark.parametrize("line", ["weight_decay = inf", "grad_clip = inf", "lr = nan", "beta2 = nan", "min_lr = inf"])
 def test_config_file_with_a_non_finite_value_is_refused_before_training(data, tmp_path, capsys, line):
     # TOML has nan and inf literals; weight_decay = inf used to pass and fail at step 2 (exit 3)

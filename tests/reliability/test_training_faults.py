@@ -59,6 +59,15 @@ def test_a_nan_at_step_k_stops_before_the_update(char_data, tmp_path, monkeypatc
     assert max(steps) == K - 1  # nothing logged for the step that failed
 
 
+def test_a_nan_before_the_first_checkpoint_says_none_was_saved(char_data, tmp_path, monkeypatch, capsys):
+    faults.inject("nan-loss", 2, monkeypatch.setattr)
+    code = cli.main([str(a) for a in ("train", "--data", char_data, "--out", tmp_path / "run", "--max-iters", 20,
+                                      "--eval-interval", 10, *MODEL)])
+    err = capsys.readouterr().err
+    assert code == 3 and "no checkpoint was saved" in err and "last checkpoint" not in err, err
+    assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
 def test_exit_code_3_is_only_for_a_nonfinite_stop(char_data, tmp_path, capsys):
     """Other failures of `tinygpt train` exit 2: 3 tells a script the run diverged, nothing else."""
     bad = ["train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "r"), *MODEL]

@@ -15,10 +15,10 @@ import sys
 
 from ..errors import TinyGPTError
 from . import bench, chat, finetune, inspect, interchange, prepare, run, scale, serve, sweep, train
-from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_SIGNAL, MAX_INT, Number
+from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PIPE, EXIT_SIGNAL, MAX_INT, Number
 from .prepare import default_data_folder
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_SIGNAL", "MAX_INT", "Number", "build_parser",
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXIT_SIGNAL", "MAX_INT", "Number", "build_parser",
            "default_data_folder", "main"]
 
 # every command's parser, in the order `tinygpt --help` lists them
@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     try:
         return args.func(args) or 0
+    except BrokenPipeError:  # the reader went away (`tinygpt sample ... | head`): nothing to report
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
+        return EXIT_PIPE
     except (TinyGPTError, ValueError, OSError) as e:
         return _report(str(e))
     except RuntimeError as e:

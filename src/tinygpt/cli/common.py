@@ -11,6 +11,7 @@ from ..errors import ConfigError
 EXIT_ERROR = 2  # bad input of any kind: a one-line error on stderr
 EXIT_NONFINITE = 3  # training stopped on a NaN or infinite loss; the last checkpoint is kept
 EXIT_INTERRUPTED = 130  # Ctrl-C (SIGINT), as a shell reports it
+EXIT_PIPE = 141  # stdout's reader closed it (a pipe into `head`), as a shell reports SIGPIPE
 EXIT_SIGNAL = {"SIGINT": EXIT_INTERRUPTED, "SIGTERM": 143}  # training stopped by a signal, after saving
 MAX_INT = 2**63 - 1  # no count, size or seed is bigger than torch's int64: a larger one is a typo
 
@@ -168,3 +169,28 @@ def int_flag(value: str | None, flag: str) -> int | None:
         return int(value.replace(",", "").replace("_", ""))
     except ValueError:
         raise ConfigError(f"{flag}: expected an integer, got {value!r}") from None
+
+
+def json_line(obj, indent: int | None = None) -> str:
+    """`obj` as strict JSON for --json: a float that is not finite (a diverged run's loss) is null,
+    not the NaN or Infinity that JSON parsers refuse."""
+    import json
+
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
+
+
+def kept_checkpoint(run: str) -> str:
+    """What a run that stopped on a non-finite loss keeps, for its error line."""
+    from ..train import has_checkpoint
+
+    return f"the last checkpoint in {run} is unchanged" if has_checkpoint(run) else f"no checkpoint was saved in {run}"
+

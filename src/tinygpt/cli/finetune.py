@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from ..errors import ConfigError
-from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE
+from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, json_line, kept_checkpoint
 from .train import add_training_flags, train_settings
 
 # the defaults the training flags' help shows for finetune (tinygpt.finetune.DEFAULT_TRAIN and FINETUNE_LR)
@@ -93,7 +92,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                               progress=not args.quiet)
         except NonFiniteError as e:
             if ctx.is_main:
-                print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged (a lower --lr, or "
+                print(f"tinygpt: error: {e}; {kept_checkpoint(args.out)} (a lower --lr, or "
                       "--dtype float32, usually cures a NaN at the first steps)", file=sys.stderr)
             return EXIT_NONFINITE
         t = result.train
@@ -141,7 +140,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from ..finetune import read_report
 
     report = read_report(args.run)
-    print(json.dumps(report, indent=1) if args.json else "\n".join(format_report(report)))
+    print(json_line(report, indent=1) if args.json else "\n".join(format_report(report)))
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from .common import NATURAL, POSITIVE, add_device_flag, load_model, seed_type
+from .common import NATURAL, POSITIVE, add_device_flag, json_line, load_model, seed_type
 
 
 def cmd_lesson(args: argparse.Namespace) -> int:
@@ -94,7 +94,6 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
             of the synthetic task). --show-prompt: print the first query's prompt for each k.
         --plot FILE: draw accuracy against k. --json: end with one JSON line.
     """
-    import json
 
     from ..lab import fewshot
 
@@ -136,7 +135,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
                          counts=[(r.correct, r.total) for r in report.results])
         print(f"wrote {args.plot}")
     if args.json:
-        print(json.dumps(report.to_dict()))
+        print(json_line(report.to_dict()))
     return 0
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError, TinyGPTError
 from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, add_nonfinite_flag, add_quantize_flag,
-                     load_model, seed_type)
+                     json_line, load_model, seed_type)
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -139,7 +139,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     character of any text), so no context holds a character the model never saw. The report says
     how many characters were left out and their share of the text.
     """
-    import json
 
     import numpy as np
 
@@ -174,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  "
           f"bits per char {report['bits_per_char']:.4f}{per_byte}")
     if args.json:
-        print(json.dumps(report))
+        print(json_line(report))
     return 0
 
 
@@ -248,7 +247,6 @@ def _from_dataset(dataset) -> _Scored:
 def _eval_chat(args: argparse.Namespace, model, dataset) -> int:
     """`eval` on chat data: the loss of the assistant's tokens only (the loss mask), as training's
     evaluation counts it, each conversation alone; --max-tokens keeps the first conversations that fit."""
-    import json
     import math
 
     import numpy as np
@@ -270,7 +268,7 @@ def _eval_chat(args: argparse.Namespace, model, dataset) -> int:
     print(f"loss {report['loss']:.4f}  perplexity {report['perplexity']:.3f}  "
           f"bits per byte {report['bits_per_byte']:.4f} (of the assistant's text)")
     if args.json:
-        print(json.dumps(report))
+        print(json_line(report))
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import ConfigError
-from .common import Number, add_device_flag, int_flag
+from .common import Number, add_device_flag, int_flag, json_line
 
 
 def _run_config(run: str) -> tuple[dict, str]:
@@ -90,7 +90,6 @@ def cmd_params(args: argparse.Namespace) -> int:
         --family: the GPT-2 family table instead of one model.
         --json: one JSON object (last line); for one model its "total" is the parameter count.
     """
-    import json
 
     from ..calc import report
 
@@ -104,14 +103,14 @@ def cmd_params(args: argparse.Namespace) -> int:
         if any(v is not None for v in model_flags):
             raise ConfigError("--family describes the four GPT-2 sizes: it takes no model, batch or method flags")
         rows = report.family_report(args.dtype)
-        print(json.dumps({"family": rows}) if args.json else report.render_family(rows, args.dtype))
+        print(json_line({"family": rows}) if args.json else report.render_family(rows, args.dtype))
         return 0
     config, name = _params_config(args)
     result = report.model_report(
         config, name=name, batch_size=1 if batch_size is None else batch_size, seq_len=seq_len, dtype=args.dtype,
         **method,
     )
-    print(json.dumps(result) if args.json else report.render_model_report(result))
+    print(json_line(result) if args.json else report.render_model_report(result))
     return 0
 
 
@@ -127,7 +126,6 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
         --dtype, --device: how --time measures (float32 or bfloat16 autocast; cpu or cuda).
         --json: one JSON object (last line) with params, tokens, flops, loss.
     """
-    import json
 
     from ..calc import compute_optimal, format_count, parse_count, report
     from ..config import parse_duration
@@ -156,7 +154,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
         out = plan.to_dict()
         if measured is not None:
             out.update(seconds=seconds, measured=measured.to_dict())
-        print(json.dumps(out))
+        print(json_line(out))
         return 0
     if measured is not None:
         c = measured.config

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from .common import EXIT_INTERRUPTED, Number, add_device_flag, int_flag, seed_type
+from .common import EXIT_INTERRUPTED, Number, add_device_flag, int_flag, json_line, seed_type
 
 
 def _counts(values: list[str] | None, flag: str) -> list[float] | None:
@@ -35,7 +35,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         --batch-size, --block-size, --lr, --eval-iters, --seed, --device, --dtype: how every model trains.
         --threads N: CPU threads for training (default 1).
     """
-    import json
 
     from ..lab import sweep
 
@@ -62,7 +61,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     for line in sweep.summary_lines(result.fit):
         print(line)
     if args.json:
-        print(json.dumps(result.fit))
+        print(json_line(result.fit))
     return 0
 
 

@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..errors import ConfigError
-from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag, seed_type
+from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
+                     kept_checkpoint, seed_type)
 
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
                 "activation", "init")
@@ -88,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
         except NonFiniteError as e:
             if ctx.is_main:
-                print(f"tinygpt: error: {e}; the last checkpoint in {args.out} is unchanged", file=sys.stderr)
+                print(f"tinygpt: error: {e}; {kept_checkpoint(args.out)}", file=sys.stderr)
             return EXIT_NONFINITE
         if ctx.is_main:
             val = f", val loss {result.val_loss:.4f}" if result.val_loss is not None else ""
