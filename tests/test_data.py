@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from conftest import make_text
 from test_tokenizer import reference_encoding, write_gpt2_files
 
 from tinygpt import cli, data
@@ -542,3 +544,54 @@ def test_prepare_100mb_stays_under_500mb(tmp_path):
     for kind in ("char", "bpe"):
         peak_mb, _ = prepare_memory.measure(corpus, tmp_path / f"data-{kind}", kind)
         assert peak_mb < 500, f"{kind}: peak RSS {peak_mb:.0f} MB"
+
+
+def test_a_source_inside_the_output_folder_is_refused(tmp_path):
+    (tmp_path / "a.txt").write_text(make_text(50))
+    prepare([str(tmp_path / "a.txt")], tmp_path / "data", tokenizer="char")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()}
+    # `prepare data --out data` read meta.json and tokenizer.json as the text and replaced the tokens
+    for source in (tmp_path / "data", tmp_path / "data" / "meta.json"):
+        with pytest.raises(DataError, match="is the output folder"):
+            prepare([str(source)], tmp_path / "data", tokenizer="char")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()} == before
+
+
+def test_a_file_name_that_is_not_utf8_is_written_readably(tmp_path):
+    name = os.fsdecode(b"caf\xe9.txt")  # a Latin-1 name: meta.json could not be written
+    (tmp_path / name).write_text(make_text(50))
+    meta = prepare([str(tmp_path / name)], tmp_path / "data", tokenizer="char")
+    assert meta["sources"][0]["name"].endswith("caf\\xe9.txt")
+    assert load_data(tmp_path / "data").meta["sources"][0]["path"].endswith("caf\\xe9.txt")
+
+
+def test_what_a_killed_prepare_left_is_removed_by_the_next(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f".data.tmp-{int(dead.stdout)}"  # a finished process's pid: it is gone
+    (left / "sub").mkdir(parents=True)
+    alive = tmp_path / f".data.tmp-{os.getpid()}x"  # not a pid: kept
+    alive.mkdir()
+    (tmp_path / "a.txt").write_text(make_text(50))
+    prepare([str(tmp_path / "a.txt")], tmp_path / "data", tokenizer="char")
+    assert not left.exists() and alive.exists()
+
+
+def test_sigterm_ends_a_command_through_its_cleanup():
+    import signal
+
+    from tinygpt.cli.common import cleans_up_on_sigterm
+
+    cleaned = []
+
+    @cleans_up_on_sigterm
+    def command(args):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            cleaned.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        command(None)
+    assert e.value.code == 143 and cleaned == [True] and signal.getsignal(signal.SIGTERM) is before

@@ -37,6 +37,7 @@ How text is read:
 from __future__ import annotations
 
 import codecs
+import glob
 import math
 import os
 import re
@@ -52,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import parse_json, read_json, write_json
+from .fileio import parse_json, printable_path, read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     KINDS,
@@ -120,8 +121,8 @@ class Source:
 
     def to_meta(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "path": str(self.path),
+            "name": printable_path(self.name),
+            "path": printable_path(self.path),
             "files": len(self.documents),
             "skipped": self.skipped,
             "bytes": self.size,
@@ -146,6 +147,9 @@ def resolve_sources(sources: Iterable[str | os.PathLike], *, exclude: Iterable[P
     out = []
     for name in sources:
         path = Path(name).expanduser()
+        inside = next((e for e in exclude if path.exists() and e in (path.resolve(), *path.resolve().parents)), None)
+        if inside is not None:  # it would read the folder being replaced, and lose its token files
+            raise DataError(f"source {name} is the output folder {inside} or inside it: give another --out")
         if path.is_file():
             out.append(Source(name, path.resolve(), [Document(path.resolve(), path.stat().st_size)]))
         elif path.is_dir():
@@ -548,10 +552,7 @@ def prepare(
     tok, scan = _first_pass(srcs, reader, tok_or_kind, bpe_vocab)
     replacements = reader.replaced  # the second pass reads the same bytes again
     split_at = _split_point(sum(scan.chars), val_fraction)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"  # renamed into place once complete
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _temp_folder(out)  # renamed into place once complete
     try:
         counts = _second_pass(reader, tok, split_at, tmp)
         meta = {
@@ -575,6 +576,31 @@ def prepare(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+def _temp_folder(out: Path) -> Path:
+    """A fresh folder beside `out` to write a data folder in before it is renamed into place. Those
+    that a killed prepare left (their process is gone) are removed first."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.tmp-"
+    for old in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix):]
+        if pid.isdigit() and old.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = out.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or not a pid at all
+        return True
+    return True
 
 
 def _check_prepare_args(val_fraction: float, errors: str) -> None:
@@ -873,10 +899,7 @@ def prepare_chat(
         raise DataError(f"{src}: no conversations" + (f" ({len(convs.malformed)} malformed lines)" if convs.malformed else ""))
     tok = _chat_tokenizer(tokenizer, tokenizer_file, convs, vocab_size, template)
     n_val = len(convs.messages) - _split_point(len(convs.messages), val_fraction)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _temp_folder(out)
     try:
         counts = {}
         for split, part, lines in (
@@ -891,7 +914,7 @@ def prepare_chat(
             "conversations": len(convs.messages),
             "trained_tokens": counts["train_trained_tokens"] + counts["val_trained_tokens"],
             "val_fraction": val_fraction, "eot_id": tok.eot_id, "chat_template": tok.chat_template.to_dict(),
-            "sources": [{"name": str(path), "path": str(src), "bytes": src.stat().st_size}],
+            "sources": [{"name": printable_path(path), "path": printable_path(src), "bytes": src.stat().st_size}],
             "errors": errors, "skipped": len(convs.malformed), "skipped_lines": [n for n, _ in convs.malformed[:100]],
         }
         _publish(tmp, out, tok, meta, tokenizer_file)

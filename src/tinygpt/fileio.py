@@ -58,6 +58,12 @@ def check_output_file(path: str | os.PathLike, error: type[Exception]) -> None:
             return
 
 
+def printable_path(path: str | os.PathLike) -> str:
+    """A path as text that any UTF-8 writer takes: bytes of a name that are not UTF-8 (which Python
+    keeps as lone surrogates) are written as \\xNN escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
     """Write `obj` as UTF-8 JSON, atomically."""
     text = json.dumps(obj, ensure_ascii=False, indent=indent) + "\n"

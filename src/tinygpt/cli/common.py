@@ -194,3 +194,26 @@ def kept_checkpoint(run: str) -> str:
 
     return f"the last checkpoint in {run} is unchanged" if has_checkpoint(run) else f"no checkpoint was saved in {run}"
 
+
+def cleans_up_on_sigterm(command):
+    """Decorate a command so that SIGTERM ends it as Ctrl-C does, through its `finally` blocks (a
+    half-written output is removed), with exit code 143; the previous handler is put back after."""
+    import functools
+    import signal
+    import threading
+
+    def stop(signum, frame):
+        raise SystemExit(EXIT_SIGNAL["SIGTERM"])
+
+    @functools.wraps(command)
+    def run(args):
+        if threading.current_thread() is not threading.main_thread():
+            return command(args)
+        previous = signal.signal(signal.SIGTERM, stop)
+        try:
+            return command(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return run
+

@@ -6,9 +6,10 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from .common import Number
+from .common import Number, cleans_up_on_sigterm
 
 
+@cleans_up_on_sigterm
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Turn text into token files for training: train.bin, val.bin, tokenizer.json and meta.json.
 
