@@ -1,5 +1,6 @@
 """The scaling sweep: the fits recover known laws, the grid is an IsoFLOP grid, a tiny sweep runs end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -210,6 +211,15 @@ def test_sweep_refuses_a_folder_that_is_not_a_sweep(char_data, tmp_path):
     with pytest.raises(SweepError, match="not empty"):
         run_sweep(char_data, tmp_path, [1e8], sizes=[4e3], settings=TINY, progress=False)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_settings_train_would_refuse_are_refused_before_the_folder_is_written(char_data, tmp_path):
+    # float16 on a CPU used to fail at the first point, after results.json was written with the bad
+    # settings, and then the corrected command was refused as "swept with other settings"
+    bad = dataclasses.replace(TINY, dtype="float16", device="cpu")
+    with pytest.raises(ConfigError, match="float16"):
+        run_sweep(char_data, tmp_path / "sweep", [1e8], sizes=[4e3], settings=bad, progress=False)
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_load_fit_reads_a_sweep_and_refuses_a_bad_one(tmp_path):

@@ -383,6 +383,9 @@ def run_sweep(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or not 1 <= threads <= MAX_THREADS):
         raise ConfigError(f"threads: must be an integer from 1 to {MAX_THREADS}, got {threads!r}")
+    from ..device import resolve_device, resolve_dtype
+
+    resolve_dtype(settings.dtype, resolve_device(settings.device))  # what train() would refuse, before anything is written
     state = _open_results(out, data, settings)
     done = {_record_key(r): r for r in state["points"]}
     import torch
