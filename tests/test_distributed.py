@@ -157,6 +157,15 @@ def test_a_one_process_checkpoint_resumes_in_two_processes(runs, char_data, tmp_
     assert max_weight_diff(run, runs / "s20") < 1e-4
 
 
+def test_a_time_budget_under_torchrun_says_it_does_not_size_the_model(char_data, tmp_path):
+    # it used to train the data's default model without a word, where one process sizes one
+    r = torchrun("train", "--data", char_data, "--out", tmp_path / "run", "--max-time", "3s", "--batch-size", 2,
+                 "--eval-iters", 1, "--quiet")
+    assert r.stderr.count("--max-time does not size the model") == 1, r.stderr  # rank 0 only
+    notes = json.loads((tmp_path / "run" / "train_config.json").read_text())["notes"]
+    assert notes["model_choice"]["rule"] == "data"
+
+
 def test_finetune_in_two_processes_matches_one_process_with_twice_the_batch(runs, char_data, tmp_path):
     """LoRA fine-tuning under torchrun: the adapters one process trains with batch 8, the report
     printed and written once, by rank 0, and --merge's run written by rank 0 alone."""

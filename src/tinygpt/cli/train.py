@@ -173,6 +173,9 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
                           fixed=model_over, sweep=sweep)
     if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
         print(choice.reason, file=sys.stderr, flush=True)
+    elif distributed and train_cfg.max_time is not None and not model_over and os.environ.get("RANK", "0") == "0":
+        print(f"torchrun: --max-time does not size the model (each process would time itself); {choice.reason}",
+              file=sys.stderr, flush=True)
     return choice  # train() records it and trains at its learning rate unless --lr is given
 
 
