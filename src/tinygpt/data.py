@@ -914,7 +914,8 @@ def prepare_chat(
             "conversations": len(convs.messages),
             "trained_tokens": counts["train_trained_tokens"] + counts["val_trained_tokens"],
             "val_fraction": val_fraction, "eot_id": tok.eot_id, "chat_template": tok.chat_template.to_dict(),
-            "sources": [{"name": printable_path(path), "path": printable_path(src), "bytes": src.stat().st_size}],
+            "sources": [{"name": printable_path(path), "path": printable_path(src),
+                         "bytes": src.stat().st_size}],
             "errors": errors, "skipped": len(convs.malformed), "skipped_lines": [n for n, _ in convs.malformed[:100]],
         }
         _publish(tmp, out, tok, meta, tokenizer_file)

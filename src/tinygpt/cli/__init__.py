@@ -18,8 +18,8 @@ from . import bench, chat, finetune, inspect, interchange, prepare, run, scale, 
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PIPE, EXIT_SIGNAL, MAX_INT, Number
 from .prepare import default_data_folder
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXIT_SIGNAL", "MAX_INT", "Number", "build_parser",
-           "default_data_folder", "main"]
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXIT_SIGNAL", "MAX_INT", "Number",
+           "build_parser", "default_data_folder", "main"]
 
 # every command's parser, in the order `tinygpt --help` lists them
 COMMANDS = (

@@ -216,4 +216,3 @@ def cleans_up_on_sigterm(command):
             signal.signal(signal.SIGTERM, previous)
 
     return run
-

@@ -385,7 +385,8 @@ def run_sweep(
         raise ConfigError(f"threads: must be an integer from 1 to {MAX_THREADS}, got {threads!r}")
     from ..device import resolve_device, resolve_dtype
 
-    resolve_dtype(settings.dtype, resolve_device(settings.device))  # what train() would refuse, before anything is written
+    # what train() would refuse at the first point, refused before anything is written
+    resolve_dtype(settings.dtype, resolve_device(settings.device))
     state = _open_results(out, data, settings)
     done = {_record_key(r): r for r in state["points"]}
     import torch
