@@ -37,6 +37,9 @@ def test_no_temp_files_left(tmp_path):
 def test_not_a_run(tmp_path):
     with pytest.raises(CheckpointError, match="no such run folder"):
         load(tmp_path / "missing")
+    (tmp_path / "text.txt").write_text("x")  # a file that exists is not "no such" anything
+    with pytest.raises(CheckpointError, match="a file, not a run folder"):
+        load(tmp_path / "text.txt")
     with pytest.raises(CheckpointError, match="not a tinygpt run"):
         load(tmp_path)
 

@@ -186,6 +186,9 @@ def test_missing_task_file_and_bad_settings(tmp_path, task_file):
         fewshot.evaluate(ScriptedModel({}), task, [0], scoring="vibes")
     with pytest.raises(ConfigError, match="queries"):
         fewshot.evaluate(ScriptedModel({}), task, [0], queries=9)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"input": "caf\xe9", "output": "x"}\n')  # a UnicodeDecodeError before
+    with pytest.raises(ConfigError, match="latin1.jsonl: not UTF-8 text"):
+        fewshot.read_task(tmp_path / "latin1.jsonl")
 
 
 def test_parse_shots():

@@ -104,7 +104,7 @@ def save(
 def load_config(path: str | Path) -> GPTConfig:
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: no such run folder")
+        raise CheckpointError(f"{path}: {'a file, not a run folder' if path.exists() else 'no such run folder'}")
     if not (path / CONFIG).exists() or not ((path / WEIGHTS).exists() or is_adapter_run(path)):
         raise CheckpointError(f"{path}: not a tinygpt run (it needs {CONFIG} and {WEIGHTS})")
     try:

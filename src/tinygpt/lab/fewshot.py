@@ -134,7 +134,10 @@ def read_task(path: str | os.PathLike) -> Task:
         raise ConfigError(f"{path}: no such task file")
     settings: dict = {}
     examples: list[Example] = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
