@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tinygpt import kernels
+from tinygpt.interop import quantize as quantize_module
 from tinygpt import GPT, GPTConfig, quantize
 from tinygpt.interop.quantize import (FloatLinear, Fp16Linear, Int4Linear, Int8Linear, PackedLinear, activation_dtype,
                                       weight_format)
@@ -201,18 +202,20 @@ def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):
 
 
 @needs_kernels
-def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel():
+def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel(monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64)).eval()
     idx = torch.randint(0, 37, (2, 9))
     ref = model(idx).detach()
     dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-    # bf16 takes the kernel where the CPU would emulate bfloat16 arithmetic (elsewhere it computes in it)
-    formats = [("fp32", 1e-5), ("fp16", 0.01)] + [("bf16", 0.05)] * (activation_dtype("bf16", "cpu") is torch.float32)
-    for fmt, tol in formats:
+    # bf16 takes the kernel whether the CPU multiplies bfloat16 natively or not; where it does, longer
+    # inputs multiply in bfloat16 (elsewhere in float32, the weights widened)
+    for fmt, tol, native in (("fp32", 1e-5, False), ("fp16", 0.01, False), ("bf16", 0.05, False), ("bf16", 0.05, True)):
+        monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: native)
+        assert activation_dtype(fmt, "cpu") is torch.float32
         q = quantize(copy.deepcopy(model), fmt)
         layer = q.h[0].mlp.c_fc
-        assert isinstance(layer, FloatLinear) and weight_format(q) == fmt
+        assert isinstance(layer, FloatLinear) and weight_format(q) == fmt and layer.native_bf16 == native
         assert layer.weight.dtype == dtypes[fmt] and q.wte.weight.dtype == torch.float32
         assert layer.nbytes == 256 * 64 * layer.weight.element_size() + 256 * 4
         # 18 rows take PyTorch's matmul, one row tinygpt's kernel: the same logits either way

@@ -155,19 +155,20 @@ def test_int4_keeps_layers_its_kernel_cannot_take_in_int8(kernel):
 
 
 def test_each_format_computes_in_the_dtype_the_cpu_multiplies_fastest(monkeypatch):
-    monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: True)
-    assert activation_dtype("int8", "cpu") == torch.bfloat16 and activation_dtype("int4", "cpu") == torch.bfloat16
-    monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: False)
-    assert activation_dtype("int4", "cpu") == torch.float32  # bf16 arithmetic would be emulated
-    assert activation_dtype("int8", "cpu") == (torch.float32 if fbgemm_works() else torch.bfloat16)
-    # bf16 weights on tinygpt's kernel, widened to float32 (bf16 arithmetic would be emulated)
-    assert activation_dtype("bf16", "cpu") == (torch.float32 if kernels.lowbit() is not None else torch.bfloat16)
+    f32, bf16 = torch.float32, torch.bfloat16
+    int8 = f32 if fbgemm_works() else bf16  # float32 int8 needs fbgemm for inputs longer than decoding's
+    # (native bfloat16, tinygpt's kernels build) -> bf16, int8, int4: float32 around the kernels wherever
+    # they build, native bfloat16 or not (they decode faster); without them bfloat16 unless emulated
+    expected = {(True, True): (f32, int8, f32), (False, True): (f32, int8, f32),
+                (True, False): (bf16, bf16, bf16), (False, False): (bf16, int8, f32)}
+    for (native, kernel), want in expected.items():
+        monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: native)
+        monkeypatch.setattr(quantize_module.kernels, "lowbit", lambda: object() if kernel else None)
+        assert tuple(activation_dtype(fmt, "cpu") for fmt in ("bf16", "int8", "int4")) == want, (native, kernel)
     monkeypatch.setattr(quantize_module, "fbgemm_works", lambda: False)
     assert activation_dtype("int8", "cpu") == torch.bfloat16  # no fbgemm: the bf16 kernel is all there is
     assert activation_dtype("fp16", "cpu") == torch.float16
     assert activation_dtype("bf16", "cuda") == torch.bfloat16 and activation_dtype("int8", "cuda") == torch.bfloat16
-    monkeypatch.setattr(quantize_module.kernels, "lowbit", lambda: None)
-    assert activation_dtype("bf16", "cpu") == torch.bfloat16  # no kernel: PyTorch's emulated bfloat16
     model = quantize(small_model(), "int8")  # and the model follows it
     assert model.wte.weight.dtype == torch.bfloat16 and model.h[0].attn.c_attn.packed is None
 

@@ -1,7 +1,7 @@
 """Low-precision weights for inference, applied to a built model from outside.
 
-    quantize(model, "bf16")   bfloat16 weights: half the bytes per token (activations in bfloat16 too
-                              where the CPU multiplies it natively, else float32 around tinygpt's kernel)
+    quantize(model, "bf16")   bfloat16 weights: half the bytes per token (float32 activations around
+                              tinygpt's kernel where it builds, else bfloat16 throughout)
     quantize(model, "fp16")   float16 weights, float32 activations: half the bytes, on any x86 CPU
     quantize(model, "int8")   int8 weights (out, in) with one scale per output channel
     quantize(model, "int4")   4-bit weights with a scale and offset per group of 32 inputs
@@ -16,19 +16,20 @@ when the model is converted (never assumed from the CPU's name):
   float32 in registers; longer inputs go to PyTorch's matmul. Where that kernel cannot be built,
   fp32 weights are reordered into oneDNN's blocked layout (PackedLinear) and fp16 uses fbgemm's fp16
   kernel (F16C, on every AVX2 CPU).
-- bf16 computes in bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX). Elsewhere
-  PyTorch would emulate that arithmetic, so the weights go to tinygpt's kernel instead, widened to
-  float32 in registers as fp16's are, and the rest of the model stays float32; where that kernel
-  cannot be built the model computes in bfloat16 (emulated: slow), and fp16 is the 16-bit format to use.
-- int8 on a CPU with native bfloat16 uses PyTorch's weight-only int8 kernel
-  (`aten._weight_int8pack_mm`), which wants bfloat16 activations and works through its input's
-  rows one at a time: it takes a few rows (decoding), and longer inputs (a prompt, an evaluation
-  batch) multiply a dequantized bfloat16 copy. Without native bfloat16 those activations would be
-  emulated, so int8 there keeps float32 activations. Decoding rows then go to tinygpt's own AVX2
-  kernel (tinygpt.kernels: int8 weights against activations quantized in blocks of 32), which reads
-  the weights at nearly twice the speed of fbgemm's at one row; longer inputs, and CPUs where that
-  kernel cannot be built, multiply with fbgemm's dynamic int8 kernel, which quantizes each input to
-  8 bits on the fly (7 bits of range, so the products cannot saturate on CPUs without VNNI).
+- Where tinygpt's kernels build, every format decodes in float32 around them, whether or not the CPU
+  multiplies bfloat16 natively: on the Zen 5 in the README (AVX-512 BF16) bf16, int8 and int4 models
+  decoded 1.5-3.2x faster that way than computing in bfloat16 around PyTorch's kernels, and prompts
+  no slower (bf16's longer inputs still multiply in bfloat16 there, int8's with fbgemm).
+- bf16 sends its weights to tinygpt's kernel, widened to float32 in registers as fp16's are; where
+  that kernel cannot be built the model computes in bfloat16 (emulated, and slow, where the CPU lacks
+  AVX-512 BF16 and AMX: fp16 is the 16-bit format to use there).
+- int8 decoding rows go to tinygpt's own kernel (tinygpt.kernels: int8 weights against activations
+  quantized in blocks of 32), which reads the weights at nearly twice the speed of fbgemm's at one
+  row; longer inputs multiply with fbgemm's dynamic int8 kernel, which quantizes each input to 8
+  bits on the fly (7 bits of range, so the products cannot saturate on CPUs without VNNI). Without
+  tinygpt's kernels, a CPU with native bfloat16 uses PyTorch's weight-only int8 kernel
+  (`aten._weight_int8pack_mm`, bfloat16 activations, a few rows at a time; longer inputs multiply a
+  dequantized bfloat16 copy), and other CPUs fbgemm's.
 - int4 uses tinygpt's own kernel where it builds (tinygpt.kernels: a scale and minimum per block
   of 32 inputs, float32 activations), else PyTorch's int4 kernel
   (`aten._weight_int4pack_mm_for_cpu`, bfloat16 inputs), as gpt-fast does; a layer whose shape the
@@ -250,8 +251,10 @@ class FloatLinear(nn.Module):
 
     Up to INT8_KERNEL_ROWS rows (decoding) go to tinygpt.kernels' float_linear, which streams the
     weights at the memory's speed (16-bit weights widened to float32 in registers); longer inputs (a
-    prompt, an evaluation batch) go to PyTorch's matmul, 16-bit weights widened for the call.
-    Activations, outputs and bias are float32. Such a layer only runs forward, on the CPU.
+    prompt, an evaluation batch) go to PyTorch's matmul: in bfloat16 for bfloat16 weights where the
+    CPU multiplies it natively (4x float32's rate on the README's Zen 5), else in float32 with 16-bit
+    weights widened for the call. Activations, outputs and bias are float32. Such a layer only runs
+    forward, on the CPU.
 
     Args:
         linear: the layer to convert; `FloatLinear.fits(linear)` must hold.
@@ -268,6 +271,7 @@ class FloatLinear(nn.Module):
         self.weight = weight.to(dtype).contiguous()
         self.bias = linear.bias.detach().float() if linear.bias is not None else None
         self.nbytes = self.weight.numel() * self.weight.element_size() + (self.bias.numel() * 4 if self.bias is not None else 0)
+        self.native_bf16 = dtype is torch.bfloat16 and cpu_has_native_bf16()  # long inputs multiply in bfloat16
 
     @staticmethod
     def fits(linear: nn.Linear) -> bool:
@@ -278,7 +282,12 @@ class FloatLinear(nn.Module):
         if _decoding_rows(x):
             return kernels.lowbit().float_linear(x, self.weight, self.bias)
         rows = x.float().reshape(-1, self.in_features)
-        y = self.forward(rows) if _decoding_rows(rows) else F.linear(rows, self.weight.float(), self.bias)
+        if _decoding_rows(rows):
+            y = self.forward(rows)
+        elif self.native_bf16:
+            y = F.linear(rows.bfloat16(), self.weight).float() + (self.bias if self.bias is not None else 0)
+        else:
+            y = F.linear(rows, self.weight.float(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -352,22 +361,24 @@ def fbgemm_works() -> bool:
 def activation_dtype(fmt: str, device: torch.device | str) -> torch.dtype:
     """The dtype a model quantized to `fmt` computes in outside its Linear layers on `device`.
 
-    bf16 computes in bfloat16, except on a CPU that would emulate it where tinygpt's kernels build
-    (float32 around them). fp16 computes in float32 around fbgemm's fp16 kernel on a CPU (float16
-    throughout elsewhere). int8 and int4 compute in bfloat16 on accelerators and on CPUs
-    that multiply it natively, else in float32 (bfloat16 arithmetic is emulated there, and int8
-    then takes fbgemm's kernel, which wants float32 inputs).
+    On a CPU where tinygpt's kernels build, bf16, int8 and int4 compute in float32 around them (int8
+    with fbgemm for longer inputs); without them, in bfloat16 where the CPU multiplies it natively and
+    on accelerators, else int8 and int4 in float32 (fbgemm's int8 kernel wants float32 inputs) and bf16
+    in emulated bfloat16. fp16 computes in float32 around fbgemm's fp16 kernel on a CPU (float16
+    throughout elsewhere).
     """
     cpu = torch.device(device).type == "cpu"
     if fmt == "fp32":
         return torch.float32
-    if fmt == "bf16":
-        return torch.float32 if cpu and not cpu_has_native_bf16() and kernels.lowbit() is not None else torch.bfloat16
     if fmt == "fp16":
         return torch.float32 if cpu and fbgemm_works() else torch.float16
-    if cpu and not cpu_has_native_bf16() and (fmt == "int4" or fbgemm_works()):
-        return torch.float32
-    return torch.bfloat16
+    # float32 around tinygpt's kernels, where they build, decodes faster than PyTorch's bfloat16 paths
+    # even where bfloat16 is native (the README's Zen 5: 1.5-3.2x); without them, bfloat16 unless emulated
+    kernel = cpu and kernels.lowbit() is not None
+    if fmt == "bf16":
+        return torch.float32 if kernel else torch.bfloat16
+    float32 = cpu and (kernel or not cpu_has_native_bf16()) and (fmt == "int4" or fbgemm_works())
+    return torch.float32 if float32 else torch.bfloat16
 
 
 def _kernel_works(layer: Int8Linear) -> bool:
@@ -387,7 +398,7 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     Args:
         model: a tinygpt GPT (any nn.Module whose Linear layers should be converted).
         fmt: "fp32" (float32 values unchanged, only given a faster kernel), "bf16" (bfloat16
-            weights; activations too where the CPU multiplies it natively), "fp16" (float16 weights), "int8" (int8 weights with a scale
+            weights; activations too where tinygpt's kernels do not build), "fp16" (float16 weights), "int8" (int8 weights with a scale
             per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
             inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
         pack: give fp32 and bf16 Linear layers a faster CPU kernel: tinygpt's own for fp32 where it
