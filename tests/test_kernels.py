@@ -187,7 +187,11 @@ def test_a_build_killed_midway_does_not_hold_later_ones_and_checkouts_share_one(
     other = tmp_path / "lowbit.cpp"
     other.write_text("// another version")
     monkeypatch.setattr(kernels, "SOURCES", [other])
-    assert kernels.build_directory() != folder and kernels.build_directory().parent == folder.parent
+    theirs = kernels.build_directory()
+    assert theirs != folder and theirs.parent == folder.parent
+    # as does another torch installation (ninja would rebuild: its headers' path is in the commands)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
+    assert kernels.build_directory() != theirs and kernels.build_directory().parent == folder.parent
 
 
 def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):

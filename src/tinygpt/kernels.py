@@ -62,10 +62,12 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 def build_directory() -> Path:
     """Where the compiled kernels are kept: one folder per torch release (its headers are compiled
-    in) and per content of the sources and flags, so that checkouts of the same code share one
-    build and checkouts of different code never rebuild each other's."""
+    in), per torch installation (ninja rebuilds when the headers' path changes: two environments
+    sharing a folder rebuilt it each time the other had used it) and per content of the sources and
+    flags, so that checkouts of the same code share one build and checkouts of different code never
+    rebuild each other's."""
     root = os.environ.get("TINYGPT_KERNELS_DIR") or Path.home() / ".cache" / "tinygpt" / "kernels"
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    digest = hashlib.sha256(" ".join(CFLAGS + [str(Path(torch.__file__).resolve().parent)]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return Path(root) / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
