@@ -404,6 +404,10 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
     assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
     assert "has no chat template" in capsys.readouterr().err
+    # bytes that are not UTF-8 (`--prompt $'\xff'`) are named by their flag, not the tokenizer's words
+    for flag in ("--prompt", "--system"):
+        assert main(["chat", str(tmp_path / "run"), flag, "hi \udcff"]) == 2
+        assert capsys.readouterr().err == f"tinygpt: error: {flag}: not valid UTF-8 text (byte 0xff at character 4)\n"
 
 
 def test_fact_task_and_exact_match():

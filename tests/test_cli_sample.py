@@ -52,3 +52,19 @@ def test_a_reader_that_goes_away_ends_sample_quietly(run):
     p.stdout.close()
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == cli.EXIT_PIPE == 141 and err == "", err
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_naming_the_flag(tmp_path, capsys):
+    import os
+
+    from tinygpt.tokenizer import BPETokenizer
+
+    # `--prompt $'\xff'`: Python keeps the byte as a lone surrogate, which the tokenizers library
+    # refused in its own words ("TextEncodeInput must be Union[...]")
+    bpe = BPETokenizer.train(["the cat sat on the mat. " * 20], 300)
+    run = tinygpt.save(tiny_model(vocab_size=bpe.vocab_size), tmp_path / "bpe", bpe)
+    bad = os.fsdecode(b"ok \xff")
+    for flags in (["--prompt", bad], ["--stop", bad]):
+        code, out, err = tinygpt_cli(capsys, "sample", run, *flags, "--max-new-tokens", 3, "--device", "cpu")
+        assert code == 2 and out == ""
+        assert err == f"tinygpt: error: {flags[0]}: not valid UTF-8 text (byte 0xff at character 4)\n"

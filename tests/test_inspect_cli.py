@@ -66,6 +66,8 @@ def test_attention_bad_input(run, tmp_path, capsys):
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the cat sees the moon", "--out", png),
                           "longer than the model's context of 16")
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "THE", "--out", png), "'T'")
+    assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "th\udcffe", "--out", png),
+                          "--prompt: not valid UTF-8 text (byte 0xff at character 3)")  # `--prompt $'th\xffe'`
     assert_one_line_error(tinygpt(capsys, "attention", run, "--prompt", "the", "--out", tmp_path / "x.jpg"), ".png")
     assert_one_line_error(tinygpt(capsys, "attention", tmp_path / "none", "--prompt", "the", "--out", png),
                           "no such run folder")

@@ -7,7 +7,8 @@ import sys
 from typing import TextIO
 
 from ..errors import ConfigError
-from .common import NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model, seed_type
+from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model, seed_type,
+                     utf8_flag)
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help; Ctrl-D quits"
 
@@ -27,6 +28,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from ..config import SampleConfig
 
     SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
+    utf8_flag(args.prompt, "--prompt")
+    utf8_flag(args.system, "--system")
     model, tokenizer = load_model(args.run, args.device, args.quantize)
     if tokenizer.chat_template is None:
         raise ConfigError(f"{args.run} has no chat template: train a run on chat data "

@@ -171,6 +171,20 @@ def int_flag(value: str | None, flag: str) -> int | None:
         raise ConfigError(f"{flag}: expected an integer, got {value!r}") from None
 
 
+def utf8_flag(value: str | None, flag: str) -> str | None:
+    """A text flag, refused in one line naming the flag when the command line held bytes that are not
+    UTF-8: Python keeps them as lone surrogates, which each tokenizer refuses in words of its own."""
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise ConfigError(f"{flag}: not valid UTF-8 text ({what} at character {e.start + 1})") from None
+    return value
+
+
 def json_line(obj, indent: int | None = None) -> str:
     """`obj` as strict JSON for --json: a float that is not finite (a diverged run's loss) is null,
     not the NaN or Infinity that JSON parsers refuse."""

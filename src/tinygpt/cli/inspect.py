@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from .common import NATURAL, POSITIVE, add_device_flag, json_line, load_model, seed_type
+from .common import NATURAL, POSITIVE, add_device_flag, json_line, load_model, seed_type, utf8_flag
 
 
 def cmd_lesson(args: argparse.Namespace) -> int:
@@ -38,6 +38,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ConfigError("--prompt: give the text whose attention to draw")
+    utf8_flag(args.prompt, "--prompt")
     viz.check_picture(args.out)
     model, tokenizer = load_model(args.run, args.device)
     cfg = model.config

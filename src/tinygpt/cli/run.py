@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import ConfigError, TinyGPTError
 from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, add_nonfinite_flag, add_quantize_flag,
-                     json_line, load_model, seed_type)
+                     json_line, load_model, seed_type, utf8_flag)
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -42,6 +42,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ConfigError("--num-samples must be >= 1 and --max-new-tokens >= 0")
+    utf8_flag(args.prompt, "--prompt")
+    for stop in args.stop or ():
+        utf8_flag(stop, "--stop")
     sampling = dict(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     repetition_penalty=args.repetition_penalty)
     SampleConfig(**sampling)  # check the settings before loading anything
