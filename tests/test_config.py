@@ -68,10 +68,15 @@ def test_from_dict_refuses_unknown_keys_and_wrong_types():
         (dict(top_k=0), "top_k"),
         (dict(repetition_penalty=0), "repetition_penalty"),
         (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        # a bool is not a number here, though Python counts it as an int (top_p=True passed as 1)
+        (dict(top_p=True), "top_p"),
+        (dict(temperature=True), "temperature"),
+        (dict(repetition_penalty=True), "repetition_penalty"),
+        (dict(greedy="no"), "greedy"),
     ],
 )
 def test_sample_config_validation(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         SampleConfig(**kwargs)
     assert SampleConfig(temperature=0).is_greedy
 

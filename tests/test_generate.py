@@ -104,12 +104,27 @@ def test_invalid_sampling_settings(model, kwargs):
 
 
 def test_invalid_inputs(model):
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        generate(model, torch.zeros(1, 2, dtype=torch.long), -1)
-    with pytest.raises(ValueError, match="token ids"):
+    idx = torch.zeros(1, 2, dtype=torch.long)
+    for steps in (-1, True):
+        with pytest.raises(ConfigError, match="max_new_tokens"):
+            generate(model, idx, steps)
+    with pytest.raises(ConfigError, match="token ids"):
         generate(model, torch.full((1, 2), 29), 3)
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ConfigError, match="shape"):
         generate(model, torch.zeros(2, dtype=torch.long), 3)
+    # once an AttributeError ('list' object has no attribute 'dim')
+    with pytest.raises(ConfigError, match=r"idx: expected a tensor .* got a list"):
+        generate(model, [1, 2, 3], 3)
+    # a string was read as its characters (torch's "too many dimensions 'str'"), an id as not iterable
+    for stops, message in (("a", "a collection"), (3, "a collection"), ([1.5], "integer token ids"),
+                           ([True], "integer token ids")):
+        with pytest.raises(ConfigError, match=f"stop_tokens: expected {message}"):
+            generate(model, idx, 3, stop_tokens=stops)
+    # ids in any collection of integers: a set, a tensor, numpy's integers
+    import numpy as np
+
+    for stops in ({5}, torch.tensor([5]), np.array([5])):
+        assert generate(model, idx, 3, stop_tokens=stops).shape == (1, 5)
 
 
 @pytest.mark.parametrize("use_cache", [True, False])
@@ -180,7 +195,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
         assert int(greedy.max()) < 28 and int(hot.max()) < 28
     streamed = list(generate_stream(model, idx, 20, temperature=1.5, top_k=40, vocab_size=28))
     assert int(torch.stack(streamed).max()) < 28
-    with pytest.raises(ValueError, match="vocab_size"):
+    with pytest.raises(ConfigError, match="vocab_size"):
         generate(model, idx, 2, vocab_size=0)
 
 

@@ -42,6 +42,12 @@ def test_attention_weights_bad_input(model):
         viz.attention_weights(model, list(range(17)))
     with pytest.raises(ConfigError, match="one non-empty sequence"):
         viz.attention_weights(model, [])
+    vocab = model.config.vocab_size
+    for ids in ([1, vocab], [-1, 1]):  # once the embedding's IndexError, "index out of range in self"
+        with pytest.raises(ConfigError, match=rf"token ids must be in 0\.\.{vocab - 1}"):
+            viz.attention_weights(model, ids)
+    with pytest.raises(ConfigError, match="integer token ids"):  # once truncated to [1, 2] without a word
+        viz.attention_weights(model, [1.5, 2.0])
 
 
 def test_without_the_causal_mask_the_future_is_attended(model):

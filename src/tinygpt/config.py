@@ -213,18 +213,20 @@ class SampleConfig:
     greedy: bool = False
 
     def __post_init__(self) -> None:
+        # not a bool, which Python counts as an int: top_p=True passed as 1
         t = self.temperature
-        _check(isinstance(t, (int, float)) and not math.isnan(t) and 0 <= t < math.inf, "temperature",
-               f"must be a finite number >= 0, got {t!r}")
+        _check(isinstance(t, (int, float)) and not isinstance(t, bool) and not math.isnan(t) and 0 <= t < math.inf,
+               "temperature", f"must be a finite number >= 0, got {t!r}")
         if self.top_k is not None:
             _check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1,
                    "top_k", f"must be an integer >= 1, got {self.top_k!r}")
         if self.top_p is not None:
-            _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
-                   f"must be in (0, 1], got {self.top_p!r}")
+            _check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+                   "top_p", f"must be a number in (0, 1], got {self.top_p!r}")
         a = self.repetition_penalty
-        _check(isinstance(a, (int, float)) and not math.isnan(a) and 0 < a < math.inf, "repetition_penalty",
-               f"must be a finite number > 0, got {a!r}")
+        _check(isinstance(a, (int, float)) and not isinstance(a, bool) and not math.isnan(a) and 0 < a < math.inf,
+               "repetition_penalty", f"must be a finite number > 0, got {a!r}")
+        _check(isinstance(self.greedy, bool), "greedy", f"must be true or false, got {self.greedy!r}")
 
     @property
     def is_greedy(self) -> bool:

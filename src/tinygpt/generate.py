@@ -8,6 +8,7 @@ block_size tokens at each step, exactly the context the plain loop sees.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 
 from . import fastpath
 from .config import SampleConfig
+from .errors import ConfigError
 from .kv_cache import KVCache
 from .sampling import choose, process_logits
 
@@ -40,13 +42,36 @@ def decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.
 
 
 def _check_inputs(model, idx: torch.Tensor, max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens: must be an integer >= 0, got {max_new_tokens!r}")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens: must be an integer >= 0, got {max_new_tokens!r}")
+    if not isinstance(idx, torch.Tensor):
+        raise ConfigError(f"idx: expected a tensor of token ids of shape (B, T), got a {type(idx).__name__} "
+                          "(torch.tensor([ids]) makes one row)")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"idx: expected integer token ids of shape (B, T) with T >= 1, got {tuple(idx.shape)} {idx.dtype}")
+        raise ConfigError(f"idx: expected integer token ids of shape (B, T) with T >= 1, got {tuple(idx.shape)} "
+                          f"{idx.dtype}")
     vocab = model.config.vocab_size
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
-        raise ValueError(f"idx: token ids must be in [0, {vocab}), got {int(idx.min())}..{int(idx.max())}")
+        raise ConfigError(f"idx: token ids must be in [0, {vocab}), got {int(idx.min())}..{int(idx.max())}")
+
+
+def _stop_ids(stop_tokens: Iterable[int] | None) -> list[int]:
+    """stop_tokens as a sorted list of ids. A string is refused rather than read as its characters,
+    and a single id rather than failing as not iterable."""
+    if stop_tokens is None:
+        return []
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable):
+        raise ConfigError(f"stop_tokens: expected a collection of token ids, got {stop_tokens!r}")
+    ids = set()
+    for token in stop_tokens:
+        if not isinstance(token, bool):
+            try:
+                ids.add(operator.index(token))  # ints, and numpy's or torch's integer scalars
+                continue
+            except TypeError:
+                pass
+        raise ConfigError(f"stop_tokens: expected integer token ids, got {token!r}")
+    return sorted(ids)
 
 
 @dataclass
@@ -83,11 +108,12 @@ def generate_stream(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, greedy=greedy
     )
     _check_inputs(model, idx, max_new_tokens)
-    if vocab_size is not None and not (isinstance(vocab_size, int) and 1 <= vocab_size):
-        raise ValueError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
+    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+                                       and 1 <= vocab_size):
+        raise ConfigError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
     block_size = model.config.block_size
     idx = idx.long()
-    stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=idx.device)
+    stops = torch.tensor(_stop_ids(stop_tokens), dtype=torch.long, device=idx.device)
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     last_stop = torch.zeros_like(finished, dtype=torch.long)
     tokens = idx
@@ -160,7 +186,7 @@ def generate(
             never chosen, for a model whose vocabulary is padded past its tokenizer's. None: any id.
 
     Raises:
-        ValueError: an argument out of range (a ConfigError for the sampling settings).
+        ConfigError: an argument out of range or of the wrong type.
     """
     new = list(
         generate_stream(

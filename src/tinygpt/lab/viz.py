@@ -79,11 +79,21 @@ def attention_weights(model, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
         (n_layer, n_head, T, T) float32: row i holds how much query i attends to each key j;
         rows sum to 1 and, in a causal model, the entries above the diagonal are exactly zero.
     """
-    idx = torch.as_tensor(idx, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        idx = torch.as_tensor(idx, device=next(model.parameters()).device)
+    except (TypeError, ValueError) as e:  # ragged lists, text, objects
+        raise ConfigError(f"expected token ids, got {type(idx).__name__}: {str(e).splitlines()[0]}") from None
     if idx.dim() == 1:
         idx = idx.unsqueeze(0)
     if idx.dim() != 2 or idx.shape[0] != 1 or idx.shape[1] == 0:
         raise ConfigError(f"expected the token ids of one non-empty sequence, got shape {tuple(idx.shape)}")
+    if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():  # a float would be truncated
+        raise ConfigError(f"expected integer token ids, got {idx.dtype}")
+    vocab = model.config.vocab_size
+    if int(idx.min()) < 0 or int(idx.max()) >= vocab:  # the embedding's IndexError did not say which
+        raise ConfigError(f"token ids must be in 0..{vocab - 1} (the model's vocabulary), "
+                          f"got {int(idx.min())}..{int(idx.max())}")
+    idx = idx.long()
     block_size = model.config.block_size
     if idx.shape[1] > block_size:
         raise ConfigError(
