@@ -37,6 +37,10 @@ def test_params_flags_build_the_lessons_model(capsys):
     assert last_json(out)["total"] == 107_008
     _, out, _ = run(capsys, "params", *args, "--no-tie", "--no-bias", "--json")
     assert last_json(out)["params"]["biases"] == 0
+    _, out, _ = run(capsys, "params", *args)
+    assert out.startswith("custom: 2 layers, 4 heads, n_embd 64")
+    _, out, _ = run(capsys, "params", "--n-layer", "1", "--n-head", "1", "--n-embd", "16", "--vocab-size", "50")
+    assert out.startswith("custom: 1 layer, 1 head, n_embd 16")  # once "1 layers, 1 heads"
 
 
 def test_params_of_a_run_folder(tmp_path, capsys):

@@ -34,6 +34,7 @@ def test_sweep_command_runs_resumes_and_reports(char_data, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[1/1] C=1e+08" in r.stdout and "val loss" in r.stdout
     assert "no frontier" in r.stdout  # one budget, one size: said plainly, not a crash
+    assert "\n1 model (1 trained now" in r.stdout  # once "1 models"
     assert (out / "results.csv").exists() and (out / "fit.json").exists()
     again = tinygpt("sweep", "--data", char_data, "--out", out, "--budgets", "1e8", "--sizes", "4K", "--no-plots",
                     "--json", *TINY)

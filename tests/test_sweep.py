@@ -133,6 +133,10 @@ def test_grid_with_given_sizes_skips_what_it_cannot_train():
     grid, skipped = plan_grid([1e9], vocab_size=30, settings=settings, sizes=[5e3, 5.1e3, 2e4, 1e7])
     assert [p.target for p in grid] == [5e3, 2e4]
     assert any("same shape" in s for s in skipped) and any("steps" in s for s in skipped)
+    # a budget that buys the first size one step: "1 step", not "1 steps"
+    one_step = 1e9 / grid[0].steps
+    grid, skipped = plan_grid([one_step], vocab_size=30, settings=settings, sizes=[5e3])
+    assert not grid and skipped[0].endswith(": only 1 step of 4 x 16 tokens (fewer than 10)"), skipped
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,8 @@ def _describe(config: GPTConfig) -> str:
     bias = "biases" if config.bias else "no biases"
     dropout = f", dropout {config.dropout:g}" if config.dropout > 0 else ""
     return (
-        f"{config.n_layer} layers, {config.n_head} heads, n_embd {config.n_embd}, vocab {config.vocab_size:,}, "
+        f"{config.n_layer} layer{'s' if config.n_layer != 1 else ''}, {config.n_head} head"
+        f"{'s' if config.n_head != 1 else ''}, n_embd {config.n_embd}, vocab {config.vocab_size:,}, "
         f"context {config.block_size:,}; {bias}, {head}{dropout}"
     )
 

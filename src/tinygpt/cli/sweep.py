@@ -53,11 +53,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"skipped {line}")
     done = len(result.points)
     if result.interrupted:
-        print(f"interrupted: {done} grid points done; run the same command again to continue", file=sys.stderr)
+        print(f"interrupted: {done} grid point{'s' if done != 1 else ''} done; run the same command again to "
+              "continue", file=sys.stderr)
         return EXIT_INTERRUPTED
     minutes = result.seconds / 60
     files = [sweep.RESULTS, sweep.RESULTS_CSV, sweep.FIT, *(p.name for p in result.plots)]
-    print(f"\n{done} models ({result.trained} trained now, {minutes:.1f} min) in {result.out}; {', '.join(files)}")
+    print(f"\n{done} model{'s' if done != 1 else ''} ({result.trained} trained now, {minutes:.1f} min) in "
+          f"{result.out}; {', '.join(files)}")
     for line in sweep.summary_lines(result.fit):
         print(line)
     if args.json:

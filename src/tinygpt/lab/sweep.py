@@ -226,7 +226,8 @@ def plan_grid(
             except OverflowError:
                 targets = [math.inf]
             if not all(0 < t < math.inf for t in targets):
-                raise ConfigError(f"spread {spread:g} over {points} points sizes models past what a float can hold "
+                over = f"{points} point{'s' if points != 1 else ''}"
+                raise ConfigError(f"spread {spread:g} over {over} sizes models past what a float can hold "
                                   f"around C={budget:.3g}; give a smaller --spread or fewer --points")
         else:
             targets = sorted(float(n) for n in sizes)
@@ -244,7 +245,8 @@ def plan_grid(
             if point.key() in seen:
                 skipped.append(f"{where}: the same shape as a smaller size ({cfg.n_layer} x {cfg.n_embd})")
             elif steps < MIN_STEPS:
-                skipped.append(f"{where}: only {steps} steps of {B} x {T} tokens (fewer than {MIN_STEPS})")
+                skipped.append(f"{where}: only {steps} step{'s' if steps != 1 else ''} of {B} x {T} tokens "
+                               f"(fewer than {MIN_STEPS})")
             else:
                 seen.add(point.key())
                 grid.append(point)
