@@ -197,6 +197,12 @@ def test_parse_shots():
     for bad in ("", "a", "-1", "1,,2", "0-99999999999999", "99999999999999999999", "nan"):
         with pytest.raises(ConfigError, match="--shots"):
             fewshot.parse_shots(bad)
+    with pytest.raises(ConfigError, match="at most 10,000"):  # was swallowed into "expected numbers like"
+        fewshot.parse_shots("0-99999999999999")
+    # a range that goes down was "expected numbers >= 0" (and "3-1,4" measured k=4 alone)
+    for bad in ("3-1", "3-1,4"):
+        with pytest.raises(ConfigError, match="^--shots: the range 3-1 goes down; write it low to high: 1-3$"):
+            fewshot.parse_shots(bad)
 
 
 def test_write_task_round_trips(tmp_path, task_file):

@@ -156,6 +156,8 @@ def test_fewshot_on_a_task_file(run, tmp_path, capsys):
     assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "4", "--quiet"),
                           "4-shot prompts need 4 other examples")
     assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "x"), "--shots")
+    assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", task, "--shots", "3-1"),
+                          "--shots: the range 3-1 goes down; write it low to high: 1-3")
     assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", tmp_path / "none.jsonl"), "no such task file")
     # the synthetic task needs digits, which this run's characters do not include
     assert_one_line_error(tinygpt(capsys, "fewshot", run, "--task", "synthetic", "--quiet"), "vocabulary")

@@ -413,19 +413,24 @@ MAX_SHOTS = 10_000  # worked examples in one prompt: far past any context, and "
 
 def parse_shots(text: str) -> list[int]:
     """"0,1,2,3" -> [0, 1, 2, 3] (also ranges such as "0-3"), each k in 0..MAX_SHOTS."""
+    def number(part: str) -> int:
+        try:
+            return int(part)
+        except ValueError:
+            raise ConfigError(f"--shots: expected numbers like 0,1,2,3 or 0-3, got {text!r}") from None
+
     shots: list[int] = []
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part[1:]:
-                lo, hi = (int(n) for n in part.split("-", 1))
-                if hi > MAX_SHOTS:  # before the range is built: a huge one would fill memory
-                    raise ConfigError(f"--shots: at most {MAX_SHOTS:,} worked examples, got {text!r}")
-                shots += range(lo, hi + 1)
-            else:
-                shots.append(int(part))
-    except ValueError:
-        raise ConfigError(f"--shots: expected numbers like 0,1,2,3 or 0-3, got {text!r}") from None
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part[1:]:
+            lo, hi = (number(n) for n in part.split("-", 1))
+            if 0 <= hi < lo:  # an empty range: its k would be dropped without a word
+                raise ConfigError(f"--shots: the range {part} goes down; write it low to high: {hi}-{lo}")
+            if hi > MAX_SHOTS:  # before the range is built: a huge one would fill memory
+                raise ConfigError(f"--shots: at most {MAX_SHOTS:,} worked examples, got {text!r}")
+            shots += range(lo, hi + 1)
+        else:
+            shots.append(number(part))
     if not shots or min(shots) < 0:
         raise ConfigError(f"--shots: expected numbers >= 0, got {text!r}")
     if max(shots) > MAX_SHOTS:
