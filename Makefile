@@ -66,7 +66,7 @@ stretch-demo: $(STAMP) $(STRETCH_DATA)/meta.json
 FEWSHOT := runs/fewshot-demo
 fewshot-demo: export OMP_NUM_THREADS = 1
 fewshot-demo: $(STAMP)
-	rm -rf $(FEWSHOT)/run
+	rm -rf $(FEWSHOT)/run $(FEWSHOT)/text
 	$(BIN)/tinygpt fewshot-data --out $(FEWSHOT)/text --episodes 60000
 	$(BIN)/tinygpt prepare $(FEWSHOT)/text/train.txt --out $(FEWSHOT)/data
 	$(BIN)/tinygpt train --data $(FEWSHOT)/data --out $(FEWSHOT)/run --quiet \

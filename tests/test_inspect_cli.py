@@ -1,6 +1,7 @@
 """The look-inside commands end to end: attention, sample --trace, plot, fewshot, fewshot-data."""
 
 import json
+import os
 import re
 
 import pytest
@@ -171,3 +172,15 @@ def test_fewshot_data(tmp_path, capsys):
     task = fewshot.read_task(tmp_path / "d" / "task.jsonl")
     assert task.examples == fewshot.load_task("synthetic", seed=2).examples
     assert_one_line_error(tinygpt(capsys, "fewshot-data", "--out", tmp_path / "e", "--episodes", 0), "--episodes")
+    # a folder that holds anything is refused, untouched: the files written there once mixed with what it held
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    assert_one_line_error(tinygpt(capsys, "fewshot-data", "--out", tmp_path / "d", "--episodes", 5),
+                          f"{tmp_path / 'd'} is not empty: give a new folder (or an empty one)")
+    assert (tmp_path / "d" / "train.txt").read_text() == text
+    assert_one_line_error(tinygpt(capsys, "fewshot-data", "--out", tmp_path / "d" / "notes.txt", "--episodes", 5),
+                          "notes.txt exists and is not a folder")
+    assert_one_line_error(tinygpt(capsys, "fewshot-data", "--out", tmp_path / "d" / "notes.txt" / "x"),
+                          f"notes.txt{os.sep}x: {tmp_path / 'd' / 'notes.txt'} is not a folder")
+    (tmp_path / "empty").mkdir()
+    code, out, _ = tinygpt(capsys, "fewshot-data", "--out", tmp_path / "empty", "--episodes", 5)
+    assert code == 0 and (tmp_path / "empty" / "task.jsonl").exists()

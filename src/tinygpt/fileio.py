@@ -51,7 +51,28 @@ def check_output_file(path: str | os.PathLike, error: type[Exception]) -> None:
     path = Path(path)
     if path.is_dir():
         raise error(f"{path} is a folder: give a file's name")
-    for parent in path.parents:  # the nearest one that exists must be a folder
+    check_parents(path, error)
+
+
+def check_new_folder(path: str | os.PathLike, error: type[Exception]) -> None:
+    """Refuse, before any work, a path that cannot become a folder of new outputs: a file, a folder
+    that is not empty (what is there would mix with what is written), or a path below a file. An
+    empty folder, or one that does not exist yet, is fine. Raises `error`."""
+    path = Path(path)
+    if path.is_dir():
+        if any(path.iterdir()):
+            raise error(f"{path} is not empty: give a new folder (or an empty one)")
+    elif path.exists() or path.is_symlink():  # a dangling link too: making the folder would fail
+        raise error(f"{path} exists and is not a folder")
+    else:
+        check_parents(path, error)
+
+
+def check_parents(path: str | os.PathLike, error: type[Exception]) -> None:
+    """Refuse a path below a file: the nearest of its parents that exists must be a folder (making
+    the path would fail with a bare 'Not a directory' or 'File exists'). Raises `error`."""
+    path = Path(path)
+    for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise error(f"{path}: {parent} is not a folder")

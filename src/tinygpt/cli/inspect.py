@@ -146,16 +146,17 @@ def cmd_fewshot_data(args: argparse.Namespace) -> int:
     OUT/train.txt holds one episode per line: letter-digit pairs such as "q7 x3 q7 b1 x3", 4 to 16
     of them over 2 to 6 letters, each episode under a fresh random mapping of letters to digits (so
     only the context can reveal what a letter means). OUT/task.jsonl is a held-out task in the
-    task-file format (the same draw as `--task synthetic --seed SEED`).
+    task-file format (the same draw as `--task synthetic --seed SEED`). OUT must be new or empty.
     """
     from pathlib import Path
 
     from ..lab import fewshot
-    from ..fileio import atomic_write
+    from ..fileio import atomic_write, check_new_folder
 
     if args.episodes < 1:
         raise ConfigError("--episodes must be >= 1")
     out = Path(args.out)
+    check_new_folder(out, ConfigError)  # a train.txt there may be someone's own text, not an earlier draw
     out.mkdir(parents=True, exist_ok=True)
     text = fewshot.synthetic_corpus(args.episodes, seed=args.seed)
     atomic_write(out / "train.txt", lambda tmp: tmp.write_text(text, encoding="utf-8"))
@@ -222,7 +223,7 @@ def add_fewshot_data(sub: argparse._SubParsersAction) -> None:
     seed = seed_type()
     p = sub.add_parser("fewshot-data", help="write the synthetic in-context-learning task's data",
                        description=cmd_fewshot_data.__doc__)
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for train.txt and task.jsonl")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for train.txt and task.jsonl")
     p.add_argument("--episodes", type=POSITIVE, default=40000, help="training episodes, each a fresh mapping (40000)")
     p.add_argument("--seed", type=seed, default=0, help="the draw of the episodes and of task.jsonl (0)")
     p.set_defaults(func=cmd_fewshot_data)
