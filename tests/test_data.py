@@ -504,6 +504,20 @@ def test_cli_prepare_errors_are_one_line(tmp_path, capsys, monkeypatch, args, me
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize("fmt", ["text", "chat"])
+def test_cli_prepare_out_below_a_file_names_the_file(tmp_path, capsys, fmt):
+    (tmp_path / "ok.txt").write_text("fine text")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                               {"role": "assistant", "content": "hello"}]}) + "\n")
+    source = tmp_path / ("c.jsonl" if fmt == "chat" else "ok.txt")
+    for out in (tmp_path / "ok.txt" / "sub", tmp_path / "ok.txt" / "sub" / "deeper"):
+        # once "[Errno 17] File exists: '.../ok.txt'" (making the folder beside the output for its temp)
+        assert cli.main(["prepare", str(source), "--out", str(out), "--format", fmt]) == cli.EXIT_ERROR
+        err = capsys.readouterr().err
+        assert err == f"tinygpt: error: {out.resolve()}: {(tmp_path / 'ok.txt').resolve()} is not a folder\n"
+    assert (tmp_path / "ok.txt").read_text() == "fine text"
+
+
 def test_cli_prepare_subprocess_exit_codes(tmp_path):
     (tmp_path / "ok.txt").write_text("a small text to tokenize\n" * 10)
 

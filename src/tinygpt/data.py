@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import parse_json, printable_path, read_json, write_json
+from .fileio import check_parents, parse_json, printable_path, read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     KINDS,
@@ -734,8 +734,9 @@ def _second_pass(reader: _Reader, tok: Tokenizer, split_at: int, folder: Path) -
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse to write over anything but an empty folder or a tinygpt data folder."""
+    """Refuse to write over anything but an empty folder or a tinygpt data folder; refuse a path below a file."""
     if not out.exists():
+        check_parents(out, DataError)
         return
     if not out.is_dir():
         raise DataError(f"{out} exists and is not a folder")
