@@ -137,6 +137,28 @@ def test_prepare_gpt2_with_local_files(tmp_path):
     assert load_data(tmp_path / "data").tokenizer.encode("the cat") == ref.encode_ordinary("the cat")
 
 
+def test_prepare_gpt2_without_endoftext_refuses_files_it_cannot_separate(tmp_path, capsys):
+    from tinygpt.tokenizer import EOT
+
+    vocab, ranks = write_gpt2_files(tmp_path / "gpt2")
+    del vocab[EOT]
+    (tmp_path / "gpt2" / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (tmp_path / "one.txt").write_text("the cat")
+    (tmp_path / "two.txt").write_text("on the mat")
+    files = [str(tmp_path / "one.txt"), str(tmp_path / "two.txt")]
+    # once joined with no separator: "the caton the mat"
+    code = cli.main(["prepare", *files, "--tokenizer", "gpt2", "--tokenizer-file", str(tmp_path / "gpt2"),
+                     "--out", str(tmp_path / "data")])
+    err = capsys.readouterr().err
+    assert code == cli.EXIT_ERROR and err.count("\n") == 1 and not (tmp_path / "data").exists()
+    assert err.startswith(f"tinygpt: error: {tmp_path / 'gpt2'}: the gpt2 tokenizer has no <|endoftext|> token to "
+                          "separate the 2 files; add it to its vocabulary"), err
+    # one document needs no separator
+    meta = prepare(files[:1], tmp_path / "data", tokenizer="gpt2", tokenizer_file=tmp_path / "gpt2", val_fraction=0)
+    assert meta["eot_id"] is None
+    assert tokens(tmp_path / "data", "train").tolist() == reference_encoding(ranks).encode_ordinary("the cat")
+
+
 def test_prepare_uint32_when_the_vocabulary_exceeds_65536(tmp_path):
     chars = [chr(c) for c in range(0x20, 0x20 + 65537 + 2048) if not 0xD800 <= c <= 0xDFFF][:65537]
     (tmp_path / "wide.txt").write_text("".join(chars) + chars[-1] * 3, encoding="utf-8")

@@ -25,8 +25,9 @@ How text is read:
   a code-point lookup table); BPE trains from the first pass and encodes in batches in the second.
 - Text is cut into pieces only where GPT-2's pre-tokenizer splits anyway (before a space or after a
   lone newline, next to non-space characters), so the tokens equal those of encoding each file whole.
-- Documents (files) are separated by `<|endoftext|>` for BPE and GPT-2; character vocabularies have
-  no separator and files follow each other as they are.
+- Documents (files) are separated by `<|endoftext|>` for BPE and GPT-2 (a tokenizer file without
+  that token is refused for more than one file); character vocabularies have no separator and
+  files follow each other as they are.
 - The validation split is the last `val_fraction` of the characters: contiguous text, the same on
   every run. Counts of characters and bytes cover text only, not separators.
 - Everything is written into a hidden temporary folder next to `out_dir` and renamed into place at
@@ -56,6 +57,7 @@ from .errors import ChatError, DataError, TokenizerError
 from .fileio import check_parents, parse_json, printable_path, read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
+    EOT,
     KINDS,
     BPETokenizer,
     CharTokenizer,
@@ -486,6 +488,17 @@ def _make_tokenizer(kind: str | Tokenizer | None, tokenizer_file: str | os.PathL
     return tok
 
 
+def _check_separator(tok: Tokenizer | str, tokenizer_file: str | os.PathLike | None, documents: int) -> None:
+    """Refuse a BPE or GPT-2 tokenizer without <|endoftext|> for two or more documents: the files would
+    run into each other (the last word of one joined to the first of the next), which a separator
+    exists to prevent. A character vocabulary has none by design, and one document needs none."""
+    if isinstance(tok, str) or tok.kind == "char" or tok.eot_id is not None or documents < 2:
+        return
+    where = f"{tokenizer_file}: the" if tokenizer_file is not None else "the"
+    raise DataError(f"{where} {tok.kind} tokenizer has no {EOT} token to separate the {documents:,} files; add it "
+                    "to its vocabulary (as the last id, as GPT-2's vocab.json has it) or prepare one file")
+
+
 def _hf_folder_tokenizer(path: Path) -> Tokenizer | None:
     """The tokenizer of a Hugging Face GPT-2 folder (what fine-tuning one needs its data prepared
     with, and what `tinygpt load` reads there), or None when `path` is not such a folder."""
@@ -548,6 +561,7 @@ def prepare(
     srcs = resolve_sources(sources, exclude=[out])
     tok_or_kind = _make_tokenizer(tokenizer, tokenizer_file)
     reader = _Reader([d for s in srcs for d in s.documents], errors, progress)
+    _check_separator(tok_or_kind, tokenizer_file, len(reader.docs))
     bpe_vocab = vocab_size or DEFAULT_BPE_VOCAB
     tok, scan = _first_pass(srcs, reader, tok_or_kind, bpe_vocab)
     replacements = reader.replaced  # the second pass reads the same bytes again
