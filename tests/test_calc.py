@@ -325,6 +325,7 @@ def test_parse_count_and_formats():
         with pytest.raises(ConfigError, match="--x"):
             calc.parse_count(bad, "--x")
     assert calc.format_count(124_439_808) == "124M" and calc.format_count(1.386e12) == "1.39T"
+    assert [calc.plural(n, "step") for n in (0, 1, 2, 4113)] == ["0 steps", "1 step", "2 steps", "4,113 steps"]
     assert calc.format_bytes(73_728) == "72 KiB" and calc.format_flops(5.76e23) == "5.76e+23 FLOP"
 
 

@@ -43,6 +43,16 @@ def data(tmp_path_factory):
     return root / "data"
 
 
+def test_one_step_is_one_step_and_an_out_below_a_file_is_refused(data, tmp_path, cli):
+    r = cli("train", "--data", data, "--out", tmp_path / "run", "--max-iters", 1, *SMALL)
+    assert r.returncode == 0 and "max_iters: 1 step," in r.stdout, r.stdout + r.stderr
+    (tmp_path / "file").write_text("mine")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):  # before any sizing or data loading
+        r = cli("train", "--data", data, "--out", out, "--max-time", "1m")
+        assert_clean_error(r, str(tmp_path / "file"), "not a folder")
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_prepare_train_sample_eval(data, tmp_path, cli):
     run = tmp_path / "run"
     r = cli("train", "--data", data, "--out", run, "--max-iters", 50, "--eval-interval", 25, *SMALL)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .calc.units import plural
 from .errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,8 +42,8 @@ def resolve_device(name: str = "auto") -> torch.device:
             raise ConfigError("device: cuda was asked for but no CUDA device is available")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ConfigError(f"device: {name} was asked for but this machine has {count} CUDA device"
-                              f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1})")
+            raise ConfigError(f"device: {name} was asked for but this machine has {plural(count, 'CUDA device')}"
+                              f" (cuda:0 to cuda:{count - 1})")
     elif device.index not in (None, 0):
         raise ConfigError(f"device: {name!r}: there is one {device.type} device ({device.type} or {device.type}:0)")
     if device.type == "mps" and not torch.backends.mps.is_available():

@@ -42,6 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .calc.units import plural
 from .errors import ChatError, TokenizerError
 from .fileio import read_json, write_json
 
@@ -309,7 +310,7 @@ def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> s
         parts.append(f"{c!r} (U+{ord(c):04X}) at position {at}")
     more = f"; and {len(where) - show} more" if len(where) > show else ""
     n = len(positions)
-    return f"{n} character{'s' if n != 1 else ''} not in the tokenizer's vocabulary: " + "; ".join(parts) + more
+    return f"{plural(n, 'character')} not in the tokenizer's vocabulary: " + "; ".join(parts) + more
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from .errors import (
     TinyGPTError,
     TrainingError,
 )
-from .fileio import atomic_write, read_json, write_json
+from .fileio import atomic_write, check_parents, read_json, write_json
 from .model import GPT
 from .optim import BudgetSchedule, lr_at, make_optimizer
 from .sizing import ModelChoice
@@ -970,11 +970,15 @@ def has_checkpoint(run: str | Path) -> bool:
 def check_new_run(run: str | Path) -> None:
     """Refuse to start a new run in a folder that holds one: its weights, or a training state
     without them (a save renames the weights first, so that is a run whose weights were lost,
-    not one killed before its first save; a new run would write over what is left of it).
+    not one killed before its first save; a new run would write over what is left of it). Refuse
+    a path that cannot become a folder too: a file, or a path below one.
 
     Raises:
-        TrainingError: naming what the folder holds.
+        TrainingError: naming what the folder holds, or the file in the way.
     """
+    if Path(run).exists() and not Path(run).is_dir():
+        raise TrainingError(f"{run} exists and is not a folder: pick another --out")
+    check_parents(run, TrainingError)
     if has_checkpoint(run):
         raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
     run = Path(run)

@@ -11,7 +11,8 @@ from .memory import TrainingMemory, activation_bytes, kv_cache_bytes, training_m
 from .params import ParamCounts, TrainableParams, count_params, lora_params, trainable_params
 from .scaling import CHINCHILLA_EXPONENTS, PowerLaw, ScalingLaw
 from .shapes import ASPECT_RATIO, heads_for, shape_for_params, smallest_shape
-from .units import DTYPE_BYTES, dtype_bytes, dtype_name, format_bytes, format_count, format_flops, parse_count
+from .units import (DTYPE_BYTES, dtype_bytes, dtype_name, format_bytes, format_count, format_flops, parse_count,
+                    plural)
 
 __all__ = [
     "CHINCHILLA_FIT",
@@ -47,4 +48,5 @@ __all__ = [
     "format_count",
     "format_flops",
     "parse_count",
+    "plural",
 ]

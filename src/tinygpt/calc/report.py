@@ -9,7 +9,7 @@ from .chinchilla import CHINCHILLA_FIT, ChinchillaPlan, LossFit
 from .flops import flops_per_token, inference_flops_per_token, six_n
 from .memory import kv_cache_bytes, training_memory
 from .params import count_params, trainable_params
-from .units import dtype_bytes, dtype_name, format_bytes, format_count, format_flops
+from .units import dtype_bytes, dtype_name, format_bytes, format_count, format_flops, plural
 
 GPT2_FAMILY = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
@@ -81,8 +81,8 @@ def _describe(config: GPTConfig) -> str:
     bias = "biases" if config.bias else "no biases"
     dropout = f", dropout {config.dropout:g}" if config.dropout > 0 else ""
     return (
-        f"{config.n_layer} layer{'s' if config.n_layer != 1 else ''}, {config.n_head} head"
-        f"{'s' if config.n_head != 1 else ''}, n_embd {config.n_embd}, vocab {config.vocab_size:,}, "
+        f"{plural(config.n_layer, 'layer')}, {plural(config.n_head, 'head')}, n_embd {config.n_embd}, "
+        f"vocab {config.vocab_size:,}, "
         f"context {config.block_size:,}; {bias}, {head}{dropout}"
     )
 

@@ -57,6 +57,11 @@ def parse_count(text: str, what: str = "value") -> float:
     return value
 
 
+def plural(count: int, noun: str) -> str:
+    """"1 step", "2 steps", "1,024 steps": a count and its noun, an s added unless the count is one."""
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
 def format_count(n: float, digits: int = 3) -> str:
     """A short count: 124M, 69.3B, 1.39T (3 significant digits by default)."""
     for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TextIO
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model, seed_type,
                      utf8_flag)
@@ -75,7 +76,7 @@ class _Session:
         kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget)
         if dropped:
             self.history = kept[1:] if self.system else kept
-            print(f"(dropped the {dropped} oldest message{'s' if dropped != 1 else ''} to stay within the model's "
+            print(f"(dropped the {plural(dropped, 'oldest message')} to stay within the model's "
                   f"context of {self.model.config.block_size} tokens)", file=sys.stderr)
         decoder, answer = IncrementalDecoder(self.tokenizer), []
         try:

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, json_line, kept_checkpoint
 from .train import add_training_flags, train_settings
@@ -98,7 +99,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         t = result.train
         if ctx.is_main:
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
-            print(f"{t.stopped}: {t.step} steps{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
+            print(f"{t.stopped}: {plural(t.step, 'step')}{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
             print("\n".join(format_report(result.report)))
             if result.merged is not None:
                 print(f"merged: the adapters folded into a plain run in {result.merged}")
@@ -113,7 +114,7 @@ def format_report(report: dict) -> list[str]:
     before, after = report["before"], report["after"]
     unit = next(k for k in before["data"] if k.startswith("bits_per_"))
     lines = [f"fine-tuned from {report['from']} ({report['method']}, keep {report['keep']}): "
-             f"{report['steps']} steps, {report['tokens']:,} tokens", f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
+             f"{plural(report['steps'], 'step')}, {report['tokens']:,} tokens", f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
     for name, label in (("data", "validation"), ("reference", "reference (forgetting)")):
         if name not in before:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import NATURAL, POSITIVE, add_device_flag, json_line, load_model, seed_type, utf8_flag
 
@@ -79,7 +80,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for m in runs:
         last = f", val loss {m.val_loss[-1]:.4f} at step {m.eval_steps[-1]}" if m.val_loss else ""
         steps = m.steps[-1] if m.steps else m.eval_steps[-1]
-        print(f"{m.name}: {steps} steps{last}")
+        print(f"{m.name}: {plural(steps, 'step')}{last}")
     print(f"wrote {args.out}")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import EXIT_INTERRUPTED, Number, add_device_flag, int_flag, json_line, seed_type
 
@@ -53,13 +54,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"skipped {line}")
     done = len(result.points)
     if result.interrupted:
-        print(f"interrupted: {done} grid point{'s' if done != 1 else ''} done; run the same command again to "
-              "continue", file=sys.stderr)
+        print(f"interrupted: {plural(done, 'grid point')} done; run the same command again to continue",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
     minutes = result.seconds / 60
     files = [sweep.RESULTS, sweep.RESULTS_CSV, sweep.FIT, *(p.name for p in result.plots)]
-    print(f"\n{done} model{'s' if done != 1 else ''} ({result.trained} trained now, {minutes:.1f} min) in "
-          f"{result.out}; {', '.join(files)}")
+    print(f"\n{plural(done, 'model')} ({result.trained} trained now, {minutes:.1f} min) in {result.out}; "
+          f"{', '.join(files)}")
     for line in sweep.summary_lines(result.fit):
         print(line)
     if args.json:

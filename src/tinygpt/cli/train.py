@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
                      kept_checkpoint, seed_type)
@@ -66,8 +67,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     model_over, train_over, preset = train_settings(args)
     resume = args.resume and has_checkpoint(args.out)
     begun = None  # the model a run killed before its first save was started with
+    if not resume:  # before a time budget's sizing: a folder holding a run (or its lost weights' state), a file
+        check_new_run(args.out)
     if args.resume and not resume:
-        check_new_run(args.out)  # a folder whose weights were lost is not started over
         begun = _begun_with(args.out)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.sweep and (resume or begun or preset or distributed):
@@ -96,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
             print(
-                f"{result.stopped}: {result.step} steps{procs}, {result.tokens:,} tokens in {result.elapsed:.1f}s"
+                f"{result.stopped}: {plural(result.step, 'step')}{procs}, {result.tokens:,} tokens in {result.elapsed:.1f}s"
                 f"{loss}{val}; saved to {result.run}",
                 flush=True,
             )

@@ -40,6 +40,7 @@ from ..calc import (
     count_params,
     flops_per_token,
     format_count,
+    plural,
     shape_for_params,
 )
 from ..config import MAX_THREADS, GPTConfig, TrainConfig
@@ -226,7 +227,7 @@ def plan_grid(
             except OverflowError:
                 targets = [math.inf]
             if not all(0 < t < math.inf for t in targets):
-                over = f"{points} point{'s' if points != 1 else ''}"
+                over = plural(points, "point")
                 raise ConfigError(f"spread {spread:g} over {over} sizes models past what a float can hold "
                                   f"around C={budget:.3g}; give a smaller --spread or fewer --points")
         else:
@@ -245,7 +246,7 @@ def plan_grid(
             if point.key() in seen:
                 skipped.append(f"{where}: the same shape as a smaller size ({cfg.n_layer} x {cfg.n_embd})")
             elif steps < MIN_STEPS:
-                skipped.append(f"{where}: only {steps} step{'s' if steps != 1 else ''} of {B} x {T} tokens "
+                skipped.append(f"{where}: only {plural(steps, 'step')} of {B} x {T} tokens "
                                f"(fewer than {MIN_STEPS})")
             else:
                 seen.add(point.key())
