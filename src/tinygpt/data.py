@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import check_parents, parse_json, printable_path, read_json, write_json
+from .fileio import check_folder_path, parse_json, printable_path, read_json, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     EOT,
@@ -748,12 +748,11 @@ def _second_pass(reader: _Reader, tok: Tokenizer, split_at: int, folder: Path) -
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse to write over anything but an empty folder or a tinygpt data folder; refuse a path below a file."""
+    """Refuse to write over anything but an empty folder or a tinygpt data folder; refuse a file, or a
+    path below one."""
+    check_folder_path(out, DataError)
     if not out.exists():
-        check_parents(out, DataError)
         return
-    if not out.is_dir():
-        raise DataError(f"{out} exists and is not a folder")
     entries = set(os.listdir(out))
     if not entries:
         return

@@ -59,13 +59,20 @@ def check_new_folder(path: str | os.PathLike, error: type[Exception]) -> None:
     that is not empty (what is there would mix with what is written), or a path below a file. An
     empty folder, or one that does not exist yet, is fine. Raises `error`."""
     path = Path(path)
+    check_folder_path(path, error)
+    if path.is_dir() and any(path.iterdir()):
+        raise error(f"{path} is not empty: give a new folder (or an empty one)")
+
+
+def check_folder_path(path: str | os.PathLike, error: type[Exception]) -> None:
+    """Refuse a path that cannot be or become a folder: a file (a dangling link too: making the folder
+    would fail), or a path below a file. A folder, or a path that does not exist yet, is fine."""
+    path = Path(path)
     if path.is_dir():
-        if any(path.iterdir()):
-            raise error(f"{path} is not empty: give a new folder (or an empty one)")
-    elif path.exists() or path.is_symlink():  # a dangling link too: making the folder would fail
+        return
+    if path.exists() or path.is_symlink():
         raise error(f"{path} exists and is not a folder")
-    else:
-        check_parents(path, error)
+    check_parents(path, error)
 
 
 def check_parents(path: str | os.PathLike, error: type[Exception]) -> None:

@@ -39,7 +39,7 @@ from .errors import (
     TinyGPTError,
     TrainingError,
 )
-from .fileio import atomic_write, check_parents, read_json, write_json
+from .fileio import atomic_write, check_folder_path, read_json, write_json
 from .model import GPT
 from .optim import BudgetSchedule, lr_at, make_optimizer
 from .sizing import ModelChoice
@@ -976,9 +976,7 @@ def check_new_run(run: str | Path) -> None:
     Raises:
         TrainingError: naming what the folder holds, or the file in the way.
     """
-    if Path(run).exists() and not Path(run).is_dir():
-        raise TrainingError(f"{run} exists and is not a folder: pick another --out")
-    check_parents(run, TrainingError)
+    check_folder_path(run, TrainingError)
     if has_checkpoint(run):
         raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
     run = Path(run)

@@ -82,8 +82,7 @@ def _describe(config: GPTConfig) -> str:
     dropout = f", dropout {config.dropout:g}" if config.dropout > 0 else ""
     return (
         f"{plural(config.n_layer, 'layer')}, {plural(config.n_head, 'head')}, n_embd {config.n_embd}, "
-        f"vocab {config.vocab_size:,}, "
-        f"context {config.block_size:,}; {bias}, {head}{dropout}"
+        f"vocab {config.vocab_size:,}, context {config.block_size:,}; {bias}, {head}{dropout}"
     )
 
 

@@ -99,7 +99,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         t = result.train
         if ctx.is_main:
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
-            print(f"{t.stopped}: {plural(t.step, 'step')}{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; saved to {t.run}")
+            print(f"{t.stopped}: {plural(t.step, 'step')}{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; "
+                  f"saved to {t.run}")
             print("\n".join(format_report(result.report)))
             if result.merged is not None:
                 print(f"merged: the adapters folded into a plain run in {result.merged}")
@@ -114,7 +115,8 @@ def format_report(report: dict) -> list[str]:
     before, after = report["before"], report["after"]
     unit = next(k for k in before["data"] if k.startswith("bits_per_"))
     lines = [f"fine-tuned from {report['from']} ({report['method']}, keep {report['keep']}): "
-             f"{plural(report['steps'], 'step')}, {report['tokens']:,} tokens", f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
+             f"{plural(report['steps'], 'step')}, {report['tokens']:,} tokens",
+             f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
     for name, label in (("data", "validation"), ("reference", "reference (forgetting)")):
         if name not in before:
             continue

@@ -98,8 +98,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             loss = f", train loss {result.train_loss:.4f}" if result.train_loss is not None else ""
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
             print(
-                f"{result.stopped}: {plural(result.step, 'step')}{procs}, {result.tokens:,} tokens in {result.elapsed:.1f}s"
-                f"{loss}{val}; saved to {result.run}",
+                f"{result.stopped}: {plural(result.step, 'step')}{procs}, {result.tokens:,} tokens in "
+                f"{result.elapsed:.1f}s{loss}{val}; saved to {result.run}",
                 flush=True,
             )
         ctx.barrier()

@@ -398,9 +398,10 @@ def quantize(model: nn.Module, fmt: str, *, pack: bool | None = None) -> nn.Modu
     Args:
         model: a tinygpt GPT (any nn.Module whose Linear layers should be converted).
         fmt: "fp32" (float32 values unchanged, only given a faster kernel), "bf16" (bfloat16
-            weights; activations too where tinygpt's kernels do not build), "fp16" (float16 weights), "int8" (int8 weights with a scale
-            per output channel) or "int4" (4-bit weights with a scale and offset per group of 32
-            inputs; CPU only). `activation_dtype` says what the rest of the model computes in.
+            weights; activations too where tinygpt's kernels do not build), "fp16" (float16 weights),
+            "int8" (int8 weights with a scale per output channel) or "int4" (4-bit weights with a
+            scale and offset per group of 32 inputs; CPU only). `activation_dtype` says what the
+            rest of the model computes in.
         pack: give fp32 and bf16 Linear layers a faster CPU kernel: tinygpt's own for fp32 where it
             builds (FloatLinear), else oneDNN's blocked layout (PackedLinear); default: when the model
             is on a CPU that has oneDNN.
