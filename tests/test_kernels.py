@@ -86,6 +86,18 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@needs_kernels
+def test_float32_at_one_row_sums_as_a_batch_does_with_a_tail_and_a_bias():
+    # one row of activations takes float32 weights four rows at a time, a batch one row at a time:
+    # the same sums bit for bit, with inputs not a multiple of 16 and outputs not a multiple of 4
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(3, 264, generator=g), torch.randn(302, 264, generator=g), torch.randn(302, generator=g)
+    whole = ops.float_linear(x, w, b)
+    torch.testing.assert_close(whole.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
+    for i in range(3):
+        assert torch.equal(ops.float_linear(x[i:i + 1], w, b), whole[i:i + 1])
+
+
 def test_int4_pack_lays_out_eight_rows_a_block_with_their_scales():
     codes = torch.arange(9 * 64).remainder(16).reshape(9, 64)  # 9 rows: two groups, the second padded
     params = torch.arange(9 * 2 * 2, dtype=torch.float16).reshape(9, 2, 2)
