@@ -53,7 +53,7 @@ inline float hsum(__m256 v) {
 // Asks for the weights 2 KB ahead of the ones being read, a cache line per call. On the Zen 3 the
 // hardware's own prefetcher left float32 weights streaming at 12-15 GB/s, 14-17 with this, and the
 // 12 x 768 model's decode 0-25% faster in every format (no clear change on the baby model). float32
-// weights at one row of activations do without it (four_rows_float).
+// weights at one row of activations do without it (tile_float).
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_T0); }
 
 // One row of K floats to int8 codes, a scale per block (absmax / 127) and each block's sum of codes
@@ -107,10 +107,9 @@ Quantized quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-// rows_float computes R sums at once: one row of weights against R rows of activations, into
-// total[0 .. R - 1]. Loading (and widening) a weight block once serves every row, and each row's
-// arithmetic is the same whatever R is (its own accumulators, in the same order), so a row's result
-// does not depend on its batch. The integer kernels (group_i8, group_u4) take eight weight rows
+// tile_float computes RW x RX sums at once: RW rows of weights against RX rows of activations. Every
+// sum takes the same two accumulators in the same order whatever the tile, so a row's result does
+// not depend on its batch. The integer kernels (group_i8, group_u4) take eight weight rows
 // against one row of activations instead: each 32-bit lane of their integer sums is one weight row's
 // (four of its inputs against the same four activations, broadcast), so a block of 32 inputs ends in
 // one float multiply-add for all eight rows and no row's sum needs folding across lanes.
@@ -124,49 +123,36 @@ inline __m256 load8(const at::BFloat16* w) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
-// Two accumulators a row: a float multiply-add per 32 bytes of float32 weights leaves the memory,
-// not the adds, to wait for, and two a row leave registers for four rows at once.
-template <int R, typename W>
-inline void rows_float(const W* w, const float* x, int64_t K, float (&total)[R]) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+// total[i * RX + r] = weight row i . activation row r, rows K apart. Two accumulators a sum: a float
+// multiply-add per 32 bytes of float32 weights leaves the memory, not the adds, to wait for, and
+// two leave registers for a tile of four. A weight block is loaded (and widened) once for every
+// activation row. One weight row streams with the software prefetch; at one row of activations,
+// four weight rows in flight without it read float32 weights faster: the 12 x 768 model's 49
+// products on the Zen 3, 2 threads, at 28.7 against 23.1 GB/s (medians of 21 interleaved rounds;
+// with the prefetch on each of the four rows, 24.5). float16 weights read four rows at a time slowed
+// to 0.77x, so 16-bit weights keep one row.
+template <int RW, int RX, typename W>
+inline void tile_float(const W* w, const float* x, int64_t K, float (&total)[RW * RX]) {
+  __m256 acc[RW][RX][2];
+  for (auto& row : acc) for (auto& a : row) a[0] = a[1] = _mm256_setzero_ps();
+  auto step = [&](int64_t k, int j) {  // inputs k .. k + 7 into each sum's accumulator j
+    __m256 wv[RW];
+    for (int i = 0; i < RW; ++i) wv[i] = load8(w + i * K + k);
+    for (int r = 0; r < RX; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int i = 0; i < RW; ++i) acc[i][r][j] = _mm256_fmadd_ps(wv[i], xv, acc[i][r][j]);
+    }
+  };
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
-    prefetch(w + k);
-    for (int j = 0; j < 2; ++j) {
-      const __m256 wv = load8(w + k + 8 * j);
-      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k + 8 * j), acc[r][j]);
-    }
+    if constexpr (RW == 1) prefetch(w + k);
+    step(k, 0);
+    step(k + 8, 1);
   }
-  if (k < K) {
-    const __m256 wv = load8(w + k);
-    for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[r][0]);
+  if (k < K) step(k, 0);
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) total[i * RX + r] = hsum(_mm256_add_ps(acc[i][r][0], acc[i][r][1]));
   }
-  for (int r = 0; r < R; ++r) total[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-
-// Four rows of float32 weights against one row of activations, into total[0 .. 3]: each row summed
-// as rows_float<1> sums it (the same two accumulators, in the same order), so a row's result is the
-// same bit for bit. At one row of activations a float32 product streams its weights from memory,
-// and four streams in flight without software prefetch read them faster than one stream with it:
-// the 12 x 768 model's 49 products on the Zen 3, 2 threads, at 28.7 against 23.1 GB/s (medians of
-// 21 interleaved rounds; with the prefetch on each of the four rows, 24.5). float16 weights read
-// that way slowed to 0.77x, so they keep rows_float.
-inline void four_rows_float(const float* w, int64_t K, const float* x, float (&total)[4]) {
-  __m256 acc[4][2];
-  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    for (int j = 0; j < 2; ++j) {
-      const __m256 xv = _mm256_loadu_ps(x + k + 8 * j);
-      for (int r = 0; r < 4; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k + 8 * j), xv, acc[r][j]);
-    }
-  }
-  if (k < K) {
-    const __m256 xv = _mm256_loadu_ps(x + k);
-    for (int r = 0; r < 4; ++r) acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), xv, acc[r][0]);
-  }
-  for (int r = 0; r < 4; ++r) total[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
 // int8 weights, eight rows at once (a group of int8_group's layout), against one row of activation
@@ -228,7 +214,7 @@ void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t mu
               " (a multiple of ", multiple, ")");
 }
 
-// out (M, N) = rows' sums plus bias[n] (when given), for rows_float. Each thread takes whole weight
+// out (M, N) = rows' sums plus bias[n] (when given), for tile_float. Each thread takes whole weight
 // rows, and for each one its M outputs up to 4 rows at a time: rows(n, m, total) fills total
 // (float[R], R = 4, 2 or 1) with the sums of outputs (m, n) .. (m + R - 1, n). Where M is 1 and
 // four(n, total) is given, it fills total[0 .. 3] with outputs (0, n) .. (0, n + 3) instead.
@@ -286,11 +272,14 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
   auto run = [&](const auto* wp, auto... four) {
     return for_each_output(
         x.size(0), N, K, x.options(), bias,
-        [&](int64_t n, int64_t m, auto& total) { rows_float(wp + n * K, xp + m * K, K, total); }, four...);
+        [&](int64_t n, int64_t m, auto& total) {
+          tile_float<1, std::extent_v<std::remove_reference_t<decltype(total)>>>(wp + n * K, xp + m * K, K, total);
+        },
+        four...);
   };
   if (dtype == at::kFloat) {
     const float* wp = weight.data_ptr<float>();
-    return run(wp, [&](int64_t n, float (&total)[4]) { four_rows_float(wp + n * K, K, xp, total); });
+    return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });
   }
   return dtype == at::kHalf ? run(weight.data_ptr<at::Half>()) : run(weight.data_ptr<at::BFloat16>());
 }
