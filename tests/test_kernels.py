@@ -258,6 +258,36 @@ def test_gpt2_gelu_and_its_gradient_on_the_kernel():
 
 
 @needs_kernels
+@pytest.mark.parametrize("vocab", [8, 77, 1027])
+def test_cross_entropy_rows_gives_each_loss_and_turns_the_logits_into_its_gradient(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(37, vocab, generator=g) * 5  # rows of whole blocks of eight, and with a tail
+    targets = torch.randint(0, vocab, (37,), generator=g)
+    weights = (torch.rand(37, generator=g) > 0.3).float() * 2
+    exact = logits.double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(exact, targets, reduction="none")
+    (want * weights.double()).sum().backward()
+    grads = logits.clone()
+    got = ops.cross_entropy_rows_(grads, targets, weights, True)
+    torch.testing.assert_close(got.double(), want.detach(), atol=2e-6, rtol=1e-6)
+    torch.testing.assert_close(grads.double(), exact.grad, atol=1e-6, rtol=1e-5)
+    # without grad the logits stay as they were, and the losses are the same
+    kept = logits.clone()
+    assert torch.equal(ops.cross_entropy_rows_(kept, targets, weights, False), got) and torch.equal(kept, logits)
+
+
+@needs_kernels
+def test_cross_entropy_rows_keeps_a_nan_and_refuses_a_target_out_of_range():
+    logits = torch.zeros(3, 20)
+    logits[1, 5] = float("nan")  # not the target, nor the maximum: the row's loss is still NaN
+    logits[1, 6] = 3.0
+    ce = ops.cross_entropy_rows_(logits.clone(), torch.tensor([0, 6, 19]), torch.ones(3), True)
+    assert ce[1].isnan() and ce[[0, 2]].isfinite().all()
+    with pytest.raises(RuntimeError, match="target 20 is out of range for 20 classes"):
+        ops.cross_entropy_rows_(logits.clone(), torch.tensor([0, 20, 1]), torch.ones(3), True)
+
+
+@needs_kernels
 @pytest.mark.parametrize("shape", [(2, 3, 13, 44), (1, 1, 1, 8), (3, 2, 40, 37), (1, 2, 64, 32)])
 def test_causal_attention_and_its_gradients_on_the_kernel(shape):
     B, H, T, D = shape  # partial tiles of positions and of dimensions, one position, whole tiles

@@ -203,13 +203,18 @@ def test_scale_embeddings_multiplies_the_token_embeddings(tmp_path, capsys):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
-def test_the_fused_loss_equals_cross_entropy_on_the_logits(dtype, masked, monkeypatch):
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_the_fused_loss_equals_cross_entropy_on_the_logits(dtype, masked, kernels_on, monkeypatch):
     # GPT.forward(idx, targets=) computes the head and the loss a chunk of rows at a time (here 7
     # rows a chunk, the last one short) with the gradients in the same pass: the loss and every
-    # gradient equal those of cross-entropy on the whole batch's logits
+    # gradient equal those of cross-entropy on the whole batch's logits, on tinygpt's CPU kernel for
+    # the softmax and without it
+    from tinygpt import kernels
     from tinygpt import model as model_module
     from tinygpt.model import masked_lm_loss
 
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "lowbit", lambda: None)
     cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
     monkeypatch.setattr(model_module, "LOSS_CHUNK", 7 * cfg.vocab_size)
     torch.manual_seed(0)

@@ -16,6 +16,8 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
     gelu_tanh(x), gelu_tanh_backward(grad, x) x contiguous float32 (gelu_tanh below: with autograd)
+    cross_entropy_rows_(logits, targets, weights, grad)   logits (N, V) float32, targets (N,) int64, weights
+                                          (N,) float32: each row's loss; with grad the logits become its gradient
     causal_attention(q, k, v) -> (out, lse), causal_attention_backward(grad, q, k, v, out, lse)
                                           (B, H, T, D) float32 (causal_attention below: with autograd)
 
@@ -206,6 +208,12 @@ def _agrees(ops) -> bool:
     pairs += [(ops.gelu_tanh(t).double(), torch.nn.functional.gelu(t.double(), approximate="tanh")),
               (ops.gelu_tanh_backward(torch.ones_like(t), t).double(),
                torch.ops.aten.gelu_backward(torch.ones(203, dtype=torch.double), t.double(), approximate="tanh"))]
+    logits = torch.randn(5, 77, generator=g) * 4  # a row: nine blocks of eight and five more
+    targets = torch.randint(0, 77, (5,), generator=g)
+    grads = logits.clone()  # the kernel turns it into the gradient, in place
+    ce = ops.cross_entropy_rows_(grads, targets, torch.full((5,), 0.5), True)
+    pairs += [(ce, torch.nn.functional.cross_entropy(logits, targets, reduction="none")),
+              (grads, 0.5 * (logits.softmax(dim=1) - torch.nn.functional.one_hot(targets, 77)))]
     q, k, v = (torch.randn(1, 2, 11, 12, generator=g) for _ in range(3))  # partial tiles everywhere
     out, lse = ops.causal_attention(q, k, v)
     pairs += [(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]

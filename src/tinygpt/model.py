@@ -107,6 +107,25 @@ def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.T
     return torch.where(w > 0, ce * w, 0.0).sum() / w.sum().clamp_min(1.0)
 
 
+def _cross_entropy_rows_(
+    logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, grad: bool
+) -> torch.Tensor:
+    """Each row's cross-entropy against its target, (N,), from float32 logits (N, V); with grad the
+    logits become, in place, the gradient of sum_i weights_i * loss_i: weights * (softmax - one-hot).
+    On tinygpt's CPU kernel where it is built (one exponential an element and no temporary, against
+    two and a temporary the size of the logits here), else in PyTorch."""
+    ops = kernels.lowbit() if logits.device.type == "cpu" else None
+    if ops is not None:
+        return ops.cross_entropy_rows_(logits, targets, weights, grad)
+    lse = torch.logsumexp(logits, dim=1)
+    ce = lse - logits.gather(1, targets[:, None]).squeeze(1)
+    if grad:
+        p = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
+        p[torch.arange(len(targets), device=targets.device), targets] -= 1
+        p.mul_(weights[:, None])
+    return ce
+
+
 class _HeadLoss(torch.autograd.Function):
     """sum_i w_i * cross-entropy(h_i @ W.T, t_i) over rows i, a chunk of rows at a time.
 
@@ -132,13 +151,10 @@ class _HeadLoss(torch.autograd.Function):
             for i in range(0, hidden.shape[0], rows):
                 h, t, w = h_all[i:i + rows], targets[i:i + rows], weights[i:i + rows]
                 logits = (h @ w_c.T).float()
-                lse = torch.logsumexp(logits, dim=1)
-                ce = lse - logits.gather(1, t[:, None]).squeeze(1)
+                ce = _cross_entropy_rows_(logits, t, w, grad=need_h or need_w)
                 total += torch.where(w > 0, ce * w, 0.0).sum()  # where: a masked target's loss may be inf
                 if need_h or need_w:
-                    p = logits.sub_(lse[:, None]).exp_()  # the softmax, in place of the logits
-                    p[torch.arange(len(t), device=t.device), t] -= 1
-                    p = p.mul_(w[:, None]).to(dtype)
+                    p = logits.to(dtype)  # now the loss's gradient for the chunk's logits
                     if need_h:
                         grad_h[i:i + rows] = p @ w_c
                     if need_w and dtype == torch.float32:

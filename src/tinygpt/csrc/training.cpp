@@ -52,6 +52,15 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// The sum of v's eight lanes, first to last.
+inline float lane_sum(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float sum = 0.0f;
+  for (float x : lanes) sum += x;
+  return sum;
+}
+
 // ---- GELU ----------------------------------------------------------------------------------------
 
 inline __m256 set(float v) { return _mm256_set1_ps(v); }
@@ -122,6 +131,73 @@ at::Tensor gelu_tanh_backward(const at::Tensor& grad, const at::Tensor& x) {
     return _mm256_mul_ps(in[1], _mm256_fmadd_ps(in[0], f.slope, f.phi));
   });
   return out;
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------------
+
+// Row r of logits (N, V) against its target t[r]: returns lse - logits[r][t[r]] (N,) with lse the
+// row's log-sum-exp and, with grad, turns the row in place into the loss's gradient times the row's
+// weight: w[r] (softmax - one-hot(t[r])). A row is read three times while it sits in the cache (its
+// maximum, then e^(x - max) and their sum, then the scale) with one exponential an element, where
+// PyTorch's log-sum-exp and a softmax from it make five passes, two exponentials an element and a
+// temporary as large as the logits. A NaN anywhere in a row makes its loss NaN (the maximum alone
+// would drop it).
+at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets, const at::Tensor& weights, bool grad) {
+  check_contiguous(logits, "logits");
+  check_contiguous(weights, "weights");
+  TORCH_CHECK(logits.dim() == 2, "logits must be (N, V)");
+  const int64_t N = logits.size(0), V = logits.size(1), full = V / 8 * 8;
+  TORCH_CHECK(targets.device().is_cpu() && targets.scalar_type() == at::kLong && targets.is_contiguous() &&
+                  targets.dim() == 1 && targets.size(0) == N && weights.numel() == N,
+              "targets must be (N,) int64 and weights (N,) float32, for the logits' N rows");
+  const int64_t* t = targets.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)
+    TORCH_CHECK(t[r] >= 0 && t[r] < V, "target ", t[r], " is out of range for ", V, " classes");
+  at::Tensor ce = at::empty({N}, logits.options());
+  float* x = logits.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* out = ce.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = x + r * V;
+      __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), nan = _mm256_setzero_ps();
+      for (int64_t j = 0; j < full; j += 8) {
+        const __m256 v = _mm256_loadu_ps(row + j);
+        top = _mm256_max_ps(top, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top);
+      float m = *std::max_element(lanes, lanes + 8);
+      bool bad = _mm256_movemask_ps(nan) != 0;
+      for (int64_t j = full; j < V; ++j) {
+        m = std::max(m, row[j]);
+        bad = bad || std::isnan(row[j]);
+      }
+      const float target = row[t[r]];
+      const __m256 shift = _mm256_set1_ps(m);
+      __m256 total = _mm256_setzero_ps();
+      for (int64_t j = 0; j < full; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        if (grad) _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+      }
+      float sum = lane_sum(total);
+      for (int64_t j = full; j < V; ++j) {
+        const float e = std::exp(row[j] - m);
+        if (grad) row[j] = e;
+        sum += e;
+      }
+      out[r] = bad ? std::numeric_limits<float>::quiet_NaN() : m + std::log(sum) - target;
+      if (!grad) continue;
+      const float scale = w[r] / sum;
+      const __m256 s8 = _mm256_set1_ps(scale);
+      for (int64_t j = 0; j < full; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), s8));
+      for (int64_t j = full; j < V; ++j) row[j] *= scale;
+      row[t[r]] -= w[r];
+    }
+  });
+  return ce;
 }
 
 // ---- attention ----------------------------------------------------------------------------------
@@ -224,11 +300,7 @@ float probabilities(float* s, int64_t i, int64_t Tp, float shift) {
     _mm256_storeu_ps(s + j, e);
     total = _mm256_add_ps(total, e);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, total);
-  float sum = 0.0f;
-  for (float x : lanes) sum += x;
-  return sum;
+  return lane_sum(total);
 }
 
 void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
@@ -353,6 +425,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
 TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
   m.def("gelu_tanh(Tensor x) -> Tensor");
   m.def("gelu_tanh_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor targets, Tensor weights, bool grad) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
   m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
         "-> (Tensor, Tensor, Tensor)");
@@ -361,6 +434,7 @@ TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
   m.impl("gelu_tanh", &gelu_tanh);
   m.impl("gelu_tanh_backward", &gelu_tanh_backward);
+  m.impl("cross_entropy_rows_", &cross_entropy_rows_);
   m.impl("causal_attention", &causal_attention);
   m.impl("causal_attention_backward", &causal_attention_backward);
 }
