@@ -208,7 +208,8 @@ def test_the_fused_loss_equals_cross_entropy_on_the_logits(dtype, masked, kernel
     # GPT.forward(idx, targets=) computes the head and the loss a chunk of rows at a time (here 7
     # rows a chunk, the last one short) with the gradients in the same pass: the loss and every
     # gradient equal those of cross-entropy on the whole batch's logits, on tinygpt's CPU kernel for
-    # the softmax and without it
+    # the softmax and without it; the float32 head's product a slice of 16 vocabulary rows at a time
+    # (the last one short), as GPT-2's is in slices of 512
     from tinygpt import kernels
     from tinygpt import model as model_module
     from tinygpt.model import masked_lm_loss
@@ -217,6 +218,7 @@ def test_the_fused_loss_equals_cross_entropy_on_the_logits(dtype, masked, kernel
         monkeypatch.setattr(kernels, "lowbit", lambda: None)
     cfg = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=True)
     monkeypatch.setattr(model_module, "LOSS_CHUNK", 7 * cfg.vocab_size)
+    monkeypatch.setattr(model_module, "HEAD_SLICE", 16)
     torch.manual_seed(0)
     model = GPT(cfg)
     idx, targets = torch.randint(0, cfg.vocab_size, (2, 2, 13))
