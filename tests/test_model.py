@@ -201,6 +201,14 @@ def test_scale_embeddings_multiplies_the_token_embeddings(tmp_path, capsys):
         GPTConfig(scale_embeddings=1)
 
 
+def test_the_fused_loss_takes_targets_that_are_not_contiguous():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    idx, every_other = torch.randint(0, 50, (1, 8)), torch.randint(0, 50, (1, 16))
+    targets = every_other[:, ::2]  # a (1, 8) view whose flattening is a strided view, not a copy
+    torch.testing.assert_close(model(idx, targets=targets), lm_loss(model(idx), targets.contiguous()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("kernels_on", [True, False])

@@ -132,7 +132,7 @@ def _cross_entropy_rows_(
     two and a temporary the size of the logits here), else in PyTorch."""
     ops = kernels.lowbit() if logits.device.type == "cpu" else None
     if ops is not None:
-        return ops.cross_entropy_rows_(logits, targets, weights, grad)
+        return ops.cross_entropy_rows_(logits, targets.contiguous(), weights.contiguous(), grad)
     lse = torch.logsumexp(logits, dim=1)
     ce = lse - logits.gather(1, targets[:, None]).squeeze(1)
     if grad:
