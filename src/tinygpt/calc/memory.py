@@ -340,13 +340,15 @@ def training_memory(
 
 
 def _loss_workspace(config: GPTConfig, rows: int, dtype: str, param_dtype: str, head_trains: bool) -> int:
-    """Bytes model.head_loss holds at once beyond what it keeps: one chunk's float32 logits and
-    logsumexp's temporary of the same size (the softmax then takes the logits' place; its
-    compute-dtype copy fits in the temporary's) and, under autocast, the compute-dtype copies of the
-    head and its input, and a chunk's product for the head's gradient."""
+    """Bytes model.head_loss holds at once beyond what it keeps: one chunk's float32 logits, which
+    tinygpt's CPU kernel turns into their gradient in place, and under autocast their compute-dtype
+    product before it and copy after it, the compute-dtype copies of the head and its input, and a
+    chunk's product for the head's gradient. (Without the kernels, on a GPU or a CPU without AVX2,
+    PyTorch's log-sum-exp holds a temporary as large as the chunk's logits more: up to 16 MB.)"""
     d, V = config.n_embd, config.vocab_size
     c = dtype_bytes(dtype)
-    workspace = 8 * min(rows, max(1, LOSS_CHUNK // V)) * V
+    chunk = min(rows, max(1, LOSS_CHUNK // V)) * V
+    workspace = 4 * chunk
     if dtype != param_dtype:
-        workspace += c * d * V + c * rows * d + (c * d * V if head_trains else 0)
+        workspace += c * chunk + c * d * V + c * rows * d + (c * d * V if head_trains else 0)
     return workspace
