@@ -83,12 +83,19 @@ _FIGURES: list[dict] = []
 @pytest.fixture
 def figure(request):
     """record(name, value, detail="") keeps a measured figure; with TINYGPT_FIGURES=FILE they are also
-    appended to FILE as JSON lines (`make reliability` does this)."""
+    appended to FILE as JSON lines (`make reliability` does this). A figure travels in its test's
+    report, so that the figures of tests run by xdist's workers reach the summary too."""
 
     def record(name: str, value, detail: str = "") -> None:
-        _FIGURES.append({"test": request.node.nodeid, "figure": name, "value": value, "detail": detail})
+        request.node.user_properties.append(
+            ("figure", {"test": request.node.nodeid, "figure": name, "value": value, "detail": detail}))
 
     return record
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":  # the report that carries what setup, the test and teardown recorded
+        _FIGURES.extend(value for key, value in report.user_properties if key == "figure")
 
 
 def pytest_terminal_summary(terminalreporter):
