@@ -1,6 +1,6 @@
 """tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
-float16, bfloat16, int8 and int4 weights, and for training GPT-2's GELU and causal attention
-(csrc/training.cpp).
+float16, bfloat16, int8 and int4 weights, and for training GELU (both forms), the head's
+cross-entropy and causal attention (csrc/training.cpp).
 
 PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
 weights well below the memory's speed (the README's Performance section has the figures). These
@@ -15,7 +15,8 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
-    gelu_tanh(x), gelu_tanh_backward(grad, x) x contiguous float32 (gelu_tanh below: with autograd)
+    gelu(x, tanh), gelu_backward(grad, x, tanh)   x contiguous float32; GPT-2's tanh form or the exact
+                                          GELU (gelu below: with autograd)
     cross_entropy_rows_(logits, targets, weights, grad)   logits (N, V) float32, targets (N,) int64, weights
                                           (N,) float32: each row's loss; with grad the logits become its gradient
     causal_attention(q, k, v) -> (out, lse), causal_attention_backward(grad, q, k, v, out, lse)
@@ -205,9 +206,12 @@ def _agrees(ops) -> bool:
               for dtype in (torch.half, torch.bfloat16)]
     t = torch.linspace(-9, 9, 203)  # GELU: 25 blocks of eight and a partial one
     # ATen's own gradient, not autograd: the first call may come under no_grad or inference_mode
-    pairs += [(ops.gelu_tanh(t).double(), torch.nn.functional.gelu(t.double(), approximate="tanh")),
-              (ops.gelu_tanh_backward(torch.ones_like(t), t).double(),
-               torch.ops.aten.gelu_backward(torch.ones(203, dtype=torch.double), t.double(), approximate="tanh"))]
+    ones = torch.ones(203, dtype=torch.double)
+    for approximate in ("tanh", "none"):
+        tanh = approximate == "tanh"
+        pairs += [(ops.gelu(t, tanh).double(), torch.nn.functional.gelu(t.double(), approximate=approximate)),
+                  (ops.gelu_backward(torch.ones_like(t), t, tanh).double(),
+                   torch.ops.aten.gelu_backward(ones, t.double(), approximate=approximate))]
     logits = torch.randn(5, 77, generator=g) * 4  # a row: nine blocks of eight and five more
     targets = torch.randint(0, 77, (5,), generator=g)
     grads = logits.clone()  # the kernel turns it into the gradient, in place
@@ -220,16 +224,17 @@ def _agrees(ops) -> bool:
     return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)
 
 
-class _GeluTanh(torch.autograd.Function):
+class _Gelu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, tanh: bool) -> torch.Tensor:
         ctx.save_for_backward(x)
-        return lowbit().gelu_tanh(x)
+        ctx.tanh = tanh
+        return lowbit().gelu(x, tanh)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor):
         (x,) = ctx.saved_tensors
-        return lowbit().gelu_tanh_backward(grad.contiguous(), x)
+        return lowbit().gelu_backward(grad.contiguous(), x, ctx.tanh), None
 
 
 def _trains_on_cpu(*tensors: torch.Tensor) -> bool:
@@ -241,15 +246,17 @@ def _trains_on_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def trains_gelu(x: torch.Tensor) -> bool:
-    """Whether gelu_tanh takes x: a contiguous tensor that _trains_on_cpu (checked first: inference,
+    """Whether gelu takes x: a contiguous tensor that _trains_on_cpu (checked first: inference,
     every layer of every forward pass, answers no at its first test)."""
     return _trains_on_cpu(x) and x.is_contiguous()
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """F.gelu(x, approximate="tanh") and its gradient on tinygpt's kernel (2-3 times faster than
-    PyTorch's on a CPU; within a few float32 ulps of it). Only where trains_gelu(x)."""
-    return _GeluTanh.apply(x)
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """F.gelu(x, approximate=...) ("tanh", GPT-2's form, or "none", the exact one) and its gradient on
+    tinygpt's kernel (faster than PyTorch's on a CPU: the README's Performance section). The tanh form is
+    within a few float32 ulps of PyTorch's, the exact one within twice the error of PyTorch's float32
+    GELU. Only where trains_gelu(x)."""
+    return _Gelu.apply(x, approximate == "tanh")
 
 
 class _CausalAttention(torch.autograd.Function):

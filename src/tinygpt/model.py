@@ -248,11 +248,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class GELU(nn.GELU):
-    """nn.GELU; GPT-2's tanh form takes tinygpt's CPU kernel where it trains in float32 (kernels.trains_gelu)."""
+    """nn.GELU, on tinygpt's CPU kernel where it trains in float32 (kernels.trains_gelu)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.approximate == "tanh" and kernels.trains_gelu(x):
-            return kernels.gelu_tanh(x)
+        if kernels.trains_gelu(x):
+            return kernels.gelu(x, self.approximate)
         return super().forward(x)
 
 

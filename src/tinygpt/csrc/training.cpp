@@ -1,11 +1,12 @@
-// Kernels for training on x86 CPUs with AVX2 and FMA, in float32: GPT-2's GELU and causal
-// self-attention, forward and backward (tinygpt/kernels.py wraps them for autograd).
+// Kernels for training on x86 CPUs with AVX2 and FMA, in float32: GELU, the head's cross-entropy and
+// causal self-attention, forward and backward (tinygpt/kernels.py wraps them for autograd).
 //
-// GELU. GPT-2's form, x/2 (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3). PyTorch's CPU
+// GELU, both forms. GPT-2's, x/2 (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3): PyTorch's CPU
 // kernel computes tanh with a general-purpose vector function, at 2-3 times the cost of its exact
 // GELU; here the identity 1/2 (1 + tanh(u)) = 1 / (1 + e^(-2u)) leaves one exponential and one
-// division for eight values, and no subtraction of nearly equal numbers for negative inputs. (The
-// exact GELU gains nothing from the same treatment: PyTorch's is as fast.)
+// division for eight values, and no subtraction of nearly equal numbers for negative inputs. The
+// exact one, x Phi(x): PyTorch's forward is nearly as fast as this one, but its backward computes
+// erf and the density's exponential apart, where here one exponential serves both.
 //
 // Attention. PyTorch's CPU flash-attention kernel is made for long sequences; for the short
 // contexts and small heads a model trains on a CPU (64-512 positions, 32-64 dimensions a head) it
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -61,6 +63,13 @@ inline float lane_sum(__m256 v) {
   return sum;
 }
 
+// The largest of v's eight lanes.
+inline float lane_max(__m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  return *std::max_element(lanes, lanes + 8);
+}
+
 // ---- GELU ----------------------------------------------------------------------------------------
 
 inline __m256 set(float v) { return _mm256_set1_ps(v); }
@@ -70,7 +79,9 @@ struct Factors {
   __m256 phi, slope;
 };
 
-inline Factors factors(__m256 x) {
+// GPT-2's tanh form. These are always inlined: a call returns both factors through memory, and the
+// forward pass would compute a slope it does not use.
+[[gnu::always_inline]] inline Factors tanh_factors(__m256 x) {
   const __m256 x2 = _mm256_mul_ps(x, x);
   // 2u = 2 sqrt(2/pi) (x + 0.044715 x^3); s = 1 / (1 + e^(-2u))
   const __m256 two_u =
@@ -81,12 +92,44 @@ inline Factors factors(__m256 x) {
   return {s, _mm256_mul_ps(_mm256_mul_ps(s, _mm256_sub_ps(set(1.0f), s)), du)};
 }
 
-// y[i .. i + 8) = f(x[i .. i + 8)) for every block of eight of n values (xs: one or two inputs of n);
-// the last, partial block goes through a buffer of eight (masked stores are slow on AMD's CPUs)
+// The exact form: phi is the normal distribution's Phi(x) = erfc(-x / sqrt 2) / 2 and the slope its
+// density e^(-x^2 / 2) / sqrt(2 pi). erfc(z) for z = |x| / sqrt 2 is t P(t) e^(-z^2), t = 1 / (1 + p z)
+// and P of degree 4 (Abramowitz and Stegun 7.1.26: within 1.5e-7 of erf, about as close as float32's
+// 1 + erf(x / sqrt 2) in PyTorch's GELU comes near its left tail); the density reuses the exponential.
+[[gnu::always_inline]] inline Factors erf_factors(__m256 x) {
+  const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(set(-0.0f), x), set(0.70710678118654752f));
+  const __m256 t = _mm256_div_ps(set(1.0f), _mm256_fmadd_ps(set(0.3275911f), z, set(1.0f)));
+  __m256 p = _mm256_fmadd_ps(set(1.061405429f), t, set(-1.453152027f));
+  p = _mm256_fmadd_ps(p, t, set(1.421413741f));
+  p = _mm256_fmadd_ps(p, t, set(-0.284496736f));
+  p = _mm256_fmadd_ps(p, t, set(0.254829592f));
+  const __m256 e = exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), z));
+  const __m256 half_erfc = _mm256_mul_ps(_mm256_mul_ps(set(0.5f), t), _mm256_mul_ps(p, e));
+  const __m256 left = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 phi = _mm256_blendv_ps(_mm256_sub_ps(set(1.0f), half_erfc), half_erfc, left);
+  return {phi, _mm256_mul_ps(set(0.3989422804014327f), e)};
+}
+
+template <bool Tanh>
+[[gnu::always_inline]] inline Factors factors(__m256 x) {
+  return Tanh ? tanh_factors(x) : erf_factors(x);
+}
+
+// y[i .. i + 8) = f(x[i .. i + 8)) for every block of eight of n values (xs: one or two inputs of n),
+// four blocks at a time where it can: f is a long chain of dependent steps, and four independent
+// ones side by side keep the CPU's units busy. The last, partial block goes through a buffer of
+// eight (masked stores are slow on AMD's CPUs).
 template <int N, typename F>
 void each_eight(const float* const (&xs)[N], float* y, int64_t n, F f) {
   at::parallel_for(0, (n + 7) / 8, 2048, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+    int64_t b = begin;
+    for (; b + 4 <= end && 8 * (b + 4) <= n; b += 4) {
+      __m256 in[4][N];
+      for (int u = 0; u < 4; ++u)
+        for (int k = 0; k < N; ++k) in[u][k] = _mm256_loadu_ps(xs[k] + 8 * (b + u));
+      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(y + 8 * (b + u), f(in[u]));
+    }
+    for (; b < end; ++b) {
       const int64_t i = 8 * b, left = n - i;
       __m256 in[N];
       if (left >= 8) {
@@ -110,26 +153,37 @@ void check_contiguous(const at::Tensor& t, const char* what) {
               " must be contiguous float32 on the CPU");
 }
 
-at::Tensor gelu_tanh(const at::Tensor& x) {
+template <bool Tanh>
+void gelu_into(const at::Tensor& x, at::Tensor& y) {
+  const float* const xs[1] = {x.data_ptr<float>()};
+  each_eight(xs, y.data_ptr<float>(), x.numel(), [](const __m256 (&in)[1]) {
+    return _mm256_mul_ps(in[0], factors<Tanh>(in[0]).phi);
+  });
+}
+
+template <bool Tanh>
+void gelu_backward_into(const at::Tensor& grad, const at::Tensor& x, at::Tensor& out) {
+  const float* const xs[2] = {x.data_ptr<float>(), grad.data_ptr<float>()};
+  each_eight(xs, out.data_ptr<float>(), x.numel(), [](const __m256 (&in)[2]) {
+    const Factors f = factors<Tanh>(in[0]);
+    return _mm256_mul_ps(in[1], _mm256_fmadd_ps(in[0], f.slope, f.phi));
+  });
+}
+
+// GELU(x), in GPT-2's tanh form or the exact one
+at::Tensor gelu(const at::Tensor& x, bool tanh) {
   check_contiguous(x, "x");
   at::Tensor y = at::empty_like(x);
-  const float* const xs[1] = {x.data_ptr<float>()};
-  each_eight(xs, y.data_ptr<float>(), x.numel(), [&](const __m256 (&in)[1]) {
-    return _mm256_mul_ps(in[0], factors(in[0]).phi);
-  });
+  tanh ? gelu_into<true>(x, y) : gelu_into<false>(x, y);
   return y;
 }
 
-at::Tensor gelu_tanh_backward(const at::Tensor& grad, const at::Tensor& x) {
+at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x, bool tanh) {
   check_contiguous(x, "x");
   check_contiguous(grad, "grad");
   TORCH_CHECK(grad.sizes() == x.sizes(), "grad must be shaped as x");
   at::Tensor out = at::empty_like(x);
-  const float* const xs[2] = {x.data_ptr<float>(), grad.data_ptr<float>()};
-  each_eight(xs, out.data_ptr<float>(), x.numel(), [&](const __m256 (&in)[2]) {
-    const Factors f = factors(in[0]);
-    return _mm256_mul_ps(in[1], _mm256_fmadd_ps(in[0], f.slope, f.phi));
-  });
+  tanh ? gelu_backward_into<true>(grad, x, out) : gelu_backward_into<false>(grad, x, out);
   return out;
 }
 
@@ -166,9 +220,7 @@ at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets, co
         top = _mm256_max_ps(top, v);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, top);
-      float m = *std::max_element(lanes, lanes + 8);
+      float m = lane_max(top);
       bool bad = _mm256_movemask_ps(nan) != 0;
       for (int64_t j = full; j < V; ++j) {
         m = std::max(m, row[j]);
@@ -204,11 +256,14 @@ at::Tensor cross_entropy_rows_(at::Tensor& logits, const at::Tensor& targets, co
 
 inline int64_t eights(int64_t n) { return (n + 7) / 8 * 8; }
 
-// A matrix in scratch: rows x cols floats, row-major, both padded (multiples of 8), zero outside.
+// A matrix in scratch: rows x cols floats, row-major, both padded (multiples of 8). Zeroed when its
+// shape changes only: every head of a call has the same, and the kernels overwrite what they use,
+// so the padding of a loaded head stays zero.
 struct Mat {
   std::vector<float> data;
   int64_t cols = 0;
   void reset(int64_t rows, int64_t c) {
+    if (c == cols && static_cast<int64_t>(data.size()) == rows * c) return;
     cols = c;
     data.assign(rows * c, 0.0f);
   }
@@ -216,18 +271,38 @@ struct Mat {
   const float* operator[](int64_t r) const { return data.data() + r * cols; }
 };
 
+// n floats from src to dst (a head's row: too short for memcpy's call to pay)
+inline void copy_row(const float* src, float* dst, int64_t n) {
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(dst + d, _mm256_loadu_ps(src + d));
+  for (; d < n; ++d) dst[d] = src[d];
+}
+
 // One head's (T, D) rows of a (B, H, T, D) tensor into m (Tp, Dp), zero-padded.
 void load_head(const at::Tensor& t, int64_t b, int64_t h, int64_t Tp, int64_t Dp, Mat& m) {
   const int64_t T = t.size(2), D = t.size(3);
   m.reset(Tp, Dp);
   const float* base = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
-  for (int64_t i = 0; i < T; ++i) std::copy_n(base + i * t.stride(2), D, m[i]);
+  for (int64_t i = 0; i < T; ++i) copy_row(base + i * t.stride(2), m[i], D);
+}
+
+// Asks for head bh's rows of each (B, H, T, D) tensor ahead of their load: the rows lie a (3 x) C
+// stride apart, a pattern the hardware's prefetchers pick up late.
+void prefetch_head(std::initializer_list<const at::Tensor*> ts, int64_t bh) {
+  for (const at::Tensor* t : ts) {
+    if (bh >= t->size(0) * t->size(1)) return;
+    const int64_t T = t->size(2), bytes = t->size(3) * 4;
+    const char* base = reinterpret_cast<const char*>(
+        t->data_ptr<float>() + bh / t->size(1) * t->stride(0) + bh % t->size(1) * t->stride(1));
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + i * t->stride(2) * 4 + o, _MM_HINT_T0);
+  }
 }
 
 void store_head(const Mat& m, at::Tensor& t, int64_t b, int64_t h) {
   const int64_t T = t.size(2), D = t.size(3);
   float* base = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
-  for (int64_t i = 0; i < T; ++i) std::copy_n(m[i], D, base + i * t.stride(2));
+  for (int64_t i = 0; i < T; ++i) copy_row(m[i], base + i * t.stride(2), D);
 }
 
 void transpose(const Mat& m, int64_t rows, int64_t cols, Mat& out) {
@@ -236,17 +311,32 @@ void transpose(const Mat& m, int64_t rows, int64_t cols, Mat& out) {
     for (int64_t c = 0; c < cols; ++c) out[c][r] = m[r][c];
 }
 
-// out[i0 + r][j .. j + 8) = scale * x[i0 + r] . columns j .. j + 8 of cols (Dp, Tp), for r < 4 and
-// every block of eight j below j_end: four rows of x against eight columns at a time.
-void dot_tiles(const Mat& x, int64_t i0, const Mat& cols, int64_t Dp, int64_t j_end, float scale, Mat& out) {
-  for (int64_t j = 0; j < j_end; j += 8) {
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t d = 0; d < Dp; ++d) {
-      const __m256 c = _mm256_loadu_ps(cols[d] + j);
-      for (int r = 0; r < 4; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[i0 + r][d]), c, acc[r]);
+// out[i0 + r][j .. j + W) = scale * x[i0 + r] . columns j .. j + W of cols (Dp, Tp), for r < 4: four
+// rows of x against W = 8 or 16 columns (4 x W / 8 independent sums; eight keep both FMA units busy).
+template <int W>
+void dot_tile(const Mat& x, int64_t i0, const Mat& cols, int64_t Dp, int64_t j, float scale, Mat& out) {
+  constexpr int n = W / 8;
+  __m256 acc[4][n];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < n; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < Dp; ++d) {
+    __m256 col[n];
+    for (int c = 0; c < n; ++c) col[c] = _mm256_loadu_ps(cols[d] + j + 8 * c);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[i0 + r][d]);
+      for (int c = 0; c < n; ++c) acc[r][c] = _mm256_fmadd_ps(xr, col[c], acc[r][c]);
     }
-    for (int r = 0; r < 4; ++r) _mm256_storeu_ps(out[i0 + r] + j, _mm256_mul_ps(_mm256_set1_ps(scale), acc[r]));
   }
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < n; ++c)
+      _mm256_storeu_ps(out[i0 + r] + j + 8 * c, _mm256_mul_ps(_mm256_set1_ps(scale), acc[r][c]));
+}
+
+// dot_tile for every block of eight columns below j_end, sixteen at a time where it can
+void dot_tiles(const Mat& x, int64_t i0, const Mat& cols, int64_t Dp, int64_t j_end, float scale, Mat& out) {
+  int64_t j = 0;
+  for (; j + 16 <= j_end; j += 16) dot_tile<16>(x, i0, cols, Dp, j, scale, out);
+  if (j < j_end) dot_tile<8>(x, i0, cols, Dp, j, scale, out);
 }
 
 // out[i0 + r] = sum over k in [k0, k1) of A(i0 + r, k) * rows[k], for r < 4, where A(i, k) is a[i][k],
@@ -343,10 +433,15 @@ std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const a
             std::fill_n(w.p[i], Tp, 0.0f);
             continue;
           }
-          float m = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j <= i; ++j) m = std::max(m, w.p[i][j]);
-          const float sum = probabilities(w.p[i], i, Tp, m), inv = 1.0f / sum;
-          for (int64_t j = 0; j <= i; ++j) w.p[i][j] *= inv;
+          float* row = w.p[i];
+          __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          int64_t j = 0;
+          for (; j + 8 <= i + 1; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+          float m = lane_max(top);
+          for (; j <= i; ++j) m = std::max(m, row[j]);
+          const float sum = probabilities(row, i, Tp, m);
+          const __m256 inv = _mm256_set1_ps(1.0f / sum);
+          for (j = 0; j <= i; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(inv, _mm256_loadu_ps(row + j)));
           lp[i] = m + std::log(sum);
         }
         row_tiles<false>(w.p, i0, w.v, 0, std::min(i0 + 4, T), Dp, w.out);
@@ -423,8 +518,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
-  m.def("gelu_tanh(Tensor x) -> Tensor");
-  m.def("gelu_tanh_backward(Tensor grad, Tensor x) -> Tensor");
+  m.def("gelu(Tensor x, bool tanh) -> Tensor");
+  m.def("gelu_backward(Tensor grad, Tensor x, bool tanh) -> Tensor");
   m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor targets, Tensor weights, bool grad) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
   m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
@@ -432,8 +527,8 @@ TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
 }
 
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
-  m.impl("gelu_tanh", &gelu_tanh);
-  m.impl("gelu_tanh_backward", &gelu_tanh_backward);
+  m.impl("gelu", &gelu);
+  m.impl("gelu_backward", &gelu_backward);
   m.impl("cross_entropy_rows_", &cross_entropy_rows_);
   m.impl("causal_attention", &causal_attention);
   m.impl("causal_attention_backward", &causal_attention_backward);
