@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -284,19 +283,6 @@ void load_head(const at::Tensor& t, int64_t b, int64_t h, int64_t Tp, int64_t Dp
   m.reset(Tp, Dp);
   const float* base = t.data_ptr<float>() + b * t.stride(0) + h * t.stride(1);
   for (int64_t i = 0; i < T; ++i) copy_row(base + i * t.stride(2), m[i], D);
-}
-
-// Asks for head bh's rows of each (B, H, T, D) tensor ahead of their load: the rows lie a (3 x) C
-// stride apart, a pattern the hardware's prefetchers pick up late.
-void prefetch_head(std::initializer_list<const at::Tensor*> ts, int64_t bh) {
-  for (const at::Tensor* t : ts) {
-    if (bh >= t->size(0) * t->size(1)) return;
-    const int64_t T = t->size(2), bytes = t->size(3) * 4;
-    const char* base = reinterpret_cast<const char*>(
-        t->data_ptr<float>() + bh / t->size(1) * t->stride(0) + bh % t->size(1) * t->stride(1));
-    for (int64_t i = 0; i < T; ++i)
-      for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(base + i * t->stride(2) * 4 + o, _MM_HINT_T0);
-  }
 }
 
 void store_head(const Mat& m, at::Tensor& t, int64_t b, int64_t h) {
