@@ -241,7 +241,9 @@ def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel(monkeypatch):
 
 @needs_kernels
 @pytest.mark.parametrize("approximate", ["tanh", "none"])
-@pytest.mark.parametrize("size", [1003, 8003])  # a chunk of the thread pool; several, in blocks of four and single
+# (5, 1003) is one thread's work; (5, 8003) is 5,002 blocks of eight that two threads split at 2,501, not a
+# multiple of four, so single blocks follow blocks of four inside the range too
+@pytest.mark.parametrize("size", [1003, 8003])
 def test_gelu_and_its_gradient_on_the_kernel(approximate, size):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, size, generator=g) * 4).requires_grad_()  # the last block of eight partial
