@@ -299,34 +299,35 @@ def test_cross_entropy_rows_keeps_a_nan_and_refuses_a_target_out_of_range():
 def test_causal_attention_and_its_gradients_on_the_kernel(shape):
     B, H, T, D = shape  # partial tiles of positions and of dimensions, one position, whole tiles
     g = torch.Generator().manual_seed(T)
-    qkv = torch.randn(B, T, 3 * H * D, generator=g, requires_grad=True)  # as the model splits c_attn's output
-    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in qkv.split(H * D, dim=-1))
-    grad = torch.randn(B, H, T, D, generator=g)
+    qkv = torch.randn(B, T, 3 * H * D, generator=g, requires_grad=True)  # c_attn's output
+    grad = torch.randn(B, T, H * D, generator=g)
     exact = qkv.detach().double().requires_grad_()
     want = torch.nn.functional.scaled_dot_product_attention(
         *(t.view(B, T, H, D).transpose(1, 2) for t in exact.split(H * D, dim=-1)), is_causal=True)
+    want = want.transpose(1, 2).reshape(B, T, H * D)
     want.backward(grad.double())
-    assert kernels.trains_attention(q, k, v)
-    got = kernels.causal_attention(q, k, v)
-    got.backward(grad)
+    assert kernels.trains_attention(qkv, H)
+    got = kernels.causal_attention(qkv, H)
+    got.backward(grad[:, :, None].expand(B, T, 2, H * D)[:, :, 0])  # a gradient that is not contiguous
     torch.testing.assert_close(got.double(), want.detach(), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(qkv.grad.double(), exact.grad, atol=1e-5, rtol=1e-5)
-    assert got.transpose(1, 2).is_contiguous()  # the model's transpose back to (B, T, C) copies nothing
+    assert got.is_contiguous()
 
 
 def test_causal_attention_takes_only_what_it_is_for():
-    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    qkv = torch.randn(1, 8, 3 * 32, requires_grad=True)  # 2 heads of 16
     if kernels.lowbit() is None:
-        assert not kernels.trains_attention(q, q, q)
+        assert not kernels.trains_attention(qkv, 2)
         return
-    assert kernels.trains_attention(q, q, q)
-    assert not kernels.trains_attention(q.detach(), q.detach(), q.detach())  # inference keeps PyTorch's
-    assert not kernels.trains_attention(q.double(), q.double(), q.double())
-    assert not kernels.trains_attention(q, q[:, :, :4], q[:, :, :4])  # keys of another length (a cache)
-    long = torch.randn(1, 1, kernels.ATTENTION_MAX_T + 1, 8, requires_grad=True)
-    assert not kernels.trains_attention(long, long, long)
+    assert kernels.trains_attention(qkv, 2)
+    assert not kernels.trains_attention(qkv.detach(), 2)  # inference keeps PyTorch's
+    assert not kernels.trains_attention(qkv.double(), 2)
+    assert not kernels.trains_attention(qkv, 5)  # 96 columns are not 3 x 5 heads
+    assert not kernels.trains_attention(qkv.transpose(1, 2), 2)
+    long = torch.randn(1, kernels.ATTENTION_MAX_T + 1, 24, requires_grad=True)
+    assert not kernels.trains_attention(long, 1)
     with torch.no_grad():
-        assert not kernels.trains_attention(q, q, q)
+        assert not kernels.trains_attention(qkv, 2)
 
 
 @needs_kernels
@@ -338,7 +339,7 @@ def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monk
     calls = []
     monkeypatch.setattr(kernels, "gelu", lambda x, a, f=kernels.gelu: calls.append("gelu") or f(x, a))
     monkeypatch.setattr(kernels, "causal_attention",
-                        lambda q, k, v, f=kernels.causal_attention: calls.append("attention") or f(q, k, v))
+                        lambda qkv, h, f=kernels.causal_attention: calls.append("attention") or f(qkv, h))
 
     def grads():
         model.zero_grad()
@@ -348,7 +349,7 @@ def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monk
     fast = grads()
     assert sorted(calls) == ["attention"] * 2 + ["gelu"] * 2  # each block's
     monkeypatch.setattr(kernels, "trains_gelu", lambda x: False)
-    monkeypatch.setattr(kernels, "trains_attention", lambda q, k, v: False)
+    monkeypatch.setattr(kernels, "trains_attention", lambda qkv, h: False)
     for a, b in zip(fast, grads()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert len(calls) == 4  # PyTorch's, the second time

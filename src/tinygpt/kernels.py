@@ -19,8 +19,9 @@ kernels; TINYGPT_KERNELS=0 chooses that too.
                                           GELU (gelu below: with autograd)
     cross_entropy_rows_(logits, targets, weights, grad)   logits (N, V) float32, targets (N,) int64, weights
                                           (N,) float32: each row's loss; with grad the logits become its gradient
-    causal_attention(q, k, v) -> (out, lse), causal_attention_backward(grad, q, k, v, out, lse)
-                                          (B, H, T, D) float32 (causal_attention below: with autograd)
+    causal_attention(q, k, v) -> (out, lse), causal_attention_backward(grad, q, k, v, out, lse) -> dqkv
+                                          (B, H, T, D) float32; dqkv (B, T, 3 H D), the gradients side by
+                                          side (causal_attention below: with autograd, on c_attn's output)
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
 (tinygpt.fastpath builds it from a quantized model).
@@ -259,27 +260,41 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return _Gelu.apply(x, approximate == "tanh")
 
 
+def heads(qkv: torch.Tensor, n_head: int) -> list[torch.Tensor]:
+    """q, k, v as (B, n_head, T, head_dim) views of c_attn's output (B, T, 3 C)."""
+    B, T, C3 = qkv.shape
+    return [t.view(B, T, n_head, C3 // (3 * n_head)).transpose(1, 2) for t in qkv.split(C3 // 3, dim=2)]
+
+
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, lse = lowbit().causal_attention(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
+    def forward(ctx, qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+        out, lse = lowbit().causal_attention(*heads(qkv, n_head))
+        y = out.transpose(1, 2).view(qkv.shape[0], qkv.shape[1], -1)  # (B, T, C): heads side by side, no copy
+        ctx.save_for_backward(qkv, y, lse)
+        ctx.n_head = n_head
+        return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return lowbit().causal_attention_backward(grad, *ctx.saved_tensors)
+        qkv, y, lse = ctx.saved_tensors
+        B, T, C = y.shape
+        H = ctx.n_head
+        as_heads = [t.reshape(B, T, H, C // H).transpose(1, 2) for t in (grad, y)]
+        return lowbit().causal_attention_backward(as_heads[0], *heads(qkv, H), as_heads[1], lse), None
 
 
-def trains_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether causal_attention takes q, k, v: tensors that _trains_on_cpu (checked first, as for
-    trains_gelu), (B, H, T, D) alike, T up to ATTENTION_MAX_T, the last dimension contiguous."""
-    return (_trains_on_cpu(q, k, v) and all(t.dim() == 4 and t.shape == q.shape and t.stride(3) == 1 for t in (q, k, v))
-            and q.shape[2] <= ATTENTION_MAX_T)
+def trains_attention(qkv: torch.Tensor, n_head: int) -> bool:
+    """Whether causal_attention takes qkv: c_attn's output (B, T, 3 C) that _trains_on_cpu (checked
+    first, as for trains_gelu), its last dimension contiguous, T up to ATTENTION_MAX_T."""
+    return (_trains_on_cpu(qkv) and qkv.dim() == 3 and qkv.stride(2) == 1 and qkv.shape[2] % (3 * n_head) == 0
+            and qkv.shape[1] <= ATTENTION_MAX_T)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """F.scaled_dot_product_attention(q, k, v, is_causal=True) and its gradients on tinygpt's kernel
-    (1.3-2x faster than PyTorch's flash kernel on a CPU for 64-512 positions and 32-64 dimensions a
-    head; within float32 rounding of it). Only where trains_attention(q, k, v)."""
-    return _CausalAttention.apply(q, k, v)
+def causal_attention(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Causal self-attention of c_attn's output qkv (B, T, 3 C), as F.scaled_dot_product_attention of its
+    n_head heads with is_causal=True, back as (B, T, C), and its gradient on tinygpt's kernel (1.3-2x
+    faster than PyTorch's flash kernel on a CPU for 64-512 positions and 32-64 dimensions a head;
+    within float32 rounding of it). Its backward writes qkv's gradient as one buffer, where separate
+    q, k and v would be concatenated. Only where trains_attention(qkv, n_head)."""
+    return _CausalAttention.apply(qkv, n_head)

@@ -32,8 +32,9 @@ def attention(
     """Causal scaled dot-product attention over (..., T, head_dim) tensors.
 
     One contract, three ways to compute it. The fast path calls PyTorch's fused
-    `scaled_dot_product_attention`, except for training on a CPU: in float32 tinygpt's kernel
-    (kernels.causal_attention) where it applies, in bf16 a batched-matmul path (_sdpa_is_slow).
+    `scaled_dot_product_attention`, except for training on a CPU in bf16: a batched-matmul path
+    (_sdpa_is_slow). (In float32, CausalSelfAttention trains on tinygpt's kernel where it applies,
+    kernels.causal_attention, before it comes here.)
     The explicit path is the lesson's: scores / sqrt(d_head), the tril mask as -inf, softmax; it
     also returns the attention weights (..., T_q, T_k).
 
@@ -49,8 +50,6 @@ def attention(
         (output (..., T_q, D), weights or None).
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
-    if not explicit and mask is None and dropout == 0.0 and kernels.trains_attention(q, k, v):
-        return kernels.causal_attention(q, k, v), None  # training on a CPU: tinygpt's kernel
     if not explicit and not _sdpa_is_slow(q, k):
         causal = mask is None and t_q > 1
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
@@ -235,14 +234,18 @@ class CausalSelfAttention(nn.Module):
         kv_len: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=-1)
+        qkv = self.c_attn(x)
+        dropout = self.dropout if self.training else 0.0
+        plain = kv_cache is None and mask is None and not explicit and dropout == 0.0
+        if plain and kernels.trains_attention(qkv, self.n_head):  # training on a CPU: tinygpt's kernel
+            return self.resid_drop(self.c_proj(kernels.causal_attention(qkv, self.n_head))), None
         # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = kernels.heads(qkv, self.n_head)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_head, kv_len, head_dim)
         # a cache may hold another dtype than the activations (float32 on a CPU: see KVCache.for_model)
         dtype = q.dtype
-        y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=self.dropout if self.training else 0.0)
+        y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C).to(dtype)  # heads side by side again
         return self.resid_drop(self.c_proj(y)), weights
 

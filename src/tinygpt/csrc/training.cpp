@@ -15,9 +15,10 @@
 // T x T products are register tiles of 4 rows x 8 (scores) or 4 rows x 16 (the rest), and the T x T
 // probabilities live in the scratch only (backward recomputes them from the log-sum-exp the forward
 // keeps, as flash attention does). Tensors are (B, H, T, D) float32 with the last dimension
-// contiguous (such as the views of c_attn's output the model passes); outputs and gradients come
-// back as (B, H, T, D) views of (B, T, H, D) buffers, so the model's transpose back to (B, T, C)
-// copies nothing.
+// contiguous (such as the views of c_attn's output the model passes). The output comes back as a
+// (B, H, T, D) view of a (B, T, H, D) buffer, so the transpose back to (B, T, C) copies nothing,
+// and the gradients as one (B, T, 3 C) buffer laid out as c_attn's output: q's, k's and v's side
+// by side, so that nothing concatenates them on the way back to c_attn.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -439,8 +440,8 @@ std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const a
 }
 
 // Gradients of causal_attention: P = e^(S - lse) again, dP = dO V^T, dS = P (dP - rowsum(dO O)),
-// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO; returned side by side, (B, T, 3 C).
+at::Tensor causal_attention_backward(
     const at::Tensor& grad_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse) {
   check(q, q, "q");
@@ -452,7 +453,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tp = eights(T), Dp = eights(D);
   TORCH_CHECK(lse.is_contiguous() && lse.numel() == B * H * T, "lse must be causal_attention's (B, H, T)");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  at::Tensor dq = heads_view(q), dk = heads_view(q), dv = heads_view(q);
+  // (B, T, 3, H, D): dq, dk and dv as (B, H, T, D) views of its thirds
+  at::Tensor dqkv = at::empty({B, T, 3, H, D}, q.options());
+  at::Tensor dq = dqkv.select(2, 0).permute({0, 2, 1, 3}), dk = dqkv.select(2, 1).permute({0, 2, 1, 3}),
+             dv = dqkv.select(2, 2).permute({0, 2, 1, 3});
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
     std::vector<float> delta(Tp);
@@ -498,7 +502,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward(
       store_head(w.out, dv, b, h);
     }
   });
-  return {dq, dk, dv};
+  return dqkv.view({B, T, 3 * H * D});
 }
 
 }  // namespace
@@ -508,8 +512,7 @@ TORCH_LIBRARY_FRAGMENT(tinygpt_lowbit, m) {
   m.def("gelu_backward(Tensor grad, Tensor x, bool tanh) -> Tensor");
   m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor targets, Tensor weights, bool grad) -> Tensor");
   m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
-  m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
-        "-> (Tensor, Tensor, Tensor)");
+  m.def("causal_attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
