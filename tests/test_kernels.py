@@ -323,7 +323,7 @@ def test_causal_attention_takes_only_what_it_is_for():
     assert not kernels.trains_attention(qkv.detach(), 2)  # inference keeps PyTorch's
     assert not kernels.trains_attention(qkv.double(), 2)
     assert not kernels.trains_attention(qkv, 5)  # 96 columns are not 3 x 5 heads
-    assert not kernels.trains_attention(qkv.transpose(1, 2), 2)
+    assert not kernels.trains_attention(torch.randn(1, 96, 8, requires_grad=True).transpose(1, 2), 2)  # strided
     long = torch.randn(1, kernels.ATTENTION_MAX_T + 1, 24, requires_grad=True)
     assert not kernels.trains_attention(long, 1)
     with torch.no_grad():
