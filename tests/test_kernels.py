@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tinygpt import kernels
+from tinygpt.device import cpu_flag_set
 from tinygpt.interop import quantize as quantize_module
 from tinygpt import GPT, GPTConfig, quantize
 from tinygpt.interop.quantize import (FloatLinear, Fp16Linear, Int4Linear, Int8Linear, PackedLinear, activation_dtype,
@@ -87,15 +88,31 @@ def test_a_row_computes_alike_in_any_batch_and_on_any_number_of_threads():
 
 
 @needs_kernels
-def test_float32_at_one_row_sums_as_a_batch_does_with_a_tail_and_a_bias():
-    # one row of activations takes float32 weights four rows at a time, a batch one row at a time:
-    # the same sums bit for bit, with inputs not a multiple of 16 and outputs not a multiple of 4
+@pytest.mark.parametrize("rows_at_once", [1, 4])
+def test_float32_at_one_row_sums_as_a_batch_does_with_a_tail_and_a_bias(rows_at_once):
+    # one row of activations takes float32 weights one or four rows at a time (each CPU kind its
+    # faster), a batch one row at a time: the same sums bit for bit, with inputs not a multiple of 16
+    # and outputs not a multiple of 4
     g = torch.Generator().manual_seed(1)
     x, w, b = torch.randn(3, 264, generator=g), torch.randn(302, 264, generator=g), torch.randn(302, generator=g)
-    whole = ops.float_linear(x, w, b)
-    torch.testing.assert_close(whole.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
-    for i in range(3):
-        assert torch.equal(ops.float_linear(x[i:i + 1], w, b), whole[i:i + 1])
+    before = ops.float_rows(rows_at_once)
+    try:
+        assert ops.float_rows(0) == rows_at_once
+        whole = ops.float_linear(x, w, b)
+        torch.testing.assert_close(whole.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
+        for i in range(3):
+            assert torch.equal(ops.float_linear(x[i:i + 1], w, b), whole[i:i + 1])
+    finally:
+        ops.float_rows(before)
+
+
+@needs_kernels
+def test_the_float32_rows_at_once_follow_the_cpu_kind():
+    # four where the CPU lacks AVX-512 (the Zen 3's faster), one where it has it (the Zen 4's)
+    flags = cpu_flag_set() or set()
+    assert ops.float_rows(0) == (1 if "avx512f" in flags else 4)
+    with pytest.raises(RuntimeError, match="1 or 4"):
+        ops.float_rows(2)
 
 
 def test_int4_pack_lays_out_eight_rows_a_block_with_their_scales():

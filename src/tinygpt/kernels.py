@@ -13,6 +13,8 @@ CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize kee
 kernels; TINYGPT_KERNELS=0 chooses that too.
 
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0
+    float_rows(n)                          float32 weight rows float_linear reads at a time at one row of x:
+                                          1 or 4 (per CPU kind; the same sums), n = 0 reads it
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32
     int4_linear(x, weight, params, bias, N)   weight and params as int4_pack lays them out
     gelu(x, tanh), gelu_backward(grad, x, tanh)   x contiguous float32; GPT-2's tanh form or the exact

@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -126,11 +127,8 @@ inline __m256 load8(const at::BFloat16* w) {
 // total[i * RX + r] = weight row i . activation row r, rows K apart. Two accumulators a sum: a float
 // multiply-add per 32 bytes of float32 weights leaves the memory, not the adds, to wait for, and
 // two leave registers for a tile of four. A weight block is loaded (and widened) once for every
-// activation row. One weight row streams with the software prefetch; at one row of activations,
-// four weight rows in flight without it read float32 weights faster: the 12 x 768 model's 49
-// products on the Zen 3, 2 threads, at 28.7 against 23.1 GB/s (medians of 21 interleaved rounds;
-// with the prefetch on each of the four rows, 24.5). float16 weights read four rows at a time slowed
-// to 0.77x, so 16-bit weights keep one row.
+// activation row. One weight row streams with the software prefetch. At one row of activations,
+// which is faster for float32 weights depends on the CPU (float_rows_at_one below).
 template <int RW, int RX, typename W>
 inline void tile_float(const W* w, const float* x, int64_t K, float (&total)[RW * RX]) {
   __m256 acc[RW][RX][2];
@@ -261,6 +259,20 @@ at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOpti
   return out;
 }
 
+// How many float32 weight rows float_linear reads at a time against one row of activations: 4 or 1,
+// the same sums bit for bit either way. The 12 x 768 model's 49 products at one row, 2 threads, GB/s
+// (medians of 21-31 interleaved rounds): on the Zen 3 (AVX2 only) four rows without the prefetch
+// 28.7 against one row's 23.1 (with the prefetch on each of the four, 24.5); on the Zen 4 (AVX-512)
+// one row 37.2 against four's 28.2 (the baby model's 25: 37.2 against 26.1). So four rows where the
+// CPU lacks AVX-512; float_rows(n) sets it and returns the last setting (tests take both). float16
+// weights read four rows at a time slowed to 0.77x on the Zen 3, so 16-bit weights keep one row.
+std::atomic<int64_t> float_rows_at_one{__builtin_cpu_supports("avx512f") ? 1 : 4};
+
+int64_t float_rows(int64_t rows) {
+  TORCH_CHECK(rows == 0 || rows == 1 || rows == 4, "float_rows takes 1 or 4 (0 reads the setting)");
+  return rows ? float_rows_at_one.exchange(rows) : float_rows_at_one.load();
+}
+
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_input(x_in, weight, K, 8);
@@ -277,10 +289,11 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
         },
         four...);
   };
-  if (dtype == at::kFloat) {
+  if (dtype == at::kFloat && float_rows_at_one == 4) {
     const float* wp = weight.data_ptr<float>();
     return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });
   }
+  if (dtype == at::kFloat) return run(weight.data_ptr<float>());
   return dtype == at::kHalf ? run(weight.data_ptr<at::Half>()) : run(weight.data_ptr<at::BFloat16>());
 }
 
@@ -519,6 +532,7 @@ struct DecodePlan : torch::CustomClassHolder {
 
 TORCH_LIBRARY(tinygpt_lowbit, m) {
   m.def("float_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("float_rows(int rows) -> int", &float_rows);
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias, int out_features) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
