@@ -4,6 +4,7 @@ installed; the CPU's flags at the top of every report."""
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 
@@ -12,9 +13,8 @@ import torch
 
 from tinygpt import GPT, GPTConfig
 from tinygpt.lab.bench import (
-    Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, machine, ratios, render, run,
-    peer_formats,
-    train_dtypes,
+    Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, llama_failure, machine, ratios, render,
+    run, peer_formats, train_dtypes,
 )
 from tinygpt.interop.quantize import quantize
 
@@ -113,6 +113,20 @@ def test_cpu_flags_and_torch_s_view_of_them_head_every_report():
               "limits": {"matmul_float32_gflops": 1.0, "matmul_bfloat16_gflops": 1.0, "memory_read_gbs": 1.0}}
     head = render(result).splitlines()[:2]
     assert head[1] == describe_cpu(m) and head[1].startswith("cpu: ")
+
+
+def test_a_llama_cpp_file_is_tried_in_a_child_so_a_crash_there_is_reported_not_suffered(monkeypatch, tmp_path):
+    # llama.cpp 0.3.36's AMX kernels fault on some virtual Xeons: it took the whole bench down with them
+    from tinygpt.lab import bench
+
+    path = tmp_path / "q8_0.gguf"
+    monkeypatch.setattr(bench, "LLAMA_PROBE", "import os, signal, sys; assert sys.argv[1:3] == [%r, '64']; "
+                        "os.kill(os.getpid(), signal.SIGSEGV)" % str(path))
+    assert llama_failure(path, 64) == f"it crashed with signal {signal.SIGSEGV.value}"
+    monkeypatch.setattr(bench, "LLAMA_PROBE", "raise ValueError('not a GGUF file')")
+    assert llama_failure(path, 64) == "it failed: ValueError: not a GGUF file"
+    monkeypatch.setattr(bench, "LLAMA_PROBE", "import sys; sys.exit(0)")
+    assert llama_failure(path, 64) is None
 
 
 @pytest.mark.skipif(not llama_available(), reason="llama-cpp-python (the llama extra) or gguf is not installed")

@@ -31,6 +31,8 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -387,6 +389,33 @@ def llama_files(model: GPT, folder: Path, formats: tuple[str, ...]) -> dict[str,
     return {fmt: files[fmt] for fmt in formats}
 
 
+# Loads a GGUF file and decodes a few tokens: run in a child process first, so that a llama.cpp kernel
+# that faults on this CPU (its AMX kernels do in some virtual machines, ggml-org/llama.cpp#20824) takes
+# the child down and not the benchmark with every figure it has measured.
+LLAMA_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]), verbose=False)
+llm.eval([0, 1, 2, 3])
+llm.eval([1])
+"""
+
+
+def llama_failure(path: Path, n_ctx: int) -> str | None:
+    """Why llama.cpp cannot decode the GGUF file at `path` here (tried in a child process), or None."""
+    threads = str(torch.get_num_threads())
+    try:
+        done = subprocess.run([sys.executable, "-c", LLAMA_PROBE, str(path), str(n_ctx), threads],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "it did not decode a token in 300 s"
+    if done.returncode < 0:
+        return f"it crashed with signal {-done.returncode}"
+    if done.returncode:
+        lines = done.stderr.strip().splitlines()
+        return f"it failed: {lines[-1] if lines else f'exit status {done.returncode}'}"
+    return None
+
+
 def load_llama(path: Path, n_ctx: int) -> Any:
     """A llama.cpp model on torch's thread count, quiet."""
     import llama_cpp
@@ -551,6 +580,11 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
             engines.append(("transformers", fmt, hf if fmt == "fp32" else copy.deepcopy(hf).to(torch.bfloat16), cases))
     if llama_dir is not None:
         for fmt, path in llama_files(base, llama_dir, plan.llama_formats).items():
+            failure = llama_failure(path, cfg.block_size)
+            if failure:
+                log(f"generate {name}: llama.cpp {fmt} left out: {failure} (the README's Performance section "
+                    "says how to build llama.cpp without its AMX kernels, which fault in some virtual machines)")
+                continue
             engines.append(("llama.cpp", fmt, load_llama(path, cfg.block_size), [(True, 1)]))
     formats = [f for f in plan.formats if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
     copies = {fmt: copy.deepcopy(base) for fmt in formats if fmt != "fp32"}  # before packing: no copies after
