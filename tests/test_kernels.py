@@ -276,9 +276,49 @@ def test_gelu_and_its_gradient_on_the_kernel(approximate, size):
     ours = (got.double() - want).abs().max()
     assert ours <= 2 * (torch.nn.functional.gelu(x.detach(), approximate=approximate).double() - want).abs().max()
     # only where autograd records: inference keeps PyTorch's GELU, as the decode steps do
-    assert kernels.trains_gelu(x) and not kernels.trains_gelu(x.detach()) and not kernels.trains_gelu(x.double())
+    assert kernels.trains_gelu(x, approximate) and not kernels.trains_gelu(x.detach(), approximate)
+    assert not kernels.trains_gelu(x.double(), approximate)
     with torch.no_grad():
-        assert not kernels.trains_gelu(x)
+        assert not kernels.trains_gelu(x, approximate)
+
+
+@needs_kernels
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+def test_gelu_in_bfloat16_as_autocast_gives_it_is_the_exact_value_rounded_to_bfloat16(approximate):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 8003, generator=g) * 4).bfloat16().requires_grad_()  # a partial last block of eight
+    grad = torch.randn(7, 8003, generator=g).bfloat16()
+    exact = x.detach().double().requires_grad_()
+    want = torch.nn.functional.gelu(exact, approximate=approximate)
+    want.backward(grad.double())
+    # the kernel takes both forms; training uses it for the tanh one (PyTorch's exact bfloat16 GELU is faster)
+    assert kernels.trains_gelu(x, approximate) == (approximate == "tanh")
+    got = kernels.gelu(x, approximate)
+    got.backward(grad)
+    assert got.dtype == x.grad.dtype == torch.bfloat16
+    for ours, value in ((got, want.detach()), (x.grad, exact.grad)):
+        # computed in float32 and rounded to the nearest even: the exact value's nearest bfloat16, or its
+        # neighbour where float32's few ulps cross a rounding boundary; in the far left tail (PyTorch's own
+        # float32 tanh form gives 0 there) a tiny value
+        nearest = value.bfloat16()
+        steps = (ours.view(torch.int16).int() - nearest.view(torch.int16).int()).abs()
+        large = value.abs() > 1e-4
+        assert steps[large].max() <= 1 and (steps[large] == 0).float().mean() > 0.99
+        assert (ours.double() - value)[~large].abs().max() < 2e-6
+    with pytest.raises(RuntimeError, match="grad must be shaped and typed as x"):
+        ops.gelu_backward(grad.float(), x.detach(), approximate == "tanh")
+
+
+@needs_kernels
+def test_the_first_call_checks_the_kernels_in_float32_even_under_autocast():
+    # a bfloat16 training step's GELU may be the first to ask: the check's references then ran in bfloat16,
+    # disagreed, and the process lost every kernel
+    kernels.lowbit.cache_clear()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert kernels.lowbit() is not None
+    finally:
+        kernels.lowbit.cache_clear()
 
 
 @needs_kernels
@@ -365,8 +405,31 @@ def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monk
 
     fast = grads()
     assert sorted(calls) == ["attention"] * 2 + ["gelu"] * 2  # each block's
-    monkeypatch.setattr(kernels, "trains_gelu", lambda x: False)
+    monkeypatch.setattr(kernels, "trains_gelu", lambda x, approximate: False)
     monkeypatch.setattr(kernels, "trains_attention", lambda qkv, h: False)
     for a, b in zip(fast, grads()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
     assert len(calls) == 4  # PyTorch's, the second time
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+def test_a_bfloat16_autocast_step_takes_the_tanh_gelu_kernel_and_matches_pytorchs(monkeypatch, activation):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, activation=activation)).train()
+    idx = torch.randint(0, 37, (3, 17))
+    calls = []
+    monkeypatch.setattr(kernels, "gelu", lambda x, a, f=kernels.gelu: calls.append(x.dtype) or f(x, a))
+
+    def grads():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx[:, :-1], targets=idx[:, 1:])
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    fast = grads()
+    assert calls == ([torch.bfloat16] * 2 if activation == "gelu_tanh" else [])  # each block's, the tanh form only
+    monkeypatch.setattr(kernels, "trains_gelu", lambda x, approximate: False)
+    for a, b in zip(fast, grads()):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=2e-2)

@@ -251,10 +251,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class GELU(nn.GELU):
-    """nn.GELU, on tinygpt's CPU kernel where it trains in float32 (kernels.trains_gelu)."""
+    """nn.GELU, on tinygpt's CPU kernel where it trains in float32 or, in the tanh form, under bfloat16 autocast
+    (kernels.trains_gelu)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.trains_gelu(x):
+        if kernels.trains_gelu(x, self.approximate):
             return kernels.gelu(x, self.approximate)
         return super().forward(x)
 

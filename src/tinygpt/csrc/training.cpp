@@ -1,5 +1,6 @@
-// Kernels for training on x86 CPUs with AVX2 and FMA, in float32: GELU, the head's cross-entropy and
-// causal self-attention, forward and backward (tinygpt/kernels.py wraps them for autograd).
+// Kernels for training on x86 CPUs with AVX2 and FMA, in float32: GELU (also on bfloat16 tensors, as
+// autocast gives it), the head's cross-entropy and causal self-attention, forward and backward
+// (tinygpt/kernels.py wraps them for autograd).
 //
 // GELU, both forms. GPT-2's, x/2 (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3): PyTorch's CPU
 // kernel computes tanh with a general-purpose vector function, at 2-3 times the cost of its exact
@@ -115,34 +116,50 @@ template <bool Tanh>
   return Tanh ? tanh_factors(x) : erf_factors(x);
 }
 
-// y[i .. i + 8) = f(x[i .. i + 8)) for every block of eight of n values (xs: one or two inputs of n),
-// four blocks at a time where it can: f is a long chain of dependent steps, and four independent
-// ones side by side keep the CPU's units busy. The last, partial block goes through a buffer of
-// eight (masked stores are slow on AMD's CPUs).
-template <int N, typename F>
-void each_eight(const float* const (&xs)[N], float* y, int64_t n, F f) {
+// Eight values in registers as float32: float32 as they are, bfloat16 widened (its bits are float32's
+// top half), and back, bfloat16 rounded to the nearest even as PyTorch rounds (GELU's values are finite).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// y[i .. i + 8) = f(x[i .. i + 8)) for every block of eight of n values (xs: one or two inputs of n,
+// float32 or bfloat16 as y, computed in float32), four blocks at a time where it can: f is a long
+// chain of dependent steps, and four independent ones side by side keep the CPU's units busy. The
+// last, partial block goes through a buffer of eight (masked stores are slow on AMD's CPUs).
+template <int N, typename T, typename F>
+void each_eight(const T* const (&xs)[N], T* y, int64_t n, F f) {
   at::parallel_for(0, (n + 7) / 8, 2048, [&](int64_t begin, int64_t end) {
     int64_t b = begin;
     for (; b + 4 <= end && 8 * (b + 4) <= n; b += 4) {
       __m256 in[4][N];
       for (int u = 0; u < 4; ++u)
-        for (int k = 0; k < N; ++k) in[u][k] = _mm256_loadu_ps(xs[k] + 8 * (b + u));
-      for (int u = 0; u < 4; ++u) _mm256_storeu_ps(y + 8 * (b + u), f(in[u]));
+        for (int k = 0; k < N; ++k) in[u][k] = load8(xs[k] + 8 * (b + u));
+      for (int u = 0; u < 4; ++u) store8(y + 8 * (b + u), f(in[u]));
     }
     for (; b < end; ++b) {
       const int64_t i = 8 * b, left = n - i;
       __m256 in[N];
       if (left >= 8) {
-        for (int k = 0; k < N; ++k) in[k] = _mm256_loadu_ps(xs[k] + i);
-        _mm256_storeu_ps(y + i, f(in));
+        for (int k = 0; k < N; ++k) in[k] = load8(xs[k] + i);
+        store8(y + i, f(in));
         continue;
       }
-      alignas(32) float buffer[8] = {};
+      T buffer[8] = {};
       for (int k = 0; k < N; ++k) {
         for (int64_t j = 0; j < left; ++j) buffer[j] = xs[k][i + j];
-        in[k] = _mm256_load_ps(buffer);
+        in[k] = load8(buffer);
       }
-      _mm256_store_ps(buffer, f(in));
+      store8(buffer, f(in));
       for (int64_t j = 0; j < left; ++j) y[i + j] = buffer[j];
     }
   });
@@ -153,37 +170,52 @@ void check_contiguous(const at::Tensor& t, const char* what) {
               " must be contiguous float32 on the CPU");
 }
 
-template <bool Tanh>
+template <bool Tanh, typename T>
 void gelu_into(const at::Tensor& x, at::Tensor& y) {
-  const float* const xs[1] = {x.data_ptr<float>()};
-  each_eight(xs, y.data_ptr<float>(), x.numel(), [](const __m256 (&in)[1]) {
+  const T* const xs[1] = {x.data_ptr<T>()};
+  each_eight(xs, y.data_ptr<T>(), x.numel(), [](const __m256 (&in)[1]) {
     return _mm256_mul_ps(in[0], factors<Tanh>(in[0]).phi);
   });
 }
 
-template <bool Tanh>
+template <bool Tanh, typename T>
 void gelu_backward_into(const at::Tensor& grad, const at::Tensor& x, at::Tensor& out) {
-  const float* const xs[2] = {x.data_ptr<float>(), grad.data_ptr<float>()};
-  each_eight(xs, out.data_ptr<float>(), x.numel(), [](const __m256 (&in)[2]) {
+  const T* const xs[2] = {x.data_ptr<T>(), grad.data_ptr<T>()};
+  each_eight(xs, out.data_ptr<T>(), x.numel(), [](const __m256 (&in)[2]) {
     const Factors f = factors<Tanh>(in[0]);
     return _mm256_mul_ps(in[1], _mm256_fmadd_ps(in[0], f.slope, f.phi));
   });
 }
 
+// GELU's tensors: contiguous float32 or bfloat16 on the CPU (bfloat16 is what a Linear layer gives
+// under autocast), computed in float32 either way.
+void check_gelu(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16) &&
+                  t.is_contiguous(), what, " must be contiguous float32 or bfloat16 on the CPU");
+}
+
 // GELU(x), in GPT-2's tanh form or the exact one
 at::Tensor gelu(const at::Tensor& x, bool tanh) {
-  check_contiguous(x, "x");
+  check_gelu(x, "x");
   at::Tensor y = at::empty_like(x);
-  tanh ? gelu_into<true>(x, y) : gelu_into<false>(x, y);
+  if (x.scalar_type() == at::kBFloat16) {
+    tanh ? gelu_into<true, at::BFloat16>(x, y) : gelu_into<false, at::BFloat16>(x, y);
+  } else {
+    tanh ? gelu_into<true, float>(x, y) : gelu_into<false, float>(x, y);
+  }
   return y;
 }
 
 at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x, bool tanh) {
-  check_contiguous(x, "x");
-  check_contiguous(grad, "grad");
-  TORCH_CHECK(grad.sizes() == x.sizes(), "grad must be shaped as x");
+  check_gelu(x, "x");
+  check_gelu(grad, "grad");
+  TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(), "grad must be shaped and typed as x");
   at::Tensor out = at::empty_like(x);
-  tanh ? gelu_backward_into<true>(grad, x, out) : gelu_backward_into<false>(grad, x, out);
+  if (x.scalar_type() == at::kBFloat16) {
+    tanh ? gelu_backward_into<true, at::BFloat16>(grad, x, out) : gelu_backward_into<false, at::BFloat16>(grad, x, out);
+  } else {
+    tanh ? gelu_backward_into<true, float>(grad, x, out) : gelu_backward_into<false, float>(grad, x, out);
+  }
   return out;
 }
 
