@@ -387,22 +387,31 @@ def test_causal_attention_takes_only_what_it_is_for():
         assert not kernels.trains_attention(qkv, 2)
 
 
-@needs_kernels
-@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
-def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monkeypatch, activation):
+def step_gradients(activation: str, autocast: bool):
+    """A small model's training step, float32 or under bfloat16 autocast: a function that takes it and
+    returns every parameter's gradient."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, activation=activation)).train()
     idx = torch.randint(0, 37, (3, 17))
+
+    def grads():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(idx[:, :-1], targets=idx[:, 1:])
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    return grads
+
+
+@needs_kernels
+@pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
+def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monkeypatch, activation):
+    grads = step_gradients(activation, autocast=False)
     calls = []
     monkeypatch.setattr(kernels, "gelu", lambda x, a, f=kernels.gelu: calls.append("gelu") or f(x, a))
     monkeypatch.setattr(kernels, "causal_attention",
                         lambda qkv, h, f=kernels.causal_attention: calls.append("attention") or f(qkv, h))
-
-    def grads():
-        model.zero_grad()
-        model(idx[:, :-1], targets=idx[:, 1:]).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
     fast = grads()
     assert sorted(calls) == ["attention"] * 2 + ["gelu"] * 2  # each block's
     monkeypatch.setattr(kernels, "trains_gelu", lambda x, approximate: False)
@@ -415,19 +424,9 @@ def test_a_training_step_on_the_kernels_matches_pytorchs_gelu_and_attention(monk
 @needs_kernels
 @pytest.mark.parametrize("activation", ["gelu_tanh", "gelu"])
 def test_a_bfloat16_autocast_step_takes_the_tanh_gelu_kernel_and_matches_pytorchs(monkeypatch, activation):
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=32, activation=activation)).train()
-    idx = torch.randint(0, 37, (3, 17))
+    grads = step_gradients(activation, autocast=True)
     calls = []
     monkeypatch.setattr(kernels, "gelu", lambda x, a, f=kernels.gelu: calls.append(x.dtype) or f(x, a))
-
-    def grads():
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(idx[:, :-1], targets=idx[:, 1:])
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters()]
-
     fast = grads()
     assert calls == ([torch.bfloat16] * 2 if activation == "gelu_tanh" else [])  # each block's, the tanh form only
     monkeypatch.setattr(kernels, "trains_gelu", lambda x, approximate: False)
