@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,7 +157,10 @@ def test_json_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsy
     from tinygpt.cli import main
 
     (tmp_path / "file").write_text("")
-    for bad, message in ((tmp_path, "is a folder"), (tmp_path / "file" / "b.json", "is not a folder")):
+    cases = [(tmp_path, "is a folder"), (tmp_path / "file" / "b.json", "is not a folder")]
+    if Path("/proc").is_dir():  # a folder where nobody, root included, can make a file
+        cases.append((Path("/proc/bench.json"), "cannot write in /proc"))
+    for bad, message in cases:
         assert main(["bench", "--quick", "--only", "limits", "--json", str(bad)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err  # at once: no measurement was logged

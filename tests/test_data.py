@@ -540,6 +540,14 @@ def test_cli_prepare_out_below_a_file_names_the_file(tmp_path, capsys, fmt):
     assert (tmp_path / "ok.txt").read_text() == "fine text"
 
 
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc: a folder where nobody can make a file")
+def test_cli_prepare_out_where_nothing_can_be_written_is_refused_before_the_work(tmp_path, capsys):
+    # once the whole text was read and tokenized, then "[Errno 2] No such file or directory: '/proc/.d.tmp-N'"
+    (tmp_path / "ok.txt").write_text("fine text")
+    assert cli.main(["prepare", str(tmp_path / "ok.txt"), "--out", "/proc/tinygpt-data"]) == cli.EXIT_ERROR
+    assert capsys.readouterr().err.startswith("tinygpt: error: cannot write in /proc: ")
+
+
 def test_cli_prepare_subprocess_exit_codes(tmp_path):
     (tmp_path / "ok.txt").write_text("a small text to tokenize\n" * 10)
 

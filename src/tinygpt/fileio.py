@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ def check_folder_path(path: str | os.PathLike, error: type[Exception]) -> None:
     would fail), or a path below a file. A folder, or a path that does not exist yet, is fine."""
     path = Path(path)
     if path.is_dir():
+        check_writable(path, error)
         return
     if path.exists() or path.is_symlink():
         raise error(f"{path} exists and is not a folder")
@@ -77,13 +79,26 @@ def check_folder_path(path: str | os.PathLike, error: type[Exception]) -> None:
 
 def check_parents(path: str | os.PathLike, error: type[Exception]) -> None:
     """Refuse a path below a file: the nearest of its parents that exists must be a folder (making
-    the path would fail with a bare 'Not a directory' or 'File exists'). Raises `error`."""
+    the path would fail with a bare 'Not a directory' or 'File exists') that this process can write
+    in. Raises `error`."""
     path = Path(path)
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise error(f"{path}: {parent} is not a folder")
+            check_writable(parent, error)
             return
+
+
+def check_writable(folder: Path, error: type[Exception]) -> None:
+    """Refuse a folder this process cannot make files in (no permission, a read-only or special file
+    system), found by making one and removing it: the permission bits alone do not tell (root ignores
+    them; /proc refuses root too). Raises `error`."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tinygpt-probe-"):
+            pass
+    except OSError as e:
+        raise error(f"cannot write in {folder}: {e.strerror or e}") from None
 
 
 def printable_path(path: str | os.PathLike) -> str:
