@@ -2,6 +2,7 @@
 the CLI, and bad folders. Needs the hf extra (transformers)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -377,6 +378,10 @@ def test_unsupported_tokenizer_and_cli_refusals(tmp_path, hf_folder, runs, cli):
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine"
     assert_clean_error(cli("import", hf_folder, "--out", run), "already exists")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+    if Path("/proc").is_dir():  # nothing can be written there: said so, where once mkdir's bare errno 2 was
+        for fmt, out in (("hf", "/proc/hf"), ("gguf", "/proc/model.gguf")):
+            assert_clean_error(cli("export", run, "--format", fmt, "--out", out), "cannot write in /proc")
+        assert_clean_error(cli("import", hf_folder, "--out", "/proc/run"), "cannot write in /proc")
     assert_clean_error(cli("sample", tmp_path / "other"), "not a tinygpt run")
 
 

@@ -42,7 +42,7 @@ from safetensors.torch import save_file
 from .config import GPTConfig, LoraConfig
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, TokenizerError
-from .fileio import atomic_write, check_regular_file, fsync_dir, read_json, write_json
+from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, read_json, write_json
 from .interop.hf_gpt2 import is_hf_folder, load_hf
 from .interop.hf_tokenizer import load_hf_tokenizer
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
@@ -224,6 +224,7 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     src, out = Path(src), Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists; import into a new folder")
+    check_folder_path(out, CheckpointError)  # below a file, or where nothing can be written
     model = load_hf(src)
     tokenizer = load_hf_tokenizer(src)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
@@ -422,6 +423,7 @@ def check_merge_target(out: str | Path, *taken: str | Path) -> None:
     if (out.exists() and (not out.is_dir() or any(out.iterdir()))) or any(
             out.resolve() == Path(t).resolve() for t in taken):
         raise CheckpointError(f"{out} already exists; merge into a new folder")
+    check_folder_path(out, CheckpointError)  # below a file, or where nothing can be written
 
 
 def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:

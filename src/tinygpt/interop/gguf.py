@@ -21,7 +21,7 @@ import torch
 
 from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError
-from ..fileio import atomic_write
+from ..fileio import atomic_write, check_output_file
 from .hf_gpt2 import check_gpt2_computes, gpt2_shapes, gpt2_tensors
 from .hf_tokenizer import byte_level_vocab
 from ..model import GPT
@@ -108,8 +108,7 @@ def export_gguf(
     if dtype not in DTYPES:
         raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     out = Path(out)
-    if out.is_dir():
-        raise CheckpointError(f"{out} is a folder; give the .gguf file to write")
+    check_output_file(out, CheckpointError)  # a folder, a path below a file, or where nothing can be written
     if out.exists() and not _is_gguf(out):  # an earlier export is replaced; nothing else is
         raise CheckpointError(f"{out} exists and is not a GGUF file; give a new path to write")
     config = model.config

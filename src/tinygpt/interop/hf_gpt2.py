@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
-from ..fileio import atomic_write, read_json, write_json
+from ..fileio import atomic_write, check_folder_path, read_json, write_json
 from ..model import GPT
 from ..tokenizer import Tokenizer
 from ..weights import TIED_KEY, check_layers, model_from_tensors, read_weights
@@ -315,9 +315,9 @@ def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfi
 
 
 def _check_target(out: Path) -> None:
-    """Refuse to write over anything that is not an earlier export: a run, a file, a foreign folder."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} exists and is not a folder")
+    """Refuse to write over anything that is not an earlier export (a run, a file, a foreign folder), and
+    a folder that cannot be made or written in."""
+    check_folder_path(out, CheckpointError)
     if out.is_dir() and any(out.iterdir()) and not is_hf_folder(out):
         raise CheckpointError(f"{out} is not empty and not a Hugging Face model folder; export to a new folder")
 
