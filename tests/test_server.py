@@ -745,6 +745,43 @@ def test_echo_with_logprobs_and_generated_tokens(scoring_url, model, tok):
     assert [c.choices[0].text for c in chunks] == ["abc", ""] and chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_prompt_scoring_holds_its_place_and_stops_when_its_client_leaves(model, tok, monkeypatch):
+    """Scoring a prompt (echo with logprobs) is model work before any sequence exists: it once took no
+    place, so a full server still let any number of them in, and it ran on after its client had left."""
+    import time
+
+    from tinygpt.server import app as server_app
+
+    calls = []
+
+    def slow(*args, **kwargs):  # a call scores up to 8 windows; this makes the whole prompt take ~10 s
+        calls.append(time.monotonic())
+        time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    real = server_app.score_windows
+    monkeypatch.setattr(server_app, "score_windows", slow)
+    body = {**COMP, "prompt": "ab" * 20_000, "echo": True, "logprobs": 0, "max_tokens": 0}  # 1,250 windows
+    with running(create_app(model, tok, model_name=NAME, max_concurrency=1, max_queue=0)) as base:
+        def leaving_client():
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + C, json=body, timeout=2)
+
+        client = threading.Thread(target=leaving_client)
+        client.start()
+        wait_for(lambda: calls)
+        r = httpx.post(base + C, json={**COMP, "max_tokens": 2}, timeout=30)
+        assert check_error(r, 429)["code"] == "rate_limit_exceeded"
+        assert health(base)["scoring"] == 1
+        client.join()
+        wait_for(lambda: health(base)["scoring"] == 0)
+        stopped = len(calls)
+        assert stopped < 100  # of the 157 calls the whole prompt takes
+        time.sleep(0.3)
+        assert len(calls) == stopped
+        assert httpx.post(base + C, json={**COMP, "max_tokens": 2}, timeout=30).status_code == 200
+
+
 def test_max_tokens_0_without_echo_is_an_empty_completion(http):
     r = http.post(C, json={**COMP, "max_tokens": 0})
     choice = r.json()["choices"][0]
@@ -755,6 +792,10 @@ def test_max_tokens_0_without_echo_is_an_empty_completion(http):
     err = check_error(http.post(C, json={**COMP, "prompt": "a" * 70_000, "echo": True, "logprobs": 0,
                                          "max_tokens": 0}), 400)
     assert err["param"] == "prompt" and "65,536" in err["message"]
+    # every choice carries its prompt's logprobs: n copies count, as they once did not (a 157 MB answer)
+    err = check_error(http.post(C, json={**COMP, "prompt": "a" * 40_000, "echo": True, "logprobs": 0,
+                                         "max_tokens": 0, "n": 2}), 400)
+    assert err["param"] == "prompt" and "got 80,000" in err["message"]
 
 
 # -- DNS rebinding and cross-site posts -------------------------------------------------------

@@ -47,7 +47,7 @@ COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 ATTENTION_MAX_TOKENS = 256  # the attention view shows at most the last 256 tokens
-SCORE_MAX_TOKENS = 65536  # prompt tokens one request may have scored (echo with logprobs)
+SCORE_MAX_TOKENS = 65536  # prompt tokens one request may have scored (echo with logprobs), n copies counted
 SCORE_WINDOWS_PER_CALL = 8  # context windows scored per turn of the model thread: decoding goes on between
 _GONE = object()  # queued when the client disconnects
 
@@ -355,7 +355,11 @@ class _Server:
         scored = None
         if req.echo and req.logprobs is not None:
             # an empty prompt starts from a token of the server's choosing, which is not in the echoed text
-            scored = await self.score([i if p else [] for p, i in zip(prompts, ids)], req.logprobs)
+            try:
+                scored = await self.score(request, [i if p else [] for p, i in zip(prompts, ids)], req.logprobs,
+                                          req.n or 1)
+            except _ClientGone:
+                return JSONResponse({})  # nobody is there to read it
         return await self.generate(request, req, ids, settings, chat=False, echo=echo, scored=scored)
 
     async def chat(self, request: Request, req: ChatRequest) -> Response:
@@ -390,35 +394,43 @@ class _Server:
         if not self.scheduler.has_room(count):
             raise _busy(1)
 
-    async def score(self, prompts: list[list[int]], top: int) -> list[list[TokenInfo]]:
+    async def score(self, request: Request, prompts: list[list[int]], top: int, n: int) -> list[list[TokenInfo]]:
         """Each prompt token's logprob and `top` alternatives, as `tinygpt eval` scores a text: the
-        prompt cut into consecutive windows of block_size + 1 tokens; the first token has none."""
-        total = sum(len(ids) for ids in prompts)
+        prompt cut into consecutive windows of block_size + 1 tokens; the first token has none. The
+        request holds its places in the scheduler meanwhile (a full server answers 429), and a client
+        that leaves stops the scoring (raises _ClientGone)."""
+        total = sum(len(ids) for ids in prompts) * n  # every choice carries its prompt's logprobs
         if total > SCORE_MAX_TOKENS:
             raise APIError(400, f"Invalid value for 'prompt': echo with logprobs scores at most {SCORE_MAX_TOKENS:,} "
-                                f"prompt tokens per request, got {total:,}", param="prompt", code="invalid_value")
+                                f"prompt tokens per request (n times the prompts' tokens), got {total:,}",
+                           param="prompt", code="invalid_value")
         out = []
-        for ids in prompts:
-            if not ids:
-                out.append([])
-                continue
-            offsets = _text_offsets(self.tokenizer, ids)
-            infos = [TokenInfo(ids[0], None, None, 0)]
-            starts = list(range(0, len(ids) - 1, self.block_size))
-            for i in range(0, len(starts), SCORE_WINDOWS_PER_CALL):
-                chunk = starts[i : i + SCORE_WINDOWS_PER_CALL]
-
-                def run(chunk=chunk) -> list[TokenInfo]:
-                    return score_windows(self.model, ids, chunk, top, offsets, self.vocab_size)
-
-                try:
-                    infos += await asyncio.wrap_future(self.scheduler.call(run))
-                except ModelDown as e:
-                    raise _model_down(str(e)) from None
-                except Draining:
-                    raise _unavailable() from None
-            out.append(infos)
+        try:
+            with self.scheduler.hold(len(prompts) * n):
+                for ids in prompts:
+                    out.append(await self._score_one(request, ids, top) if ids else [])
+        except QueueFull as e:
+            raise _busy(e.retry_after) from None
+        except ModelDown as e:
+            raise _model_down(str(e)) from None
+        except Draining:
+            raise _unavailable() from None
         return out
+
+    async def _score_one(self, request: Request, ids: list[int], top: int) -> list[TokenInfo]:
+        offsets = _text_offsets(self.tokenizer, ids)
+        infos = [TokenInfo(ids[0], None, None, 0)]
+        starts = list(range(0, len(ids) - 1, self.block_size))
+        for i in range(0, len(starts), SCORE_WINDOWS_PER_CALL):
+            chunk = starts[i : i + SCORE_WINDOWS_PER_CALL]
+            if await request.is_disconnected():
+                raise _ClientGone()
+
+            def run(chunk=chunk) -> list[TokenInfo]:
+                return score_windows(self.model, ids, chunk, top, offsets, self.vocab_size)
+
+            infos += await asyncio.wrap_future(self.scheduler.call(run))
+        return infos
 
     async def generate(self, request: Request, req, prompts: list[list[int]], settings: dict, *, chat: bool,
                        echo: list[str] | None = None, scored: list[list[TokenInfo]] | None = None) -> Response:

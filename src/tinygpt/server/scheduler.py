@@ -24,7 +24,8 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -189,6 +190,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._admitting: list[Sequence] = []  # taken from the queue, not yet given a row
         self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
+        self._held = 0  # places held by requests whose prompts are being scored (see `hold`)
         self._cache: KVCache | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -255,20 +257,42 @@ class Scheduler:
             QueueFull: not enough room in the slots and the queue (retry later).
         """
         with self._cond:
-            if self.failure is not None:
-                raise ModelDown(self.failure)
-            if self.draining or self._stopping:
-                raise Draining()
-            if len(self._waiting) + self._running() + len(seqs) > self.max_concurrency + self.max_queue:
-                raise QueueFull(retry_after=1)
+            self._admit_or_raise(len(seqs))
             self._waiting.extend(seqs)
             self._cond.notify_all()
         self.start()
 
+    @contextmanager
+    def hold(self, count: int) -> Iterator[None]:
+        """Hold `count` places (slots or queue places) for as long as the block runs: a request whose
+        prompts are scored first (echo with logprobs) is work on the model thread before its sequences
+        exist, and a full server refuses it as it refuses sequences. Raises as `submit` does."""
+        with self._cond:
+            self._admit_or_raise(count)
+            self._held += count
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= count
+                self._cond.notify_all()
+
+    def _admit_or_raise(self, count: int) -> None:
+        if self.failure is not None:
+            raise ModelDown(self.failure)
+        if self.draining or self._stopping:
+            raise Draining()
+        if not self._room(count):
+            raise QueueFull(retry_after=1)
+
     def has_room(self, count: int) -> bool:
         """Whether `count` more sequences would be accepted now (submit decides for sure)."""
         with self._cond:
-            return len(self._waiting) + self._running() + count <= self.max_concurrency + self.max_queue
+            return self._room(count)
+
+    def _room(self, count: int) -> bool:
+        taken = len(self._waiting) + self._running() + self._held
+        return taken + count <= self.max_concurrency + self.max_queue
 
     def cancel(self, seqs: list[Sequence]) -> None:
         """Stop generating for these sequences: a waiting one leaves the queue now, an active one
@@ -308,13 +332,15 @@ class Scheduler:
         """Block until nothing is queued or running. Returns False on timeout."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: not (self._waiting or self._admitting or self._active or self._jobs), timeout
+                lambda: not (self._waiting or self._admitting or self._active or self._jobs or self._held), timeout
             )
 
     def stats(self) -> dict:
-        """Sequences generating ("active") and waiting ("queued"), and counters since the start."""
+        """Sequences generating ("active") and waiting ("queued"), places held by prompts being scored
+        ("scoring"), and counters since the start."""
         with self._cond:
-            return {"active": self._running(), "queued": len(self._waiting), "slots": self.max_concurrency,
+            return {"active": self._running(), "queued": len(self._waiting), "scoring": self._held,
+                    "slots": self.max_concurrency,
                     "max_queue": self.max_queue, **self.counters}
 
     def _running(self) -> int:
