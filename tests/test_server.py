@@ -782,6 +782,34 @@ def test_prompt_scoring_holds_its_place_and_stops_when_its_client_leaves(model, 
         assert httpx.post(base + C, json={**COMP, "max_tokens": 2}, timeout=30).status_code == 200
 
 
+def test_a_whole_answer_is_built_off_the_event_loop(model, tok, monkeypatch):
+    """Formatting a large answer's logprobs (16 x 2,048 tokens x 21 entries: seconds) once ran on the
+    event loop, and every other request, /health included, waited for it."""
+    import time
+
+    from tinygpt.server.app import _Reply
+
+    real, formatting = _Reply.format_logprobs, threading.Event()
+
+    def slow(self, tokens):
+        formatting.set()
+        time.sleep(1.5)
+        return real(self, tokens)
+
+    monkeypatch.setattr(_Reply, "format_logprobs", slow)
+    with running(create_app(model, tok, model_name=NAME)) as base:
+        answers = []
+        client = threading.Thread(target=lambda: answers.append(
+            httpx.post(base + C, json={**COMP, "max_tokens": 2, "logprobs": 1}, timeout=30)))
+        client.start()
+        assert formatting.wait(10)
+        start = time.monotonic()
+        assert httpx.get(base + "/health", timeout=10).status_code == 200
+        assert time.monotonic() - start < 0.75
+        client.join()
+        assert len(answers[0].json()["choices"][0]["logprobs"]["tokens"]) == 2
+
+
 def test_max_tokens_0_without_echo_is_an_empty_completion(http):
     r = http.post(C, json={**COMP, "max_tokens": 0})
     choice = r.json()["choices"][0]
