@@ -296,6 +296,9 @@ def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
         assert card["chat_template"]["kind"] == "run" and card["chat_template"]["end"] == "<|end|>"
         with pytest.raises(openai.BadRequestError, match="empty content"):
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " "}])
+        with pytest.raises(openai.BadRequestError) as e:  # which message, and where in it
+            client.chat.completions.create(model=NAME, messages=[messages[0], {"role": "user", "content": "caf\u00e9"}])
+        assert e.value.body["param"] == "messages.1.content" and "at position 3" in e.value.body["message"]
     # a model without a template keeps the plain "User: ... Assistant:" text, and says so
     from fastapi.testclient import TestClient
 

@@ -226,7 +226,7 @@ BAD = [
     (M, msg(content=5), 400, "messages.0.content"),
     (M, msg(content=...), 400, "messages.0.content"),
     (M, msg(content=[{"type": "image_url", "image_url": {"url": "x"}}]), 400, "messages.0.content"),
-    (M, msg(content="\u00e9"), 400, "messages"),
+    (M, msg(content="\u00e9"), 400, "messages.0.content"),
     (M, chat(top_logprobs=3), 400, "top_logprobs"),
     (M, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     (M, chat(max_completion_tokens=CAP + 1), 400, "max_completion_tokens"),
@@ -683,8 +683,8 @@ def test_chat_on_a_model_whose_vocabulary_lacks_the_template_says_so():
     with TestClient(create_app(tiny_model(), tiny_tokenizer(), model_name=NAME)) as http:
         assert http.get("/health").json()["chat"] is True
         r = http.post(M, json={**CHAT, "messages": [{"role": "user", "content": "caf\u00e9"}]})
-        err = check_error(r, 400)  # the user's own character is still the user's
-        assert err["param"] == "messages" and "\u00e9" in err["message"]
+        err = check_error(r, 400)  # the user's own character, where it is in their message (once in the template's text)
+        assert err["param"] == "messages.0.content" and "'\u00e9' (U+00E9) at position 3" in err["message"]
 
 
 @pytest.fixture(scope="module")

@@ -370,20 +370,40 @@ class _Server:
         settings = self.settings(req, req.max_completion_tokens or req.max_tokens, self.max_tokens)
         top = req.top_logprobs or 0
         if self.template is None:
-            ids = await run_in_threadpool(self.encode, chat_prompt(req.messages), "messages")
+            ids = await run_in_threadpool(self.plain_chat_ids, req.messages)
             settings.update(stop=CHAT_STOPS + req.stops, logprobs=top if req.logprobs else None)
         else:
             ids = await run_in_threadpool(self.render, req.messages)
             settings.update(stop=req.stops, logprobs=top if req.logprobs else None)
         return await self.generate(request, req, [ids], settings, chat=True)
 
+    def plain_chat_ids(self, messages: list[Message]) -> list[int]:
+        """The messages in the plain-text chat template (chat_prompt), encoded."""
+        try:
+            return self.tokenizer.encode(chat_prompt(messages))
+        except TokenizerError as e:
+            raise self.message_error(messages, e) from None
+
     def render(self, messages: list[Message]) -> list[int]:
         """The run's own template over the messages, ending with the assistant's start ("developer" is the system)."""
         plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             return render_chat_prompt(self.tokenizer, plain)
-        except (ChatError, TokenizerError) as e:
+        except TokenizerError as e:
+            raise self.message_error(messages, e) from None
+        except ChatError as e:
             raise APIError(400, f"Invalid value for 'messages': {e}", param="messages", code="invalid_value") from None
+
+    def message_error(self, messages: list[Message], error: TokenizerError) -> APIError:
+        """A 400 naming the first message whose content the tokenizer refuses, with positions in that
+        content: the template's own text around it is not the client's."""
+        for i, m in enumerate(messages):
+            try:
+                self.tokenizer.encode(m.text)
+            except TokenizerError as e:
+                param = f"messages.{i}.content"
+                return APIError(400, f"Invalid value for '{param}': {e}", param=param, code="invalid_value")
+        return APIError(400, f"Invalid value for 'messages': {error}", param="messages", code="invalid_value")
 
     def check_choices(self, count: int) -> None:
         """n times the number of prompts must fit; a full server answers 429 before any work."""
