@@ -144,7 +144,7 @@ def create_app(
         csp = "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
         return HTMLResponse(page, headers={"Content-Security-Policy": csp, "Cache-Control": "no-cache"})
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health() -> JSONResponse:
         failure, draining = server.scheduler.failure, server.scheduler.draining
         cfg = model.config
