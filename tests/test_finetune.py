@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import shlex
 import subprocess
 import sys
@@ -354,4 +355,24 @@ def test_resume_keeps_the_method_the_adapters_and_the_base(world, tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "r").iterdir()} == kept
     # the same settings, from the base's Hugging Face export (the same weights): it resumes
     result = tinygpt.finetune(world / "hf", world / "data-b", tmp_path / "r", lora, quick(max_iters=4), resume=True)
+    assert result.train.step == 4
+
+
+def test_resume_of_a_full_fine_tune_keeps_its_base_and_what_it_freezes_and_a_pretraining_run_is_refused(world,
+                                                                                                    tmp_path):
+    # once: another FROM went on without a word (and the report's "before" was the other model's); a
+    # plain train run as the run was trained on at another rate and its weights replaced
+    shutil.copytree(world / "base", tmp_path / "pretrained")
+    tinygpt.finetune(world / "base", world / "data-b", tmp_path / "full", FinetuneConfig(), quick(max_iters=2))
+    cases = [(tmp_path / "full", tmp_path / "full", FinetuneConfig(), "is not the base"),
+             (world / "base", tmp_path / "full", FinetuneConfig(freeze_layers=1), "with freeze_layers 0, not 1"),
+             (world / "base", tmp_path / "pretrained", FinetuneConfig(), "is not a fine-tune run")]
+    for from_, run, cfg, why in cases:
+        kept = {f.name: f.read_bytes() for f in run.iterdir()}
+        with pytest.raises(ConfigError, match=why):
+            tinygpt.finetune(from_, world / "data-b", run, cfg, quick(max_iters=4), resume=True)
+        assert {f.name: f.read_bytes() for f in run.iterdir()} == kept
+    # the same base, moved or exported (the same weights): it resumes
+    result = tinygpt.finetune(world / "hf", world / "data-b", tmp_path / "full", FinetuneConfig(), quick(max_iters=4),
+                              resume=True)
     assert result.train.step == 4

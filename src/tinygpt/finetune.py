@@ -163,7 +163,7 @@ def finetune(
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
         dataset = load_data(data)
         base = _load_base(from_)
-        base_checksum = weights_checksum(base) if cfg.method == "lora" else None  # hashed once: every weight
+        base_checksum = weights_checksum(base)  # hashed once (every weight): a resume checks its base by it
         if resume and has_checkpoint(out):
             _check_resume(out, from_, base_checksum, cfg)
         tokenizer = _base_tokenizer(from_)
@@ -324,27 +324,33 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
     return model.train()
 
 
-def _check_resume(out: Path, from_: Path, base_checksum: str | None, cfg: FinetuneConfig) -> None:
-    """A resumed fine-tune keeps its method, its adapters' settings and its base: settings that
-    would change them are refused before anything in the run is touched (the adapters trained so
-    far are of that shape, on that base's weights).
+def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfig) -> None:
+    """A resumed fine-tune is a fine-tune run, and keeps its method, what it trains and its base:
+    anything else is refused before the run is touched (a pretraining run would be trained on at
+    another rate and its weights replaced; the adapters or weights trained so far are of that
+    shape, on that base's weights).
 
     Raises:
         ConfigError: naming the setting, or the base.
     """
     record = read_json(out / TRAIN_CONFIG, ConfigError) if (out / TRAIN_CONFIG).exists() else None
     saved = record.get("finetune") if isinstance(record, dict) else None
-    if isinstance(saved, dict):
-        now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
-        keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
-            else ("method",)
-        for key in keys:
-            if key in saved and saved[key] != now[key]:
-                raise ConfigError(f"{out} was fine-tuned with {key} {saved[key]!r}, not {now[key]!r}: "
-                                  "drop the setting to resume it")
-    if (base_checksum is not None and checkpoint.is_adapter_run(out)
-            and checkpoint.read_adapter_config(out).checksum != base_checksum):
-        raise ConfigError(f"{from_} is not the base {out}'s adapters were trained on: resume it from that base")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{out} is not a fine-tune run (its {TRAIN_CONFIG} has no finetune settings): continue "
+                          "it with tinygpt train --resume, or fine-tune into a new folder")
+    now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
+    keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
+        else ("method", "freeze_embeddings", "freeze_layers")
+    for key in keys:
+        if key in saved and saved[key] != now[key]:
+            raise ConfigError(f"{out} was fine-tuned with {key} {saved[key]!r}, not {now[key]!r}: "
+                              "drop the setting to resume it")
+    # the base's checksum as the run recorded it (an adapter run's own config names it too)
+    expected = saved.get("base_checksum")
+    if expected is None and checkpoint.is_adapter_run(out):
+        expected = checkpoint.read_adapter_config(out).checksum
+    if expected is not None and expected != base_checksum:
+        raise ConfigError(f"{from_} is not the base {out} was fine-tuned from: resume it from that base")
 
 
 def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
@@ -360,7 +366,7 @@ def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg:
         # an adapter run comes back with its adapters (and its base checked against the checksum)
         return _prepare(checkpoint.load(run), cfg, adapters=False)
 
-    record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve())}}
+    record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum}}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
                  base_checksum=base_checksum, keep=cfg.keep, record=record)
 

@@ -24,7 +24,7 @@ def _finetune_config(args: argparse.Namespace, saved: dict | None):
     """The FinetuneConfig of the flags, over a resumed run's recorded one."""
     from ..config import FinetuneConfig, from_mapping
 
-    values = {k: v for k, v in (saved or {}).items() if k != "from"}
+    values = {k: v for k, v in (saved or {}).items() if k not in ("from", "base_checksum")}  # the base, not settings
     for name in ("method", *LORA_FLAGS, *FREEZE_FLAGS, "keep", "block_size", "dropout", "grad_checkpoint",
                  "reference"):
         value = getattr(args, name)
