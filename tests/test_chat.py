@@ -296,6 +296,11 @@ def test_chat_completions_use_the_runs_template_and_stop_at_its_end_of_turn():
         assert card["chat_template"]["kind"] == "run" and card["chat_template"]["end"] == "<|end|>"
         with pytest.raises(openai.BadRequestError, match="empty content"):
             client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": " "}])
+        # a reply that starts another turn ends there: once "<|user|>" was written out as text and, in
+        # `tinygpt chat`, kept in the conversation, which the character vocabulary could not encode again
+        user = tok.special_ids()["<|user|>"]
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, logit_bias={str(user): 100})
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("", "stop")
         with pytest.raises(openai.BadRequestError) as e:  # which message, and where in it
             client.chat.completions.create(model=NAME, messages=[messages[0], {"role": "user", "content": "caf\u00e9"}])
         assert e.value.body["param"] == "messages.1.content" and "at position 3" in e.value.body["message"]

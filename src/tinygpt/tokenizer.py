@@ -928,13 +928,16 @@ def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
 
 
 def stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """The ids that end a generation: the document separator (eot_id) where the kind has one, and a
-    chat template's end of turn where the tokenizer carries one (a chat run's reply, or its sample,
-    ends there). What the server's chat, `tinygpt chat` and `tinygpt sample` pass as stop_tokens."""
+    """The ids that end a generation: the document separator (eot_id) where the kind has one, and,
+    where the tokenizer carries a chat template, its end of turn and every role's start (a chat run's
+    reply, or its sample, ends there: a role's start begins another turn, and its spelling is no text
+    the conversation could carry on with). What the server's chat, `tinygpt chat` and `tinygpt sample`
+    pass as stop_tokens."""
     ids = set() if tokenizer.eot_id is None else {tokenizer.eot_id}
     template = getattr(tokenizer, "chat_template", None)
     if template is not None:
-        ids.add(tokenizer.special_ids()[template.end])
+        special = tokenizer.special_ids()
+        ids.update(special[token] for token in template.special_tokens())
     return frozenset(ids)
 
 
