@@ -408,6 +408,13 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "0"]) == 0
     captured = capsys.readouterr()
     assert captured.out.count("bot> ") == 2 and "cannot send" not in captured.err
+    # a message longer than the context: the reply cannot see the system message, and a note says so
+    # (once nothing did)
+    monkeypatch.setattr("sys.stdin", io.StringIO("a message much too long for a 48-token context, " * 3 + "\n"))
+    assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "8", "--system", "Be kind."]) == 0
+    err = capsys.readouterr().err
+    assert "(the prompt is 157 tokens, more than the 40 the model's context of 48 leaves beside the reply" in err
+    assert "not the system message" in err
     # a run without a template cannot chat: one line says what to do
     tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
     assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2

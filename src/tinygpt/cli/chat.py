@@ -21,7 +21,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     Interactively: type a message and press Enter. Ctrl-C stops a reply (what was written stays in
     the conversation) without leaving; Ctrl-D quits. /reset forgets the conversation, /system TEXT
     sets the system message. The conversation is kept within the model's context: when it grows
-    past it, the oldest messages are dropped (the system message stays) and a note says so.
+    past it, the oldest messages are dropped (the system message stays) and a note says so; a
+    message longer than the context alone is answered from its end, with a note.
 
     With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
     same reply `tinygpt serve` gives).
@@ -78,6 +79,10 @@ class _Session:
             self.history = kept[1:] if self.system else kept
             print(f"(dropped the {plural(dropped, 'oldest message')} to stay within the model's "
                   f"context of {self.model.config.block_size} tokens)", file=sys.stderr)
+        if len(ids) > self.budget:  # the last message alone is too long: the model sees the prompt's end only
+            print(f"(the prompt is {len(ids):,} tokens, more than the {self.budget:,} the model's context of "
+                  f"{self.model.config.block_size} leaves beside the reply: the reply sees its last tokens only"
+                  f"{', not the system message' if self.system else ''})", file=sys.stderr)
         decoder, answer = IncrementalDecoder(self.tokenizer), []
         try:
             for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
