@@ -139,6 +139,8 @@ def test_apply_lora_refusals():
         apply_lora(tiny(), rank=0)
     with pytest.raises(ConfigError, match="alpha"):
         apply_lora(tiny(), alpha=-1)
+    with pytest.raises(ConfigError, match="in float32, where 1.25e[+]307 is infinite"):  # once NaN at step 1
+        LoraConfig(rank=8, alpha=1e308)
     with pytest.raises(ConfigError, match="ambiguous"):
         apply_lora(tiny(), targets="c_proj")
     with pytest.raises(ConfigError, match="unknown target 'q_proj'"):

@@ -29,6 +29,7 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 MAX_THREADS = 1024  # torch.set_num_threads takes a C int; more threads than this is a typo
 MAX_SEED = 2**63 - 1  # torch seeds are 64-bit; this leaves room for the seed + rank / + step offsets training adds
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (torch.finfo(torch.float32).max)
 
 
 def _finite(obj: Any, names: tuple[str, ...]) -> None:
@@ -275,6 +276,8 @@ class LoraConfig:
         _check(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
                and 0 < self.alpha < math.inf, "lora alpha", f"must be a finite number > 0, got {self.alpha!r}")
         self.alpha = float(self.alpha)
+        _check(self.scaling <= FLOAT32_MAX, "lora alpha", f"alpha / rank scales the adapters' output in float32, "
+               f"where {self.scaling:g} is infinite; got alpha {self.alpha:g} at rank {self.rank}")
         _check(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
                and 0.0 <= self.dropout < 1.0, "lora dropout", f"must be in [0, 1), got {self.dropout!r}")
         self.targets = lora_targets(self.targets)
