@@ -233,8 +233,10 @@ def test_longer_context_and_merge_with_full_are_refused(world, tmp_path):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("mine")
     lora = FinetuneConfig(method="lora", lora_rank=2)
-    for target in (tmp_path / "taken", tmp_path / "r", world / "base"):
-        with pytest.raises(tinygpt.CheckpointError, match="already exists; merge into a new folder"):
+    # (the run's own folder, not there yet, was once said to exist already)
+    for target, why in ((tmp_path / "taken", "already exists"), (tmp_path / "r", "a folder this job reads or writes"),
+                        (world / "base", "a folder this job reads or writes")):
+        with pytest.raises(tinygpt.CheckpointError, match=f"{why}.*; merge into a new folder"):
             tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", lora, quick(), merge=target)
     assert not (tmp_path / "r").exists() and (tmp_path / "taken" / "x").read_text() == "mine"
 
