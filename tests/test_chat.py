@@ -172,12 +172,18 @@ def test_prepare_chat_reports_malformed_lines_or_skips_them(tmp_path):
         "[" * 100_000 + "]" * 100_000,  # past the decoder's recursion limit
     ]
     src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(6)], bad)
+    with open(src, "ab") as f:  # a line that is not UTF-8: once the whole file stopped, skip or not, at a byte offset
+        f.write(b'{"messages": [{"role": "user", "content": "\xff"}]}\n')
     with pytest.raises(DataError) as e:
         prepare_chat(src, tmp_path / "d")
-    assert "c.jsonl:7: not JSON" in str(e.value) and "5 more malformed lines: 8, 9, 10, 11, 12" in str(e.value)
+    assert "c.jsonl:7: not JSON" in str(e.value) and "6 more malformed lines: 8, 9, 10, 11, 12, ..." in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     meta = prepare_chat(src, tmp_path / "d", errors="skip")
-    assert meta["skipped"] == 6 and meta["skipped_lines"] == [7, 8, 9, 10, 11, 12] and meta["conversations"] == 6
+    assert meta["skipped"] == 7 and meta["skipped_lines"] == [7, 8, 9, 10, 11, 12, 13] and meta["conversations"] == 6
+    lone = write_jsonl(tmp_path / "lone.jsonl", [qa(0)], [])
+    lone.write_bytes(lone.read_bytes() + b'{"content": "\xff"}\n')
+    with pytest.raises(DataError, match=r"lone.jsonl:2: not UTF-8 \(invalid start byte at byte 13 of the line\)"):
+        prepare_chat(lone, tmp_path / "d2")
 
 
 # --- training on chat data -------------------------------------------------------------------

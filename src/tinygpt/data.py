@@ -815,26 +815,28 @@ def read_conversations(path: str | os.PathLike, roles: Iterable[str] = ("system"
         raise DataError(f"chat file not found: {p}")
     roles = tuple(roles)
     out = Conversations([], [], [])
-    try:
-        with open(p, encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = parse_json(line)
-                except ValueError as e:
-                    out.malformed.append((n, f"not JSON ({e})"))
-                    continue
-                messages = record.get("messages") if isinstance(record, dict) else None
-                try:
-                    check_messages(messages, roles)
-                except ChatError as e:
-                    out.malformed.append((n, str(e) if messages is not None else 'no "messages" list'))
-                    continue
-                out.messages.append([{"role": m["role"], "content": m["content"]} for m in messages])
-                out.lines.append(n)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{p}: not UTF-8 ({e.reason} at byte {e.start})") from None
+    with open(p, "rb") as f:  # decoded line by line: a line that is not UTF-8 is malformed like any other
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                out.malformed.append((n, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"))
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = parse_json(line)
+            except ValueError as e:
+                out.malformed.append((n, f"not JSON ({e})"))
+                continue
+            messages = record.get("messages") if isinstance(record, dict) else None
+            try:
+                check_messages(messages, roles)
+            except ChatError as e:
+                out.malformed.append((n, str(e) if messages is not None else 'no "messages" list'))
+                continue
+            out.messages.append([{"role": m["role"], "content": m["content"]} for m in messages])
+            out.lines.append(n)
     return out
 
 
