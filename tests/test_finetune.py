@@ -358,6 +358,13 @@ def test_resume_keeps_the_method_the_adapters_and_the_base(world, tmp_path):
     # the same settings, from the base's Hugging Face export (the same weights): it resumes
     result = tinygpt.finetune(world / "hf", world / "data-b", tmp_path / "r", lora, quick(max_iters=4), resume=True)
     assert result.train.step == 4
+    # a base moved since (the same weights under another name): it resumes from there (once: "base is missing")
+    shutil.copytree(world / "base", tmp_path / "base")
+    tinygpt.finetune(tmp_path / "base", world / "data-b", tmp_path / "moved", lora, quick(max_iters=2))
+    (tmp_path / "base").rename(tmp_path / "base-moved")
+    result = tinygpt.finetune(tmp_path / "base-moved", world / "data-b", tmp_path / "moved", lora, quick(max_iters=4),
+                              resume=True)
+    assert result.train.step == 4
 
 
 def test_resume_of_a_full_fine_tune_keeps_its_base_and_what_it_freezes_and_a_pretraining_run_is_refused(world,

@@ -375,6 +375,7 @@ def load_adapter_run(
     device: str | torch.device = "cpu",
     allow_nonfinite: bool = False,
     merge_adapters: bool = False,
+    base: str | Path | None = None,
 ) -> GPT:
     """The model of an adapter run, in eval mode: its base, checked, with the adapters applied.
 
@@ -383,6 +384,8 @@ def load_adapter_run(
         device: where to put the weights.
         allow_nonfinite: accept NaN or infinite weights (base or adapters).
         merge_adapters: fold the adapters into the weights (a plain GPT, as fast as the base).
+        base: the base model's folder, where it is not the one the run names (a base moved, or
+            exported): its weights are checked against the run's checksum all the same.
 
     Raises:
         CheckpointError: a damaged adapter file, or a base that is missing, is not a full model, or
@@ -390,8 +393,8 @@ def load_adapter_run(
     """
     run = Path(run)
     info = read_adapter_config(run)
-    config, base = info.lora, info.base
-    shown = info.shown_base
+    config = info.lora
+    base, shown = (info.base, info.shown_base) if base is None else (Path(base), str(base))
     if not base.is_dir():
         raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_CONFIG} names it); "
                               "put the base back there or edit base.path")

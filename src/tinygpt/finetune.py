@@ -363,8 +363,9 @@ def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg:
         return _prepare(_shaped(_load_base(from_), model_config, from_, new_ids), cfg, adapters=True)
 
     def load(run: Path) -> GPT:
-        # an adapter run comes back with its adapters (and its base checked against the checksum)
-        return _prepare(checkpoint.load(run), cfg, adapters=False)
+        # an adapter run comes back with its adapters, on the base given now (checked against the checksum)
+        model = checkpoint.load_adapter_run(run, base=from_) if lora else checkpoint.load(run)
+        return _prepare(model, cfg, adapters=False)
 
     record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum}}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
