@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from functools import lru_cache
 from importlib import resources
 
@@ -425,16 +425,9 @@ class _Server:
                                 f"prompt tokens per request (n times the prompts' tokens), got {total:,}",
                            param="prompt", code="invalid_value")
         out = []
-        try:
-            with self.scheduler.hold(len(prompts) * n):
-                for ids in prompts:
-                    out.append(await self._score_one(request, ids, top) if ids else [])
-        except QueueFull as e:
-            raise _busy(e.retry_after) from None
-        except ModelDown as e:
-            raise _model_down(str(e)) from None
-        except Draining:
-            raise _unavailable() from None
+        with _scheduler_errors(), self.scheduler.hold(len(prompts) * n):
+            for ids in prompts:
+                out.append(await self._score_one(request, ids, top) if ids else [])
         return out
 
     async def _score_one(self, request: Request, ids: list[int], top: int) -> list[TokenInfo]:
@@ -485,14 +478,8 @@ class _Server:
             for s in seqs:
                 queue.put_nowait(Event(s.index, finish_reason="length"))
         else:
-            try:
+            with _scheduler_errors():
                 self.scheduler.submit(seqs)
-            except QueueFull as e:
-                raise _busy(e.retry_after) from None
-            except ModelDown as e:
-                raise _model_down(str(e)) from None
-            except Draining:
-                raise _unavailable() from None
         dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts)
         reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), dropped=dropped,
                        echo=echo, n=n, scored=scored)
@@ -529,12 +516,8 @@ class _Server:
             w = weights[req.layer][0, req.head].float().cpu()  # (T, T), row t attends to 0..t
             return [[round(v, 5) for v in w[t, : t + 1].tolist()] for t in range(len(keep))]
 
-        try:
+        with _scheduler_errors():
             rows = await asyncio.wrap_future(self.scheduler.call(run))
-        except ModelDown as e:
-            raise _model_down(str(e)) from None
-        except Draining:
-            raise _unavailable() from None
         return {"object": "tinygpt.attention", "model": self.model_name, "layer": req.layer, "head": req.head,
                 "n_layer": cfg.n_layer, "n_head": cfg.n_head, "prompt_tokens": len(ids),
                 "truncated": len(keep) < len(ids), "tokens": [self.token_text(i) for i in keep],
@@ -862,6 +845,19 @@ def _text_offsets(tokenizer, ids: list[int]) -> list[int]:
 
 def _sse(obj: dict) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+@contextmanager
+def _scheduler_errors():
+    """The scheduler's refusals as the API's answers: a full queue 429, a dead model or a draining server 503."""
+    try:
+        yield
+    except QueueFull as e:
+        raise _busy(e.retry_after) from None
+    except ModelDown as e:
+        raise _model_down(str(e)) from None
+    except Draining:
+        raise _unavailable() from None
 
 
 def _busy(retry_after: int) -> APIError:
