@@ -685,7 +685,7 @@ def test_chat_on_a_model_whose_vocabulary_lacks_the_template_says_so():
     with TestClient(create_app(tiny_model(), tiny_tokenizer(), model_name=NAME)) as http:
         assert http.get("/health").json()["chat"] is True
         r = http.post(M, json={**CHAT, "messages": [{"role": "user", "content": "caf\u00e9"}]})
-        err = check_error(r, 400)  # the user's own character, where it is in their message (once in the template's text)
+        err = check_error(r, 400)  # the user's own character, where it is in their message (once: in the template)
         assert err["param"] == "messages.0.content" and "'\u00e9' (U+00E9) at position 3" in err["message"]
 
 

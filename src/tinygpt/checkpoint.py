@@ -424,7 +424,8 @@ def check_merge_target(out: str | Path, *taken: str | Path) -> None:
     """
     out = Path(out)
     if any(out.resolve() == Path(t).resolve() for t in taken):
-        raise CheckpointError(f"{out} is a folder this job reads or writes (the run or its base); merge into a new folder")
+        raise CheckpointError(f"{out} is a folder this job reads or writes (the run or its base); "
+                              "merge into a new folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out} already exists; merge into a new folder")
     check_folder_path(out, CheckpointError)  # below a file, or where nothing can be written
