@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -194,15 +195,18 @@ void check_gelu(const at::Tensor& t, const char* what) {
                   t.is_contiguous(), what, " must be contiguous float32 or bfloat16 on the CPU");
 }
 
+// f(T(), form) for x's element type T (float or at::BFloat16) and the form asked for (form::value: tanh)
+template <typename F>
+void gelu_dispatch(const at::Tensor& x, bool tanh, F f) {
+  auto with_form = [&](auto type) { tanh ? f(type, std::true_type()) : f(type, std::false_type()); };
+  x.scalar_type() == at::kBFloat16 ? with_form(at::BFloat16()) : with_form(float());
+}
+
 // GELU(x), in GPT-2's tanh form or the exact one
 at::Tensor gelu(const at::Tensor& x, bool tanh) {
   check_gelu(x, "x");
   at::Tensor y = at::empty_like(x);
-  if (x.scalar_type() == at::kBFloat16) {
-    tanh ? gelu_into<true, at::BFloat16>(x, y) : gelu_into<false, at::BFloat16>(x, y);
-  } else {
-    tanh ? gelu_into<true, float>(x, y) : gelu_into<false, float>(x, y);
-  }
+  gelu_dispatch(x, tanh, [&](auto type, auto form) { gelu_into<decltype(form)::value, decltype(type)>(x, y); });
   return y;
 }
 
@@ -211,11 +215,9 @@ at::Tensor gelu_backward(const at::Tensor& grad, const at::Tensor& x, bool tanh)
   check_gelu(grad, "grad");
   TORCH_CHECK(grad.sizes() == x.sizes() && grad.scalar_type() == x.scalar_type(), "grad must be shaped and typed as x");
   at::Tensor out = at::empty_like(x);
-  if (x.scalar_type() == at::kBFloat16) {
-    tanh ? gelu_backward_into<true, at::BFloat16>(grad, x, out) : gelu_backward_into<false, at::BFloat16>(grad, x, out);
-  } else {
-    tanh ? gelu_backward_into<true, float>(grad, x, out) : gelu_backward_into<false, float>(grad, x, out);
-  }
+  gelu_dispatch(x, tanh, [&](auto type, auto form) {
+    gelu_backward_into<decltype(form)::value, decltype(type)>(grad, x, out);
+  });
   return out;
 }
 
