@@ -36,6 +36,21 @@ from .errors import TrainingError
 T = TypeVar("T")
 
 
+_joined = False  # whether process_group() took this process into a multi-process job (see joined_a_group)
+
+
+def joined_a_group() -> bool:
+    """Whether this process took part in a multi-process job through process_group().
+
+    PyTorch keeps a gloo group's worker threads after destroy_process_group() once DDP or FSDP2 has
+    used the group (their caches hold on to it), and a worker that is still letting go of a finished
+    collective's tensors when the interpreter shuts down aborts the process ("terminate called
+    without an active exception", after the run was saved). Such a process ends without the
+    interpreter's teardown: tinygpt.cli.leave.
+    """
+    return _joined
+
+
 def env_world_size() -> int:
     """The number of processes torchrun started (1 when not launched by torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -142,6 +157,8 @@ def process_group(device: torch.device, timeout: float = 600.0) -> Iterator[Dist
     if world <= 1:
         yield Dist(device)
         return
+    global _joined
+    _joined = True
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device, backend = _device_for(device, local_rank)
     if device.type == "cuda":

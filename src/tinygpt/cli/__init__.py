@@ -9,17 +9,20 @@ command goes in the module of its family (or a new one) and into COMMANDS below.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
+from typing import NoReturn
 
+from ..distributed import joined_a_group
 from ..errors import TinyGPTError
 from . import bench, chat, finetune, inspect, interchange, prepare, run, scale, serve, sweep, train
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PIPE, EXIT_SIGNAL, MAX_INT, Number
 from .prepare import default_data_folder
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXIT_SIGNAL", "MAX_INT", "Number",
-           "build_parser", "default_data_folder", "main"]
+           "build_parser", "command", "default_data_folder", "leave", "main"]
 
 # every command's parser, in the order `tinygpt --help` lists them
 COMMANDS = (
@@ -106,3 +109,23 @@ def main(argv: list[str] | None = None) -> int:
         return _report(message)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def command() -> NoReturn:
+    """The `tinygpt` program (its console script, `python -m tinygpt`): main() on sys.argv, then leave()."""
+    leave(main())
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with exit status `code`. A process that joined a multi-process job ends with
+    os._exit, its output flushed first: PyTorch's gloo threads outlive the job's group, and the
+    interpreter's teardown can abort the process under them (distributed.joined_a_group says how)."""
+    if not joined_a_group():
+        sys.exit(code)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it
+            pass
+    logging.shutdown()
+    os._exit(code)
