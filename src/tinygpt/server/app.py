@@ -39,6 +39,7 @@ from .protocol import (
     Message,
     ValidationError,
     chat_prompt,
+    invalid_value,
     validation_error,
 )
 from .scheduler import Draining, Event, ModelDown, QueueFull, Scheduler, Sequence, TokenInfo, score_windows
@@ -263,7 +264,7 @@ class _Server:
         try:
             ids = self.tokenizer.encode(text)
         except TokenizerError as e:
-            raise APIError(400, f"Invalid value for '{param}': {e}", param=param, code="invalid_value") from None
+            raise invalid_value(param, str(e)) from None
         return ids or self.start_ids(param)
 
     def _encodable(self, char: str) -> bool:
@@ -292,22 +293,19 @@ class _Server:
         try:
             return self.tokenizer.encode("\n")
         except TokenizerError:
-            raise APIError(400, f"Invalid value for '{param}': must not be empty for this model",
-                           param=param, code="invalid_value") from None
+            raise invalid_value(param, "must not be empty for this model") from None
 
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"Invalid value for '{param}': token id {bad} is outside the vocabulary "
-                                f"(0..{self.vocab_size - 1})", param=param, code="invalid_value")
+            raise invalid_value(param, f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})")
         return ids
 
     def settings(self, req, max_tokens: int | None, default_max_tokens: int) -> dict:
         """Per-sequence settings shared by every choice of a request."""
         param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         if max_tokens is not None and max_tokens > self.max_tokens:
-            raise APIError(400, f"Invalid value for '{param}': at most {self.max_tokens} on this server, "
-                                f"got {max_tokens}", param=param, code="invalid_value")
+            raise invalid_value(param, f"at most {self.max_tokens} on this server, got {max_tokens}")
         bias = None
         if req.logit_bias:
             bias = {}
@@ -315,8 +313,7 @@ class _Server:
                 token = _uint_at_most(key, self.vocab_size - 1)
                 if token is None:
                     shown = repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key):,} characters)"
-                    raise APIError(400, f"Invalid value for 'logit_bias': {shown} is not a token id in "
-                                        f"0..{self.vocab_size - 1}", param="logit_bias", code="invalid_value")
+                    raise invalid_value("logit_bias", f"{shown} is not a token id in 0..{self.vocab_size - 1}")
                 bias[token] = value
         sampling = SampleConfig(
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -392,7 +389,7 @@ class _Server:
         except TokenizerError as e:
             raise self.message_error(messages, e) from None
         except ChatError as e:
-            raise APIError(400, f"Invalid value for 'messages': {e}", param="messages", code="invalid_value") from None
+            raise invalid_value("messages", str(e)) from None
 
     def message_error(self, messages: list[Message], error: TokenizerError) -> APIError:
         """A 400 naming the first message whose content the tokenizer refuses, with positions in that
@@ -401,16 +398,14 @@ class _Server:
             try:
                 self.tokenizer.encode(m.text)
             except TokenizerError as e:
-                param = f"messages.{i}.content"
-                return APIError(400, f"Invalid value for '{param}': {e}", param=param, code="invalid_value")
-        return APIError(400, f"Invalid value for 'messages': {error}", param="messages", code="invalid_value")
+                return invalid_value(f"messages.{i}.content", str(e))
+        return invalid_value("messages", str(error))
 
     def check_choices(self, count: int) -> None:
         """n times the number of prompts must fit; a full server answers 429 before any work."""
         limit = min(16, self.scheduler.max_concurrency + self.scheduler.max_queue)
         if count > limit:
-            raise APIError(400, f"Invalid value for 'n': n times the number of prompts must be at most {limit}, "
-                                f"got {count}", param="n", code="invalid_value")
+            raise invalid_value("n", f"n times the number of prompts must be at most {limit}, got {count}")
         if not self.scheduler.has_room(count):
             raise _busy(1)
 
@@ -421,9 +416,8 @@ class _Server:
         that leaves stops the scoring (raises _ClientGone)."""
         total = sum(len(ids) for ids in prompts) * n  # every choice carries its prompt's logprobs
         if total > SCORE_MAX_TOKENS:
-            raise APIError(400, f"Invalid value for 'prompt': echo with logprobs scores at most {SCORE_MAX_TOKENS:,} "
-                                f"prompt tokens per request (n times the prompts' tokens), got {total:,}",
-                           param="prompt", code="invalid_value")
+            raise invalid_value("prompt", f"echo with logprobs scores at most {SCORE_MAX_TOKENS:,} "
+                                f"prompt tokens per request (n times the prompts' tokens), got {total:,}")
         out = []
         with _scheduler_errors(), self.scheduler.hold(len(prompts) * n):
             for ids in prompts:
@@ -500,13 +494,11 @@ class _Server:
     async def attention(self, req: AttentionRequest) -> dict:
         cfg = self.model.config
         if req.layer >= cfg.n_layer:
-            raise APIError(400, f"Invalid value for 'layer': the model has layers 0..{cfg.n_layer - 1}",
-                           param="layer", code="invalid_value")
+            raise invalid_value("layer", f"the model has layers 0..{cfg.n_layer - 1}")
         if req.head >= cfg.n_head:
-            raise APIError(400, f"Invalid value for 'head': the model has heads 0..{cfg.n_head - 1}",
-                           param="head", code="invalid_value")
+            raise invalid_value("head", f"the model has heads 0..{cfg.n_head - 1}")
         if not req.prompt:
-            raise APIError(400, "Invalid value for 'prompt': must not be empty", param="prompt", code="invalid_value")
+            raise invalid_value("prompt", "must not be empty")
         ids = await run_in_threadpool(self.encode, req.prompt, "prompt")
         keep = ids[-min(self.block_size, ATTENTION_MAX_TOKENS) :]
         device = next(self.model.parameters()).device

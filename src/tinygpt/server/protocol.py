@@ -43,7 +43,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def _invalid(param: str, why: str) -> APIError:
+def invalid_value(param: str, why: str) -> APIError:
+    """A 400 for a request field whose value is refused (OpenAI's invalid_value error)."""
     return APIError(400, f"Invalid value for '{param}': {why}", param=param, code="invalid_value")
 
 
@@ -88,7 +89,7 @@ class _Sampling(_Strict):
     def check(self) -> None:
         """Rules between fields (pydantic checks each field alone)."""
         if self.stream_options is not None and not self.stream:
-            raise _invalid("stream_options", "only allowed when stream is true")
+            raise invalid_value("stream_options", "only allowed when stream is true")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -112,9 +113,9 @@ class CompletionRequest(_Sampling):
     def check(self) -> None:
         super().check()
         if self.suffix:
-            raise _invalid("suffix", "insertion is not supported by tinygpt's decoder-only models")
+            raise invalid_value("suffix", "insertion is not supported by tinygpt's decoder-only models")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise _invalid("best_of", "supported only equal to n")
+            raise invalid_value("best_of", "supported only equal to n")
 
 
 class TextPart(_Strict):
@@ -148,7 +149,7 @@ class ChatRequest(_Sampling):
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
-            raise _invalid("top_logprobs", "requires logprobs to be true")
+            raise invalid_value("top_logprobs", "requires logprobs to be true")
 
 
 class AttentionRequest(_Strict):
