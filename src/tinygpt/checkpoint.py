@@ -222,9 +222,7 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
         (the model, its tokenizer or None), as saved in `out`.
     """
     src, out = Path(src), Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; import into a new folder")
-    check_folder_path(out, CheckpointError)  # below a file, or where nothing can be written
+    _check_new_run(out, "import")
     model = load_hf(src)
     tokenizer = load_hf_tokenizer(src)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
@@ -426,9 +424,15 @@ def check_merge_target(out: str | Path, *taken: str | Path) -> None:
     if any(out.resolve() == Path(t).resolve() for t in taken):
         raise CheckpointError(f"{out} is a folder this job reads or writes (the run or its base); "
                               "merge into a new folder")
+    _check_new_run(out, "merge")
+
+
+def _check_new_run(out: Path, job: str) -> None:
+    """Refuse `out` as the folder of a run that `job` ("import", "merge") makes: something already
+    there (anything but an empty folder), a path below a file, or where nothing can be written."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; merge into a new folder")
-    check_folder_path(out, CheckpointError)  # below a file, or where nothing can be written
+        raise CheckpointError(f"{out} already exists; {job} into a new folder")
+    check_folder_path(out, CheckpointError)
 
 
 def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
