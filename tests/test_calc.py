@@ -16,6 +16,15 @@ from tinygpt.model import lm_loss
 from tinygpt.lab.throughput import measure_training_throughput
 
 VARIANTS = [dict(tie_weights=t, bias=b) for t in (True, False) for b in (True, False)]
+# the llama layout: SwiGLU, grouped-query attention, qk-norm, q/k/v biases, a wider head, untied, learned
+# positions with a GELU MLP and LayerNorm
+LLAMA = [dict(arch="llama"), dict(arch="llama", n_kv_head=2, qk_norm=True, qkv_bias=True, tie_weights=False),
+         dict(arch="llama", n_kv_head=1, head_size=32, intermediate_size=100, dropout=0.1),
+         dict(arch="llama", mlp="gelu", norm="layernorm", bias=True, positions="learned")]
+
+
+def _name(v: dict) -> str:
+    return ",".join(f"{k}={x}" for k, x in v.items())
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -47,7 +56,66 @@ def test_counts_equal_the_built_model(preset, variant):
     assert {k: getattr(counts, k) for k in got} == got
     matmul = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h.") and p.dim() == 2)
     assert counts.matmul_weights == matmul
-    assert counts.non_embedding == counts.total - model.wte.weight.numel() - model.wpe.weight.numel() - got["head"]
+    positions = model.wpe.weight.numel() if model.wpe is not None else 0
+    assert counts.non_embedding == counts.total - model.wte.weight.numel() - positions - got["head"]
+
+
+@pytest.mark.parametrize("variant", LLAMA, ids=_name)
+def test_counts_of_the_llama_layout_equal_the_built_model(variant):
+    cfg = tiny_config(**variant)
+    model = GPT(cfg)
+    counts = count_params(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert {k: getattr(counts, k) for k in _by_part(model)} == _by_part(model)
+    assert counts.matmul_weights == sum(p.numel() for n, p in model.named_parameters()
+                                        if n.startswith("h.") and p.dim() == 2)
+    shapes = calc.projections(cfg)
+    for name, (fan_in, fan_out) in shapes.items():
+        layer = model.h[0].get_submodule(name)
+        assert (layer.in_features, layer.out_features) == (fan_in, fan_out)
+    assert {n.rsplit(".", 1)[0].split(".", 2)[2] for n, p in model.named_parameters()
+            if n.startswith("h.0.") and p.dim() == 2} == set(shapes)
+
+
+# The published config.json of each family preset, as the Hub serves it (the fields that shape the
+# model): transformers builds each one, and tinygpt's preset must count what it counts.
+PUBLISHED = {
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                                   rope_theta=100000, tie_word_embeddings=True), 134_515_008),
+    "smollm2-360m": ("llama", dict(vocab_size=49152, hidden_size=960, intermediate_size=2560, num_hidden_layers=32,
+                                   num_attention_heads=15, num_key_value_heads=5, max_position_embeddings=8192,
+                                   rope_theta=100000, tie_word_embeddings=True), 361_821_120),
+    "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                                   rope_theta=1000000.0, tie_word_embeddings=True), 494_032_768),
+    "qwen3-0.6b": ("qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 max_position_embeddings=40960, rope_theta=1000000, tie_word_embeddings=True),
+                   596_049_920),
+    "tinyllama-1.1b": ("llama", dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                     num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048,
+                                     tie_word_embeddings=False), 1_100_048_384),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                                   rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=8192)),
+                     1_235_814_400),
+}
+
+
+@pytest.mark.parametrize("preset", list(PUBLISHED))
+def test_family_presets_count_what_transformers_builds_from_the_published_configs(preset):
+    transformers = pytest.importorskip("transformers")
+    model_type, fields, published = PUBLISHED[preset]
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        ours = GPT(GPTConfig.from_preset(preset))
+    hf_total = sum(p.numel() for p in hf.parameters())  # a tied head is one tensor there too
+    assert count_params(GPTConfig.from_preset(preset)).total == hf_total == published
+    assert sum(p.numel() for p in ours.parameters()) == published
 
 
 def test_published_sizes():
@@ -60,7 +128,7 @@ def test_published_sizes():
     assert count_params(GPTConfig(tie_weights=False)).total - totals["gpt2"] == 50257 * 768
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"tie={v['tie_weights']},bias={v['bias']}")
+@pytest.mark.parametrize("variant", VARIANTS + LLAMA, ids=_name)
 @pytest.mark.parametrize("seq_len", [32, 19])
 def test_training_flops_match_torch_flop_counter(variant, seq_len):
     cfg = tiny_config(**variant)
@@ -114,10 +182,14 @@ def test_flops_conventions():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kv_cache_bytes_equal_the_real_cache(dtype):
-    cfg = tiny_config(n_layer=3)
-    cache = KVCache(cfg.n_layer, 5, cfg.n_head, cfg.block_size, cfg.head_dim, dtype=getattr(torch, dtype))
+@pytest.mark.parametrize("variant", [{}, dict(arch="llama", n_kv_head=1, head_size=32)], ids=_name)
+def test_kv_cache_bytes_equal_the_real_cache(dtype, variant):
+    cfg = tiny_config(n_layer=3, **variant)
+    cache = KVCache(cfg.n_layer, 5, cfg.kv_heads, cfg.block_size, cfg.head_dim, dtype=getattr(torch, dtype))
     real = cache.k.nbytes + cache.v.nbytes
+    with torch.device("meta"):
+        model = GPT(cfg)  # what generation allocates: float32 here
+    assert KVCache.bytes_for_model(model, 5) == calc.kv_cache_bytes(cfg, cfg.block_size, batch_size=5)
     assert calc.kv_cache_bytes(cfg, cfg.block_size, batch_size=5, dtype=dtype) == real
     assert calc.kv_cache_bytes(cfg, dtype=dtype) * cfg.block_size * 5 == real
     # GPT-2 small: 2 x 12 layers x 768 values x 4 bytes = 72 KiB a token
@@ -143,7 +215,8 @@ def _saved_bytes(model: GPT, idx: torch.Tensor, dtype: str) -> int:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("overrides", [{}, dict(dropout=0.1), dict(tie_weights=False, bias=False, n_head=2)])
+@pytest.mark.parametrize("overrides", [{}, dict(dropout=0.1), dict(tie_weights=False, bias=False, n_head=2), *LLAMA],
+                         ids=_name)
 def test_activation_estimate_matches_what_autograd_saves(dtype, overrides):
     cfg = tiny_config(**overrides)
     model = GPT(cfg).train()
@@ -226,9 +299,11 @@ def _apply(model: GPT, method: dict) -> GPT:
     return freeze(model, embeddings=method.get("freeze_embeddings", False), layers=method.get("freeze_layers", 0))
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"tie={v['tie_weights']},bias={v['bias']}")
+@pytest.mark.parametrize("variant", VARIANTS + [dict(LLAMA[1], dropout=0.0)], ids=_name)
 @pytest.mark.parametrize("method", METHODS, ids=lambda m: calc.trainable_params(tiny_config(n_layer=3), **m).method)
 def test_trainable_params_equal_the_built_model_with_the_method_applied(variant, method):
+    if variant.get("arch") == "llama" and "lora" in method:
+        pytest.skip("LoRA names the llama layout's projections (q_proj, ...): test_lora covers them")
     cfg = tiny_config(n_layer=3, **variant)
     model = _apply(GPT(cfg), method)
     counts = calc.trainable_params(cfg, **method)

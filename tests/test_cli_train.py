@@ -271,3 +271,27 @@ def test_eval_max_tokens_counts_text_as_the_data_folder_does(tmp_path, cli):
     assert capped["tokens"] == whole["tokens"] - 1
     assert capped["bits_per_char"] == pytest.approx(whole["bits_per_char"], rel=0.01)
     assert capped["bits_per_byte"] == pytest.approx(whole["bits_per_byte"], rel=0.01)
+
+
+def test_train_the_llama_layout_from_scratch(data, tmp_path, cli):
+    run = tmp_path / "llama"
+    r = cli("train", "--data", data, "--out", run, "--max-iters", 30, "--eval-interval", 30, "--arch", "llama",
+            "--n-kv-head", 1, "--qk-norm", "--rope-theta", 500, *SMALL)
+    assert r.returncode == 0, r.stderr
+    config = json.loads((run / "config.json").read_text())
+    assert (config["arch"], config["n_kv_head"], config["qk_norm"], config["rope_theta"]) == ("llama", 1, True, 500)
+    assert (config["positions"], config["norm"], config["mlp"], config["bias"]) == ("rope", "rmsnorm", "swiglu", False)
+    r = cli("sample", run, "--prompt", "the cat", "--max-new-tokens", 20, "--seed", 1)
+    assert r.returncode == 0 and r.stdout.startswith("the cat"), r.stderr
+    r = cli("eval", run, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout.strip().splitlines()[-1])["loss"] < 3.5, r.stderr
+    # a preset's size in the llama layout: the preset's GPT-2 choices give way to the family's
+    r = cli("train", "--data", data, "--out", tmp_path / "stretch", "--preset", "stretch", "--arch", "llama",
+            "--n-layer", 1, "--block-size", 16, "--max-iters", 1, "--quiet", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    stretch = json.loads((tmp_path / "stretch" / "config.json").read_text())
+    assert (stretch["n_embd"], stretch["arch"], stretch["bias"], stretch["positions"]) == (256, "llama", False, "rope")
+    # GPT-2's layout has no room for grouped-query attention: one line naming the field, nothing written
+    r = cli("train", "--data", data, "--out", tmp_path / "bad", "--n-kv-head", 1, *SMALL)
+    assert_clean_error(r, "n_kv_head", "arch llama")
+    assert not (tmp_path / "bad").exists()

@@ -36,11 +36,50 @@ def test_presets():
         (dict(activation="relu"), "activation"),
         (dict(init="xavier"), "init"),
         (dict(layer_norm_eps=0), "layer_norm_eps"),
+        # GPT-2's layout holds none of the family's choices: each names itself and the arch it needs
+        (dict(n_kv_head=4), "n_kv_head: 4 needs arch llama"),
+        (dict(positions="rope"), "positions: 'rope' needs arch llama"),
+        (dict(norm="rmsnorm"), "norm: 'rmsnorm' needs arch llama"),
+        (dict(mlp="swiglu"), "mlp: 'swiglu' needs arch llama"),
+        (dict(qk_norm=True), "qk_norm: True needs arch llama"),
+        (dict(qkv_bias=True), "qkv_bias"),
+        (dict(head_size=32), "head_size"),
+        (dict(arch="mamba"), "arch"),
+        (dict(arch="llama", n_head=4, n_kv_head=3), "n_kv_head"),
+        (dict(arch="llama", positions="sinusoidal"), "positions"),
+        (dict(arch="llama", mlp="swiglu", activation="gelu"), "activation"),
+        (dict(arch="llama", mlp="gelu", activation="silu"), "activation"),
+        (dict(arch="llama", rope_scaling="yarn"), "rope_scaling"),
+        (dict(arch="llama", positions="learned", rope_scaling="linear", rope_factor=2.0), "rope_scaling"),
+        (dict(arch="llama", rope_scaling="llama3", rope_low_freq_factor=4.0), "rope_low_freq_factor"),
+        (dict(arch="llama", rope_theta=float("inf")), "rope_theta"),
+        (dict(arch="llama", n_head=4, n_embd=36), "n_head"),  # a head 9 wide: rotary positions turn pairs
+        (dict(arch="llama", intermediate_size=0), "intermediate_size"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         GPTConfig(**kwargs)
+
+
+def test_the_llama_layout_defaults_to_the_family_and_gpt2_to_itself():
+    llama = GPTConfig(arch="llama", n_embd=576, n_head=9)
+    assert (llama.positions, llama.norm, llama.mlp, llama.bias, llama.activation) == ("rope", "rmsnorm", "swiglu",
+                                                                                      False, "silu")
+    # 8/3 of the width rounded up to 64: SmolLM2-135M's 1,536 at width 576
+    assert (llama.mlp_width, llama.kv_heads, llama.head_dim) == (1536, 9, 64)
+    assert GPTConfig(arch="llama", n_embd=64, n_head=4, mlp="gelu").mlp_width == 256
+    assert GPTConfig(arch="llama", n_embd=64, n_head=4, head_size=32, n_kv_head=2).head_dim == 32
+    gpt2 = GPTConfig()
+    assert (gpt2.arch, gpt2.positions, gpt2.norm, gpt2.mlp, gpt2.bias, gpt2.mlp_width) == ("gpt2", "learned",
+                                                                                         "layernorm", "gelu", True, 3072)
+    # a config.json written before the family existed is GPT-2's, and reads back as it was
+    old = {k: v for k, v in GPTConfig.from_preset("lesson").to_dict().items()
+           if k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
+                    "activation", "init", "layer_norm_eps")}
+    assert GPTConfig.from_dict(old) == GPTConfig.from_preset("lesson")
+    family = GPTConfig.from_preset("llama-3.2-1b")
+    assert GPTConfig.from_dict(json.loads(json.dumps(family.to_dict()))) == family
 
 
 def test_json_round_trip():

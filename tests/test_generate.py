@@ -16,53 +16,69 @@ def model():
     return GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_head=2, n_embd=16, init="torch")).eval()
 
 
+# the Llama family's choices all at once: rotary positions (Llama 3's scaling, short enough to act
+# inside 8 positions), grouped-query attention, qk-norm, q/k/v biases, an untied head
+LLAMA = dict(arch="llama", n_head=4, n_kv_head=2, qk_norm=True, qkv_bias=True, tie_weights=False,
+             rope_scaling="llama3", rope_factor=4.0, rope_original_context=4, rope_theta=100.0)
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def any_model(request, model):
+    """The GPT-2 fixture, and a model of the llama layout: every cache test holds for both."""
+    if request.param == "gpt2":
+        return model
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=29, block_size=8, n_layer=2, n_embd=16, init="torch", **LLAMA)).eval()
+
+
 @pytest.mark.parametrize("prompt_len", range(1, 9))
-def test_cached_equals_uncached_greedy_batch2(model, prompt_len):
+def test_cached_equals_uncached_greedy_batch2(any_model, prompt_len):
     idx = torch.randint(0, 29, (2, prompt_len))
     n = 16 - prompt_len  # continue to 2 x block_size
-    a = generate(model, idx, n, greedy=True)
-    b = generate(model, idx, n, greedy=True, use_cache=False)
+    a = generate(any_model, idx, n, greedy=True)
+    b = generate(any_model, idx, n, greedy=True, use_cache=False)
     assert a.shape == (2, 16)
     assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 4, 8, 11])
-def test_cached_equals_uncached_seeded_sampling(model, prompt_len):
+def test_cached_equals_uncached_seeded_sampling(any_model, prompt_len):
     idx = torch.randint(0, 29, (2, prompt_len))
     kw = dict(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.2)
-    a = generate(model, idx, 20, generator=torch.Generator().manual_seed(5), **kw)
-    b = generate(model, idx, 20, generator=torch.Generator().manual_seed(5), use_cache=False, **kw)
-    c = generate(model, idx, 20, generator=torch.Generator().manual_seed(6), **kw)
+    a = generate(any_model, idx, 20, generator=torch.Generator().manual_seed(5), **kw)
+    b = generate(any_model, idx, 20, generator=torch.Generator().manual_seed(5), use_cache=False, **kw)
+    c = generate(any_model, idx, 20, generator=torch.Generator().manual_seed(6), **kw)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 
 
-def test_prefill_and_decode_step_match_full_forward(model):
+def test_prefill_and_decode_step_match_full_forward(any_model):
     idx = torch.randint(0, 29, (3, 6))
-    cache = KVCache.for_model(model, 3)
-    full = model(idx)
-    torch.testing.assert_close(prefill(model, idx[:, :4], cache), full[:, 3], atol=1e-5, rtol=0)
-    torch.testing.assert_close(decode_step(model, idx[:, 4], cache, 4), full[:, 4], atol=1e-5, rtol=0)
+    cache = KVCache.for_model(any_model, 3)
+    full = any_model(idx)
+    torch.testing.assert_close(prefill(any_model, idx[:, :4], cache), full[:, 3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(decode_step(any_model, idx[:, 4], cache, 4), full[:, 4], atol=1e-5, rtol=0)
     # per-row positions: the same step expressed with a (B,) position tensor
     torch.testing.assert_close(
-        decode_step(model, idx[:, 5], cache, torch.full((3,), 5)), full[:, 5], atol=1e-5, rtol=0
+        decode_step(any_model, idx[:, 5], cache, torch.full((3,), 5)), full[:, 5], atol=1e-5, rtol=0
     )
 
 
-def test_the_cache_knows_its_size_before_it_is_allocated(model):
-    cache = KVCache.for_model(model, 3)
-    assert KVCache.bytes_for_model(model, 3) == cache.k.nbytes + cache.v.nbytes
-    assert KVCache.bytes_for_model(model, 20_000_000) == 20_000_000 * (cache.k.nbytes + cache.v.nbytes) // 3
+def test_the_cache_knows_its_size_before_it_is_allocated(any_model):
+    cache = KVCache.for_model(any_model, 3)
+    assert KVCache.bytes_for_model(any_model, 3) == cache.k.nbytes + cache.v.nbytes
+    assert KVCache.bytes_for_model(any_model, 20_000_000) == (
+        20_000_000 * (cache.k.nbytes + cache.v.nbytes) // 3)
 
 
-def test_cache_slots_hold_sequences_at_different_positions(model):
+def test_cache_slots_hold_sequences_at_different_positions(any_model):
     a, b = torch.randint(0, 29, (1, 5)), torch.randint(0, 29, (1, 3))
-    cache = KVCache.for_model(model, 2)
-    prefill(model, a[:, :4], cache.slot(0))
-    prefill(model, b[:, :2], cache.slot(1))
-    logits = decode_step(model, torch.tensor([a[0, 4], b[0, 2]]), cache, torch.tensor([4, 2]))
-    torch.testing.assert_close(logits[0], model(a)[0, -1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits[1], model(b)[0, -1], atol=1e-5, rtol=0)
+    cache = KVCache.for_model(any_model, 2)
+    prefill(any_model, a[:, :4], cache.slot(0))
+    prefill(any_model, b[:, :2], cache.slot(1))
+    logits = decode_step(any_model, torch.tensor([a[0, 4], b[0, 2]]), cache, torch.tensor([4, 2]))
+    torch.testing.assert_close(logits[0], any_model(a)[0, -1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[1], any_model(b)[0, -1], atol=1e-5, rtol=0)
 
 
 def test_stream_yields_each_token(model):
@@ -159,17 +175,17 @@ def test_observer_greedy_choice_is_the_top_processed_logit(model):
         assert int(s.token[0]) == int(s.processed[0].argmax())
 
 
-def test_static_cache_path_matches_the_trimmed_one(model, monkeypatch):
+def test_static_cache_path_matches_the_trimmed_one(any_model, monkeypatch):
     # Under torch.compile (and on accelerators) attention reads the whole cache buffer behind a
     # mask instead of the positions written so far: both must give the same logits.
     idx = torch.randint(0, 29, (2, 6))
-    trimmed_cache, static_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
-    trimmed = [prefill(model, idx[:, :3], trimmed_cache)]
-    trimmed += [decode_step(model, idx[:, p], trimmed_cache, p) for p in range(3, 6)]
+    trimmed_cache, static_cache = KVCache.for_model(any_model, 2), KVCache.for_model(any_model, 2)
+    trimmed = [prefill(any_model, idx[:, :3], trimmed_cache)]
+    trimmed += [decode_step(any_model, idx[:, p], trimmed_cache, p) for p in range(3, 6)]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert static_cache.span(torch.tensor([3]))[0] == static_cache.max_len
-    static = [prefill(model, idx[:, :3], static_cache)]
-    static += [decode_step(model, idx[:, p], static_cache, p) for p in range(3, 6)]
+    static = [prefill(any_model, idx[:, :3], static_cache)]
+    static += [decode_step(any_model, idx[:, p], static_cache, p) for p in range(3, 6)]
     for a, b in zip(trimmed, static):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 

@@ -19,7 +19,17 @@ def test_logits_shape():
     assert model(torch.randint(0, 37, (3, 11))).shape == (3, 11, 37)
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(bias=False, tie_weights=False, activation="gelu", init="torch")])
+# the llama layout's choices, each alone and together
+LLAMA_VARIANTS = [
+    dict(arch="llama"),
+    dict(arch="llama", n_kv_head=2, qk_norm=True, qkv_bias=True, tie_weights=False),
+    dict(arch="llama", n_kv_head=1, head_size=16, rope_scaling="llama3", rope_factor=8.0, rope_original_context=8),
+    dict(arch="llama", mlp="gelu", norm="layernorm", bias=True, positions="learned"),
+]
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(bias=False, tie_weights=False, activation="gelu", init="torch"),
+                                       *LLAMA_VARIANTS])
 def test_fused_and_explicit_attention_agree(overrides):
     model = tiny(**overrides).eval()
     idx = torch.randint(0, 37, (2, 16))
@@ -73,6 +83,38 @@ def test_attention_without_a_mask_is_causal_aligned_at_the_end():
     assert bool((w > 0).all())
     full, _ = attention(q, k, v, torch.ones(1, 1, 1, 7, dtype=torch.bool))
     torch.testing.assert_close(a, full, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("overrides", LLAMA_VARIANTS)
+def test_the_llama_layout_is_causal_and_packs_documents_as_if_alone(overrides):
+    torch.manual_seed(0)
+    model = tiny(**overrides).eval()
+    idx = torch.randint(0, 37, (1, 16))
+    changed = idx.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 37
+    torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10])
+    # two documents in one row: the second computed as it is alone (its positions start at 0 again)
+    docs = torch.tensor([[0] * 7 + [1] * 9])
+    packed = model(idx, documents=docs)
+    torch.testing.assert_close(packed[:, 7:], model(idx[:, 7:]), atol=1e-5, rtol=0)
+
+
+def test_rotary_frequencies_follow_the_scaling_kind():
+    from tinygpt.model import rope_frequencies
+
+    base = GPTConfig(arch="llama", n_embd=64, n_head=1, rope_theta=10000.0)
+    plain = rope_frequencies(base)
+    assert plain.shape == (32,) and plain[0] == 1.0
+    torch.testing.assert_close(plain, 10000.0 ** (-torch.arange(0, 64, 2) / 64))
+    linear = rope_frequencies(GPTConfig(**{**base.to_dict(), "rope_scaling": "linear", "rope_factor": 4.0}))
+    torch.testing.assert_close(linear, plain / 4)
+    llama3 = rope_frequencies(GPTConfig(**{**base.to_dict(), "rope_scaling": "llama3", "rope_factor": 8.0,
+                                           "rope_original_context": 256}))
+    wavelength = 2 * math.pi / plain
+    short, long = wavelength < 256 / 4, wavelength > 256 / 1
+    assert torch.equal(llama3[short], plain[short]) and torch.equal(llama3[long], plain[long] / 8)
+    between = ~short & ~long
+    assert bool(((llama3[between] < plain[between]) & (llama3[between] > plain[between] / 8)).all())
 
 
 def test_causality():
@@ -134,7 +176,8 @@ def test_preset_parameter_counts(name):
         model = GPT(GPTConfig.from_preset(name))
     total = sum(p.numel() for p in model.parameters())
     assert model.num_params() == total
-    assert model.num_params(exclude_positions=True) == total - model.wpe.weight.numel()
+    positions = model.wpe.weight.numel() if model.wpe is not None else 0  # rotary positions: no table
+    assert model.num_params(exclude_positions=True) == total - positions
     if name in EXPECTED:
         assert total == EXPECTED[name]
 

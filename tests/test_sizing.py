@@ -103,3 +103,15 @@ def test_small_budgets_train_on_shorter_contexts_and_the_lr_follows_the_width():
         assert choice.lr == choice.plan["lr"] == sized_lr(choice.config) and f"lr {choice.lr:.2g}" in choice.reason
     assert sized_lr(GPTConfig(n_embd=64, n_head=4)) == 3e-3 and sized_lr(GPTConfig(n_embd=384, n_head=6)) == 1e-3
     assert choose_model(**BIG_DATA).lr is None  # without a budget the training settings decide
+
+
+def test_budget_sizing_sizes_the_llama_layout_too():
+    cfg = TrainConfig(max_time=600, batch_size=12)
+    choice = choose_model(**BIG_DATA, train_config=cfg, flops_per_second=1e11, fixed={"arch": "llama"})
+    c = choice.config
+    assert (c.arch, c.positions, c.norm, c.mlp, c.bias) == ("llama", "rope", "rmsnorm", "swiglu", False)
+    # counted exactly (SwiGLU's three matrices, no position table), so the rule's N is met as for GPT-2
+    assert count_params(c).total == pytest.approx(compute_optimal(flops=choice.plan["flops"]).params, rel=0.15)
+    assert choice.plan["tokens"] == pytest.approx(choice.plan["flops"] / flops_per_token(c).training)
+    given = choose_model(**BIG_DATA, fixed={"arch": "llama", "n_layer": 2, "n_kv_head": 1})
+    assert (given.config.arch, given.config.n_kv_head, given.config.n_layer) == ("llama", 1, 2)

@@ -28,10 +28,11 @@ from .kv_cache import KVCache
 
 
 def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
-    """Whether `step` computes this decode step: the model in eval mode and causal, on a CPU,
+    """Whether `step` computes this decode step: a GPT-2 block, the model in eval mode and causal, on a CPU,
     rows that fill the cache, a position inside it, and no torch.compile tracing."""
     return (
-        token.device.type == "cpu"
+        model.config.arch == "gpt2"  # GPT-2's block; the llama layout decodes through the model (issue 40 tunes it)
+        and token.device.type == "cpu"
         and not model.training
         and getattr(model, "causal", False)
         and not torch.compiler.is_compiling()

@@ -63,7 +63,7 @@ def freeze(model: GPT, *, embeddings: bool = False, layers: int = 0) -> GPT:
 
     Args:
         model: the GPT.
-        embeddings: freeze wte and wpe. A head tied to wte is the same tensor, so it freezes with
+        embeddings: freeze wte and wpe (where positions are learned). A head tied to wte is the same tensor, so it freezes with
             it; an untied head keeps training.
         layers: freeze the first `layers` blocks (h.0 .. h.{layers-1}) whole: LayerNorms,
             attention and MLP. 0..n_layer.
@@ -79,7 +79,8 @@ def freeze(model: GPT, *, embeddings: bool = False, layers: int = 0) -> GPT:
         raise ConfigError(f"freeze layers: must be an integer in 0..{n} (the model has {n} blocks), got {layers!r}")
     if embeddings:
         model.wte.requires_grad_(False)
-        model.wpe.requires_grad_(False)
+        if model.wpe is not None:  # rotary positions have none
+            model.wpe.requires_grad_(False)
     for block in model.h[:layers]:
         block.requires_grad_(False)
     return model

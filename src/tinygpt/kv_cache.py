@@ -1,6 +1,6 @@
 """A preallocated key/value cache for decoding, owned by the generator and passed into the model.
 
-The buffers have a fixed shape (n_layer, batch, n_head, max_len, head_dim), so every decode step
+The buffers have a fixed shape (n_layer, batch, n_kv_head, max_len, head_dim), so every decode step
 sees the same tensor shapes (what torch.compile wants). The caller says where each new token
 lands with `input_pos`; the cache keeps no position of its own.
 """
@@ -14,7 +14,8 @@ class KVCache:
     """Keys and values of every layer for `batch_size` sequences of up to `max_len` tokens.
 
     Args:
-        n_layer, batch_size, n_head, max_len, head_dim: buffer sizes.
+        n_layer, batch_size, n_head, max_len, head_dim: buffer sizes; n_head is the model's key/value
+            heads (n_kv_head: fewer than its query heads under grouped-query attention).
         dtype, device: where the buffers live; match the model's.
     """
 
@@ -45,7 +46,7 @@ class KVCache:
         cfg = model.config
         weight = model.wte.weight
         return cls(
-            cfg.n_layer, batch_size, cfg.n_head, max_len or cfg.block_size, cfg.head_dim,
+            cfg.n_layer, batch_size, cfg.kv_heads, max_len or cfg.block_size, cfg.head_dim,
             dtype=_cache_dtype(weight), device=weight.device,
         )
 
@@ -53,7 +54,7 @@ class KVCache:
     def bytes_for_model(model: torch.nn.Module, batch_size: int, max_len: int | None = None) -> int:
         """The bytes `for_model(model, batch_size, max_len)` allocates (keys and values), without allocating."""
         cfg = model.config
-        elements = cfg.n_layer * batch_size * cfg.n_head * (max_len or cfg.block_size) * cfg.head_dim
+        elements = cfg.n_layer * batch_size * cfg.kv_heads * (max_len or cfg.block_size) * cfg.head_dim
         return 2 * elements * _cache_dtype(model.wte.weight).itemsize
 
     @property
@@ -124,8 +125,8 @@ class KVCache:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, length: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, n_head, T, head_dim) at positions `input_pos` ((T,) or (B, T)); return the
-        buffers' first `length` positions (default all), (B, n_head, length, head_dim)."""
+        """Write k, v (B, n_kv_head, T, head_dim) at positions `input_pos` ((T,) or (B, T)); return the
+        buffers' first `length` positions (default all), (B, n_kv_head, length, head_dim)."""
         k_buf, v_buf = self.k[layer], self.v[layer]
         if input_pos.dim() == 1:  # every row at the same positions
             k_buf.index_copy_(2, input_pos, k.to(k_buf.dtype))

@@ -1,9 +1,17 @@
-"""The GPT model, top to bottom: attention, MLP, Block, GPT.
+"""The GPT model, top to bottom: attention (with rotary positions), MLP, Block, GPT.
 
 Modules are built in the order the lesson builds them (token embedding, position embedding, then
 per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj; ln_f, lm_head), so with the `lesson` preset
 the same seed gives the lesson's exact parameters. Names follow GPT-2's so that interchange with
 Hugging Face checkpoints is a key map.
+
+The Llama family (config.arch "llama": SmolLM2, Qwen2.5, Qwen3, TinyLlama, Llama 3.2) is the same
+model with other settings, read along the same lines: rotary positions instead of wpe, RMSNorm for
+LayerNorm, a SwiGLU MLP, fewer key/value heads than query heads, a norm on each head's queries and
+keys. Its projections are separate and carry Hugging Face's names inside tinygpt's blocks
+(h.N.attn.q_proj, k_proj, v_proj, o_proj; h.N.mlp.gate_proj, up_proj, down_proj), so that its
+interchange is a key map too (model.layers.N.self_attn.q_proj <-> h.N.attn.q_proj) and LoRA adapts
+a query or a value projection alone, under the names PEFT and its users give them.
 """
 
 from __future__ import annotations
@@ -39,7 +47,8 @@ def attention(
     also returns the attention weights (..., T_q, T_k).
 
     Args:
-        q, k, v: queries (..., T_q, D), keys and values (..., T_k, D).
+        q, k, v: queries (..., H, T_q, D), keys and values (..., H_kv, T_k, D), where H_kv divides H
+            (grouped-query attention: each key/value head serves H / H_kv query heads).
         mask: bool (..., T_q, T_k), True where a query may look. None means causal, aligned at
             the end: a sequence attending to itself (T_q == T_k), or one new query that sees
             every key (T_q == 1).
@@ -50,10 +59,16 @@ def attention(
         (output (..., T_q, D), weights or None).
     """
     t_q, t_k = q.shape[-2], k.shape[-2]
+    # fewer key/value heads than query heads (grouped-query attention)
+    grouped = q.dim() > 2 and k.shape[-3] != q.shape[-3]
     if not explicit and not _sdpa_is_slow(q, k):
         causal = mask is None and t_q > 1
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                             enable_gqa=grouped)
         return out, None
+    if grouped:  # query head h reads key/value head h // (n_head / n_kv_head), as SDPA's enable_gqa
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     if mask is None:
         mask = torch.tril(torch.ones(t_q, t_k, device=q.device), diagonal=t_k - t_q) == 1
     if not explicit:
@@ -214,13 +229,64 @@ def head_loss(
     return total / (w.sum().clamp_min(1.0) if weights is not None else flat.numel())
 
 
+def norm_layer(config: GPTConfig, dim: int) -> nn.Module:
+    """The config's norm over the last `dim` features: LayerNorm (with a bias when config.bias) or RMSNorm."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.layer_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
+
+
+def rope_frequencies(config: GPTConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The rotary inverse frequencies theta^(-2i/D), i < D/2, float32, after the config's rope_scaling.
+
+    llama3 (Llama 3.1's): wavelengths 2 pi / f longer than rope_original_context / low_freq_factor are
+    divided by rope_factor, those shorter than rope_original_context / high_freq_factor are kept, and
+    in between the frequency moves smoothly from one to the other. linear: every frequency / rope_factor.
+    """
+    D = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float, device=device) / D))
+    if config.rope_scaling == "linear":
+        return inv / config.rope_factor
+    if config.rope_scaling == "llama3":
+        context, factor = config.rope_original_context, config.rope_factor
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv
+        scaled = torch.where(wavelength > context / low, inv / factor, inv)
+        smooth = (context / wavelength - low) / (high - low)
+        between = ~(wavelength < context / high) & ~(wavelength > context / low)
+        return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return inv
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary positions on queries or keys x (B, H, T, D): each pair of dimensions (i, i + D/2) turned
+    by its position's angle, cos and sin (T, D) or (B, 1, T, D) from GPT.rotary."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        d, inner = config.n_embd, config.n_head * config.head_dim
+        self.fused = config.arch == "gpt2"
+        if self.fused:
+            self.c_attn = nn.Linear(d, 3 * d, bias=config.bias)  # q, k, v in one matmul
+            self.c_proj = nn.Linear(d, d, bias=config.bias)
+        else:
+            qkv_bias = config.bias or config.qkv_bias
+            kv = config.kv_heads * config.head_dim
+            self.q_proj = nn.Linear(d, inner, bias=qkv_bias)
+            self.k_proj = nn.Linear(d, kv, bias=qkv_bias)
+            self.v_proj = nn.Linear(d, kv, bias=qkv_bias)
+            self.o_proj = nn.Linear(inner, d, bias=config.bias)
+            if config.qk_norm:  # over each head's head_dim features (Qwen3)
+                self.q_norm = norm_layer(config, config.head_dim)
+                self.k_norm = norm_layer(config, config.head_dim)
+        self.qk_norm = config.qk_norm
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(
@@ -232,22 +298,42 @@ class CausalSelfAttention(nn.Module):
         mask: torch.Tensor | None = None,
         explicit: bool = False,
         kv_len: int | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
-        qkv = self.c_attn(x)
         dropout = self.dropout if self.training else 0.0
-        plain = kv_cache is None and mask is None and not explicit and dropout == 0.0
-        if plain and kernels.trains_attention(qkv, self.n_head):  # training on a CPU: tinygpt's kernel
-            return self.resid_drop(self.c_proj(kernels.causal_attention(qkv, self.n_head))), None
-        # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
-        q, k, v = kernels.heads(qkv, self.n_head)
+        if self.fused:
+            qkv = self.c_attn(x)
+            plain = kv_cache is None and mask is None and not explicit and dropout == 0.0
+            if plain and kernels.trains_attention(qkv, self.n_head):  # training on a CPU: tinygpt's kernel
+                return self.resid_drop(self.c_proj(kernels.causal_attention(qkv, self.n_head))), None
+            # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
+            q, k, v = kernels.heads(qkv, self.n_head)
+            out = self.c_proj
+        else:
+            q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+            k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+            v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, D)
+            if self.qk_norm:
+                q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if rope is not None:  # before the cache: it keeps keys with their positions applied
+                q, k = rotate(q, rope), rotate(k, rope)
+            out = self.o_proj
         if kv_cache is not None:
-            k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_head, kv_len, head_dim)
+            k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_kv_head, kv_len, head_dim)
         # a cache may hold another dtype than the activations (float32 on a CPU: see KVCache.for_model)
         dtype = q.dtype
         y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=dropout)
-        y = y.transpose(1, 2).contiguous().view(B, T, C).to(dtype)  # heads side by side again
-        return self.resid_drop(self.c_proj(y)), weights
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim).to(dtype)  # heads side by side
+        return self.resid_drop(out(y)), weights
+
+
+def _normed(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) in its weight's dtype, back in x's: autocast's bfloat16 queries meet a float32 qk-norm,
+    which torch's RMSNorm would compute alike, with a warning at every call."""
+    dtype = norm.weight.dtype
+    return norm(x) if x.dtype == dtype else norm(x.to(dtype)).to(x.dtype)
 
 
 class GELU(nn.GELU):
@@ -261,15 +347,38 @@ class GELU(nn.GELU):
 
 
 class MLP(nn.Module):
+    """GPT-2's c_fc, GELU, c_proj; in the llama layout up_proj, GELU, down_proj, or, as SwiGLU,
+    down_proj(silu(gate_proj x) * up_proj x)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        d, hidden = config.n_embd, config.mlp_width
+        self.swiglu = config.mlp == "swiglu"
+        if config.arch == "gpt2":
+            self.c_fc = nn.Linear(d, hidden, bias=config.bias)
+        else:
+            if self.swiglu:
+                self.gate_proj = nn.Linear(d, hidden, bias=config.bias)
+            self.up_proj = nn.Linear(d, hidden, bias=config.bias)
+        if not self.swiglu:
+            self.gelu = GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        if config.arch == "gpt2":
+            self.c_proj = nn.Linear(hidden, d, bias=config.bias)
+        else:
+            self.down_proj = nn.Linear(hidden, d, bias=config.bias)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+        if hasattr(self, "c_fc"):
+            return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.swiglu else self.gelu(self.up_proj(x))
+        return self.drop(self.down_proj(h))
+
+
+def residual_projections(block: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The two projections of a block that write into the residual stream: attention's output and the MLP's."""
+    attn, mlp = block.attn, block.mlp
+    return (attn.c_proj if attn.fused else attn.o_proj), (mlp.c_proj if hasattr(mlp, "c_fc") else mlp.down_proj)
 
 
 class Block(nn.Module):
@@ -277,19 +386,19 @@ class Block(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_1 = norm_layer(config, config.n_embd)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_2 = norm_layer(config, config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None, layer=0, input_pos=None, mask=None, explicit=False, kv_len=None):
-        a, weights = self.attn(self.ln_1(x), kv_cache, layer, input_pos, mask, explicit, kv_len)
+    def forward(self, x, kv_cache=None, layer=0, input_pos=None, mask=None, explicit=False, kv_len=None, rope=None):
+        a, weights = self.attn(self.ln_1(x), kv_cache, layer, input_pos, mask, explicit, kv_len, rope)
         x = x + a
         return x + self.mlp(self.ln_2(x)), weights
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer: token + position embeddings, blocks, final LayerNorm, LM head.
+    """A decoder-only transformer: token (+ position) embeddings, blocks, final norm, LM head.
 
     `model(idx)` returns the logits (B, T, vocab_size). Generation passes a KVCache and the
     positions of the new tokens; the model itself keeps no decoding state.
@@ -299,10 +408,11 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        # rotary positions turn queries and keys inside attention instead (GPT.rotary)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=config.bias)
+        self.ln_f = norm_layer(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
@@ -314,6 +424,7 @@ class GPT(nn.Module):
         # (torch.utils.checkpoint), in training only: memory for compute. Set by fine-tuning's
         # grad_checkpoint; a plain attribute, never saved.
         self.grad_checkpoint = False
+        self._frequencies: dict[torch.device, torch.Tensor] = {}  # rope_frequencies by device, made when first used
         if config.init == "gpt2":
             self._init_gpt2()
 
@@ -328,13 +439,26 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for block in self.h:
-            nn.init.normal_(block.attn.c_proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.c_proj.weight, mean=0.0, std=residual_std)
+            for projection in residual_projections(block):
+                nn.init.normal_(projection.weight, mean=0.0, std=residual_std)
 
     def num_params(self, *, exclude_positions: bool = False) -> int:
         """Parameters in the model, a tied head counted once; optionally without the position embedding."""
         n = sum(p.numel() for p in self.parameters())  # parameters() yields a shared tensor once
-        return n - self.wpe.weight.numel() if exclude_positions else n
+        return n - self.wpe.weight.numel() if exclude_positions and self.wpe is not None else n
+
+    def rotary(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles at positions pos (T,) or (B, T), computed in float32 and
+        given in `dtype`: (T, head_dim) or (B, 1, T, head_dim), each frequency twice (for dimensions i
+        and i + head_dim / 2). Once per forward pass, for every layer."""
+        inv = self._frequencies.get(pos.device)
+        if inv is None:
+            inv = self._frequencies[pos.device] = rope_frequencies(self.config, pos.device)
+        angles = pos[..., None].float() * inv  # (..., T, head_dim / 2)
+        angles = torch.cat((angles, angles), dim=-1)
+        if angles.dim() == 3:
+            angles = angles.unsqueeze(1)  # one row of positions per sequence: broadcast over the heads
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def forward(
         self,
@@ -397,7 +521,12 @@ class GPT(nn.Module):
             # an embedding shared with the head has entries of about 1/sqrt(d): the factor lifts them to
             # unit size beside the position embedding (the original Transformer's choice; GPT-2's is not to)
             tok = tok * math.sqrt(self.config.n_embd)
-        x = self.drop(tok + self.wpe(pos))  # (B, T, C)
+        x = self.drop(tok + self.wpe(pos) if self.wpe is not None else tok)  # (B, T, C)
+        if self.config.positions == "rope":  # in the dtype the projections give queries and keys in
+            kind = x.device.type
+            rope = self.rotary(pos, torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype)
+        else:
+            rope = None
         weights = []
         recompute = self.grad_checkpoint and self.training and torch.is_grad_enabled() and kv_cache is None
         for layer, block in enumerate(self.h):
@@ -405,9 +534,9 @@ class GPT(nn.Module):
                 # torch's activation recomputation (`import torch` loads it; tests/test_finetune's
                 # gradient test runs this line)
                 x, w = torch.utils.checkpoint.checkpoint(block, x, None, layer, input_pos, mask, return_attention,
-                                                         kv_len, use_reentrant=False)
+                                                         kv_len, rope, use_reentrant=False)
             else:
-                x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len)
+                x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len, rope)
             weights.append(w)
         if last_only:
             x = x[:, -1:]

@@ -18,7 +18,7 @@ from .calc import (
     shape_for_params,
     smallest_shape,
 )
-from .config import GPTConfig, TrainConfig, from_mapping
+from .config import GPTConfig, TrainConfig, from_mapping, with_arch
 from .device import resolve_device, resolve_dtype
 from .errors import ConfigError
 
@@ -143,7 +143,7 @@ def choose_model(
     """
     cfg = train_config or TrainConfig()
     fixed = dict(fixed or {})
-    base = from_mapping(GPTConfig, {**default_model_config(vocab_size, train_tokens, val_tokens).to_dict(), **fixed})
+    base = from_mapping(GPTConfig, with_arch(default_model_config(vocab_size, train_tokens, val_tokens).to_dict(), fixed))
     sized_by_user = [f for f in SIZE_FIELDS if f in fixed]
     if sweep is not None and (cfg.max_time is None or sized_by_user):
         why = "a time budget (max_time)" if cfg.max_time is None else f"no size fields (got {', '.join(sized_by_user)})"

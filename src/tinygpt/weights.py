@@ -203,6 +203,7 @@ def reconfigured(model: GPT, config: GPTConfig, where: str) -> GPT:
     """The same weights under a config that may differ from the model's in two ways only: a shorter
     context (block_size; the position embedding keeps its first rows, as nanoGPT's crop_block_size)
     and dropout. What fine-tuning trains with, and what an adapter run trained that way loads as.
+    (With rotary positions a shorter context changes no weight.)
 
     Args:
         model: a plain GPT (no adapters).
@@ -222,10 +223,11 @@ def reconfigured(model: GPT, config: GPTConfig, where: str) -> GPT:
                               f"{old.block_size}: its position embedding has no rows past that")
     if config == old:
         return model
-    device = model.wpe.weight.device
+    device = model.wte.weight.device
     tensors = {k: v.detach() for k, v in model.state_dict().items()}
     if old.tie_weights:
         tensors.pop(TIED_KEY, None)
-    tensors["wpe.weight"] = tensors["wpe.weight"][: config.block_size].clone()
+    if "wpe.weight" in tensors:  # rotary positions have no table to crop
+        tensors["wpe.weight"] = tensors["wpe.weight"][: config.block_size].clone()
     rebuilt = model_from_tensors(config, tensors, where, device=device, allow_nonfinite=True)
     return rebuilt.train(model.training)

@@ -11,6 +11,11 @@ One token's forward pass, with d = n_embd, L = n_layer, V = vocab_size, T = keys
     attention itself        4 * T * d * L     q k^T and (weights) v, over all T keys
     LM head                 2 * d * V         tied or not: the head is a matmul either way
 
+In the llama layout the projections are each block's own matrices (calc.params.projections: q_proj,
+k_proj and v_proj with n_kv_head heads, o_proj; gate_proj, up_proj, down_proj intermediate_size wide),
+2 FLOPs a weight, and attention itself is 4 T n_head head_dim a layer: grouped-query attention shares
+keys and values between query heads, not the work of attending to them.
+
 so forward = 2 * (matmul weights + d V) + 4 L T d, and the backward pass costs twice the forward
 (a gradient for the input and one for the weights of every matmul): training = 6 * (matmul
 weights + d V) + 12 L T d per token, PaLM's 6N + 12 L H Q T. The attention term counts the full
@@ -29,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from ..config import GPTConfig
 from ..errors import ConfigError
-from .params import count_params
+from .params import count_params, projections
 from .units import check_int
 
 
@@ -83,11 +88,13 @@ def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> FlopCounts
     """
     T = tokens_in_view(config, seq_len, "seq_len")
     d, L = config.n_embd, config.n_layer
+    shapes = projections(config)
+    weights = {part: sum(i * o for name, (i, o) in shapes.items() if name.startswith(part)) for part in ("attn", "mlp")}
     return FlopCounts(
         seq_len=T,
-        attention_proj=2 * L * 4 * d * d,
-        attention=4 * L * T * d,
-        mlp=2 * L * 8 * d * d,
+        attention_proj=2 * L * weights["attn"],
+        attention=4 * L * T * config.n_head * config.head_dim,  # every query head, whichever key/value head it reads
+        mlp=2 * L * weights["mlp"],
         head=2 * d * config.vocab_size,
     )
 

@@ -41,6 +41,14 @@ adds and LayerNorm inputs in float32), c of the compute dtype (the inputs and ou
                 probabilities (BaT^2 c; with dropout also the mask and the dropped ones, 3 BaT^2 c)
                 and the T^2 causal mask, instead of the fused kernel's logsumexp
 
+The llama layout (config.arch "llama") is counted the same way, tensor by tensor: its q_proj, k_proj
+and v_proj read one input and keep it once (float32; autocast casts it for each), attention keeps
+queries of n_head heads and keys and values of n_kv_head (the fused kernel reads them grouped; the
+matmul and dropout paths repeat them for every query head), a SwiGLU MLP keeps gate, silu(gate), up
+and their product (4 BT intermediate_size c), torch's RMSNorm its input, rstd and normalized output
+(its weight's gradient needs the last), a qk-norm the same per head in float32, and rotary positions
+one cos and one sin (2 T head_dim c) for every layer.
+
 This is Korthikanti et al.'s (2022) count (34 bytes per token and unit of width per layer at 2
 bytes a value, plus 5 aT^2 for unfused attention) adapted to fused attention, the loss, autocast
 and PyTorch's CPU kernels; the tests hold it to the bytes autograd really saves. It is what is held
@@ -56,14 +64,15 @@ from dataclasses import asdict, dataclass
 
 from ..config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
 from .flops import tokens_in_view
-from .params import trainable_params
+from .params import projections, trainable_params
 from .units import check_int, dtype_bytes, dtype_name
 
 
 def kv_cache_bytes(config: GPTConfig, tokens: int = 1, *, batch_size: int = 1, dtype: str = "float32") -> int:
     """Bytes of keys and values a KV cache holds for `tokens` positions of `batch_size` sequences.
 
-    Per token: 2 (keys, values) x n_layer x n_embd values (n_head x head_dim = n_embd).
+    Per token: 2 (keys, values) x n_layer x n_kv_head x head_dim values (n_embd for GPT-2: n_head x
+    head_dim, every head with keys of its own; grouped-query attention keeps n_kv_head of them).
 
     Args:
         config: the architecture.
@@ -73,7 +82,7 @@ def kv_cache_bytes(config: GPTConfig, tokens: int = 1, *, batch_size: int = 1, d
     """
     check_int(tokens, "tokens")
     check_int(batch_size, "batch_size")
-    return 2 * config.n_layer * config.n_embd * tokens * batch_size * dtype_bytes(dtype)
+    return 2 * config.n_layer * config.kv_heads * config.head_dim * tokens * batch_size * dtype_bytes(dtype)
 
 
 @dataclass(frozen=True)
@@ -122,10 +131,6 @@ class TrainingMemory:
         return {**asdict(self), "total": self.total, "peak": self.peak}
 
 
-# a block's four matmuls, by LoRA target name, with their input width in units of n_embd
-_MATMULS = (("attn.c_attn", 1), ("attn.c_proj", 1), ("mlp.c_fc", 1), ("mlp.c_proj", 4))
-
-
 @dataclass(frozen=True)
 class _Method:
     """What trains, as autograd sees it: per run of alike blocks, whether their LayerNorms train and
@@ -143,7 +148,7 @@ class _Method:
 
     @classmethod
     def of(cls, config: GPTConfig, lora: LoraConfig | None, freeze_embeddings: bool, freeze_layers: int) -> _Method:
-        L, every = config.n_layer, frozenset(name for name, _ in _MATMULS)
+        L, every = config.n_layer, frozenset(projections(config))
         if lora is not None:
             targets = frozenset(lora.targets)
             return cls((((False, targets), L),), targets, lora, False, False, False)
@@ -193,24 +198,28 @@ def _saved(
     dropout = config.dropout > 0
     total = 0
     flows = method.embeddings  # whether the residual stream needs a gradient here
-    if method.embeddings:  # the token ids and positions, the embedding dropout's mask
-        total += 8 * B * T + 8 * T + (BTd * r if dropout else 0)
+    if method.embeddings:  # the token ids (and learned positions), the embedding dropout's mask
+        total += 8 * B * T + (8 * T if config.positions == "learned" else 0) + (BTd * r if dropout else 0)
     casts = 0
+    rotates = False  # whether some block's queries or keys need a gradient: then cos and sin are kept
     blocks = []  # (a block's saved bytes, how many blocks save that much)
     for (ln, kept), n in method.blocks:
         # a run's first block may be the first one whose input needs a gradient; from its second
         # on, every block of the run is alike (`flows` only ever turns on)
-        first, flows, first_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
-        rest, flows, rest_casts = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
+        first, flows, first_casts, first_rotates = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept,
+                                                                method)
+        rest, flows, rest_casts, rest_rotate = _block_bytes(config, B, T, dtype, param_dtype, flows, ln, kept, method)
         blocks += [(first, 1), (rest, n - 1)]
         casts += first_casts + rest_casts * (n - 1)
+        rotates = rotates or first_rotates or (n > 1 and rest_rotate)
+    if rotates and config.positions == "rope":
+        total += 2 * T * config.head_dim * dtype_bytes(dtype)  # the rotary cos and sin every layer reads
     recomputed = max((size for size, n in blocks if n), default=0) if grad_checkpoint else 0
     if grad_checkpoint:  # each block's input where it saves anything, and one block rebuilt at a time
         total += sum(BTd * r * n for size, n in blocks if size) + recomputed
     else:
         total += sum(size * n for size, n in blocks)
-    if flows or method.ln_f:
-        total += BTd * r + 8 * B * T  # ln_f's input, mean and rstd
+    total += _norm_bytes(config, B * T, d, r, flows, method.ln_f)  # ln_f
     flows = flows or method.ln_f
     # the fused head and loss keep no logits, only the gradients their forward pass made: the hidden
     # states' (where a gradient flows on) and the head weight's (where it trains), in float32
@@ -218,76 +227,114 @@ def _saved(
     return total, casts, recomputed
 
 
+def _norm_bytes(config: GPTConfig, rows: int, width: int, r: int, grad_in: bool, trains: bool) -> int:
+    """What a norm over `rows` rows of `width` keeps: a LayerNorm its input (r bytes) and each row's mean
+    and rstd (float32) when anything needs its gradient; torch's RMSNorm (composed of elementwise
+    operations) its input and each row's rstd when its input needs a gradient, and its normalized
+    output when its weight trains. A bfloat16 input (a qk-norm's under autocast) is kept as float32."""
+    if config.norm == "layernorm":
+        return rows * width * r + 8 * rows if grad_in or trains else 0
+    return (rows * (width + 1) * r if grad_in else 0) + (rows * width * r if trains else 0)
+
+
 def _block_bytes(
     config: GPTConfig, B: int, T: int, dtype: str, param_dtype: str, flows: bool, ln: bool, kept: frozenset[str],
     method: _Method,
-) -> tuple[int, bool, int]:
-    """One block's saved bytes, whether the residual stream after it needs a gradient, and the weight
-    elements whose compute-dtype copy autocast's matmuls keep (those whose input needs a gradient).
-    `flows`: the block's input needs a gradient; `ln`: its LayerNorms train; `kept`: the matmuls
+) -> tuple[int, bool, int, bool]:
+    """One block's saved bytes, whether the residual stream after it needs a gradient, the weight
+    elements whose compute-dtype copy autocast's matmuls keep (those whose input needs a gradient),
+    and whether its queries or keys need a gradient (their rotary positions keep cos and sin).
+    `flows`: the block's input needs a gradient; `ln`: its norms train; `kept`: the matmuls
     that keep their input (their weight trains, or LoRA adapts them)."""
-    d, a = config.n_embd, config.n_head
+    d, H, D, H_kv = config.n_embd, config.n_head, config.head_dim, config.kv_heads
+    shapes = projections(config)
     r, c = dtype_bytes(param_dtype), dtype_bytes(dtype)
-    BTd = B * T * d
+    BT = B * T
     dropout = config.dropout > 0
     total = casts = 0
+    autocast = dtype != param_dtype
+    shared: set[str] = set()  # inputs kept once for every matmul that reads them (q, k, v; gate, up)
 
-    def layer_norm(needed: bool) -> int:
-        return BTd * r + 8 * B * T if needed else 0  # its input, mean and rstd (float32)
-
-    def matmul(name: str, width: int, grad_in: bool) -> int:
+    def matmul(name: str, grad_in: bool, reads: str | None = None) -> int:
         """What a matmul keeps: its input for its weight's gradient (LoRA: A's input and B's, rank
-        wide), and its weight's copy when its input needs a gradient."""
+        wide), and its weight's copy when its input needs a gradient. Matmuls that read the same
+        input (`reads`) keep it once, unless autocast casts it for each, or LoRA dropout drops it for each."""
         nonlocal casts
         rank = method.lora.rank if name in method.adapted else 0
-        out_width = {"attn.c_attn": 3, "mlp.c_fc": 4}.get(name, 1)
-        casts += (width * out_width * d * d + rank * width * d if grad_in else 0) + rank * out_width * d
+        fan_in, fan_out = shapes[name]
+        casts += (fan_in * fan_out + rank * fan_in if grad_in else 0) + rank * fan_out
         if name not in kept:
             return 0
-        if not rank:
-            return width * BTd * c
+        own = autocast or (rank and method.lora.dropout > 0)
+        if reads is not None and not own:
+            if reads in shared:
+                return BT * rank * c
+            shared.add(reads)
         # with LoRA dropout A's input is the dropped copy, kept with its mask
-        return B * T * rank * c + (2 if method.lora.dropout > 0 else 1) * width * BTd * c
+        return BT * rank * c + (2 if rank and method.lora.dropout > 0 else 1) * BT * fan_in * c
 
-    total += layer_norm(flows or ln)
+    total += _norm_bytes(config, BT, d, r, flows, ln)
     flows = flows or ln  # ln_1's output
-    total += matmul("attn.c_attn", 1, flows)
-    flows = flows or "attn.c_attn" in kept  # q, k, v
-    matmul_path = dtype == "bfloat16" and param_dtype == "float32" and B * a * T * T <= MATH_ATTENTION_MAX_SCORES
+    if config.arch == "gpt2":
+        total += matmul("attn.c_attn", flows)
+        grads = dict.fromkeys("qkv", flows or "attn.c_attn" in kept)
+        out = "attn.c_proj"
+    else:
+        for name in "qkv":
+            total += matmul(f"attn.{name}_proj", flows, "ln_1")
+        grads = {name: flows or f"attn.{name}_proj" in kept for name in "qkv"}
+        if config.qk_norm:
+            total += _norm_bytes(config, BT * H, D, r, grads["q"], ln) + _norm_bytes(config, BT * H_kv, D, r,
+                                                                                     grads["k"], ln)
+            grads["q"], grads["k"] = grads["q"] or ln, grads["k"] or ln
+        out = "attn.o_proj"
+    flows = grads["q"] or grads["k"] or grads["v"]  # attention's output
+    matmul_path = dtype == "bfloat16" and param_dtype == "float32" and B * H * T * T <= MATH_ATTENTION_MAX_SCORES
     if flows:
         total += _attention_bytes(config, B, T, dtype, matmul_path)
-    if "attn.c_proj" not in kept and flows and not dropout and not matmul_path:
-        total += BTd * c  # the fused kernel keeps its output, which is c_proj's input
-    total += matmul("attn.c_proj", 1, flows)
-    flows = flows or "attn.c_proj" in kept
+    if out not in kept and flows and not dropout and not matmul_path:
+        total += BT * H * D * c  # the fused kernel keeps its output, which is the projection's input
+    total += matmul(out, flows)
+    flows = flows or out in kept
     if dropout and flows:
-        total += BTd * c  # the mask after c_proj
-    total += layer_norm(flows or ln)
+        total += BT * d * c  # the mask after the attention's projection
+    total += _norm_bytes(config, BT, d, r, flows, ln)
     flows = flows or ln  # ln_2's output
-    total += matmul("mlp.c_fc", 1, flows)
-    flows = flows or "mlp.c_fc" in kept
-    if flows:
-        total += 4 * BTd * c  # GELU's input
-    total += matmul("mlp.c_proj", 4, flows)
-    flows = flows or "mlp.c_proj" in kept
+    hidden = BT * config.mlp_width * c
+    if config.mlp == "swiglu":
+        total += matmul("mlp.gate_proj", flows, "ln_2") + matmul("mlp.up_proj", flows, "ln_2")
+        gate, up = flows or "mlp.gate_proj" in kept, flows or "mlp.up_proj" in kept
+        # silu keeps its input; silu(g) * u keeps u where silu(g) needs a gradient, silu(g) where u does
+        total += 2 * hidden * gate + hidden * up
+        flows, down = gate or up, "mlp.down_proj"
+    else:
+        up, down = ("mlp.c_fc", "mlp.c_proj") if config.arch == "gpt2" else ("mlp.up_proj", "mlp.down_proj")
+        total += matmul(up, flows)
+        flows = flows or up in kept
+        if flows:
+            total += hidden  # GELU's input
+    total += matmul(down, flows)
+    flows = flows or down in kept
     if dropout and flows:
-        total += BTd * c  # the mask after the MLP
-    return total, flows, casts
+        total += BT * d * c  # the mask after the MLP
+    return total, flows, casts, grads["q"] or grads["k"]
 
 
 def _attention_bytes(config: GPTConfig, B: int, T: int, dtype: str, matmul_path: bool) -> int:
-    """What attention keeps for backward when q, k and v need a gradient."""
-    d, a = config.n_embd, config.n_head
+    """What attention keeps for backward when q, k and v need a gradient: queries of n_head heads, keys
+    and values of n_kv_head heads (the fused kernel reads them grouped; the matmul path repeats them)."""
+    H, D = config.n_head, config.head_dim
     c = dtype_bytes(dtype)
-    BTd = B * T * d
+    q, kv = B * T * H * D, B * T * config.kv_heads * D
     if matmul_path:
         # bf16 training on a CPU takes tinygpt's matmul attention path (model._sdpa_is_slow):
         # q, k, v and the T x T probabilities (with dropout also its mask and output)
-        return 3 * BTd * c + (3 if config.dropout > 0 else 1) * B * a * T * T * c
+        return 3 * q * c + (3 if config.dropout > 0 else 1) * B * H * T * T * c
     if config.dropout > 0:
-        # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices
-        return (3 * BTd + 3 * B * a * T * T) * 4
-    return 3 * BTd * c + 4 * B * a * T  # q, k, v and the fused kernel's logsumexp
+        # SDPA with dropout on a CPU runs its math path, in float32, with T x T matrices (and keys and
+        # values repeated for every query head)
+        return (3 * q + 3 * B * H * T * T) * 4
+    return (q + 2 * kv) * c + 4 * B * H * T  # q, k, v and the fused kernel's logsumexp
 
 
 def training_memory(

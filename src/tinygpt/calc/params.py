@@ -15,12 +15,14 @@ class ParamCounts:
 
     Args:
         token_embedding: wte, vocab_size x n_embd.
-        position_embedding: wpe, block_size x n_embd.
-        attention: c_attn (d -> 3d) and c_proj (d -> d) of every layer, biases included.
-        mlp: c_fc (d -> 4d) and c_proj (4d -> d) of every layer, biases included.
-        layer_norm: ln_1 and ln_2 of every layer and ln_f (weight, and bias when config.bias).
+        position_embedding: wpe, block_size x n_embd (0 with rotary positions).
+        attention: c_attn (d -> 3d) and c_proj (d -> d) of every layer, biases included; in the
+            llama layout q_proj, k_proj, v_proj (n_kv_head heads) and o_proj, and the qk-norms.
+        mlp: c_fc (d -> 4d) and c_proj (4d -> d) of every layer, biases included; in the llama
+            layout gate_proj (SwiGLU), up_proj and down_proj, intermediate_size wide.
+        layer_norm: ln_1 and ln_2 of every layer and ln_f (weight, and bias for a LayerNorm with config.bias).
         head: lm_head's own weight (n_embd x vocab_size); 0 when tied to wte, which then serves as both.
-        biases: how many of the above are Linear or LayerNorm biases (0 without config.bias).
+        biases: how many of the above are Linear or LayerNorm biases (0 without config.bias and qkv_bias).
         matmul_weights: the block weights that multiply activations (attention and MLP matrices,
             biases excluded), the "dense" part the FLOP count is built on.
         tied: whether the head shares wte.
@@ -57,6 +59,26 @@ class ParamCounts:
         return {**asdict(self), "total": self.total, "non_embedding": self.non_embedding}
 
 
+def projections(config: GPTConfig) -> dict[str, tuple[int, int]]:
+    """Every matmul of one block by its name inside the block (what LoRA can adapt), in block order:
+    (in_features, out_features). GPT-2's fused c_attn, c_proj, c_fc, c_proj; the llama layout's q_proj,
+    k_proj, v_proj (n_kv_head heads each), o_proj, gate_proj (a SwiGLU MLP's), up_proj, down_proj."""
+    d, hidden = config.n_embd, config.mlp_width
+    if config.arch == "gpt2":
+        return {"attn.c_attn": (d, 3 * d), "attn.c_proj": (d, d), "mlp.c_fc": (d, hidden), "mlp.c_proj": (hidden, d)}
+    inner, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    shapes = {"attn.q_proj": (d, inner), "attn.k_proj": (d, kv), "attn.v_proj": (d, kv), "attn.o_proj": (inner, d)}
+    if config.mlp == "swiglu":
+        shapes["mlp.gate_proj"] = (d, hidden)
+    return {**shapes, "mlp.up_proj": (d, hidden), "mlp.down_proj": (hidden, d)}
+
+
+def has_bias(config: GPTConfig, projection: str) -> bool:
+    """Whether a block's projection (a name `projections` gives) has a bias: config.bias, or the
+    query, key and value projections with qkv_bias (Qwen2)."""
+    return config.bias or (config.qkv_bias and projection in ("attn.q_proj", "attn.k_proj", "attn.v_proj"))
+
+
 def count_params(config: GPTConfig) -> ParamCounts:
     """Count the parameters of `GPT(config)` without building it.
 
@@ -67,25 +89,24 @@ def count_params(config: GPTConfig) -> ParamCounts:
         The counts by part; `.total` equals the built model's `sum(p.numel())`.
     """
     d, L, V = config.n_embd, config.n_layer, config.vocab_size
-    b = 1 if config.bias else 0
-    attn_weights, attn_biases = d * 3 * d + d * d, b * (3 * d + d)  # c_attn, c_proj
-    mlp_weights, mlp_biases = d * 4 * d + 4 * d * d, b * (4 * d + d)  # c_fc, c_proj: the 4x rule
+    shapes = projections(config)
+    weights = {part: sum(i * o for name, (i, o) in shapes.items() if name.startswith(part)) for part in ("attn", "mlp")}
+    biases = {part: sum(o for name, (i, o) in shapes.items() if name.startswith(part) and has_bias(config, name))
+              for part in ("attn", "mlp")}
+    qk_norms = 2 * config.head_dim if config.qk_norm else 0  # RMSNorm weights over a head's features
+    norm_bias = 1 if config.bias and config.norm == "layernorm" else 0  # RMSNorm has no bias
     n_norms = 2 * L + 1  # ln_1 and ln_2 per block, ln_f
     return ParamCounts(
         token_embedding=V * d,
-        position_embedding=config.block_size * d,
-        attention=L * (attn_weights + attn_biases),
-        mlp=L * (mlp_weights + mlp_biases),
-        layer_norm=n_norms * (d + b * d),
+        position_embedding=config.block_size * d if config.positions == "learned" else 0,
+        attention=L * (weights["attn"] + biases["attn"] + qk_norms),
+        mlp=L * (weights["mlp"] + biases["mlp"]),
+        layer_norm=n_norms * (d + norm_bias * d),
         head=0 if config.tie_weights else d * V,  # lm_head has no bias, as in GPT-2
-        biases=L * (attn_biases + mlp_biases) + n_norms * b * d,
-        matmul_weights=L * (attn_weights + mlp_weights),
+        biases=L * (biases["attn"] + biases["mlp"]) + n_norms * norm_bias * d,
+        matmul_weights=L * (weights["attn"] + weights["mlp"]),
         tied=config.tie_weights,
     )
-
-
-# in and out features of each projection LoRA can adapt, in units of n_embd (see config.LORA_TARGETS)
-_PROJECTION_SHAPES = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}
 
 
 @dataclass(frozen=True)
@@ -115,8 +136,8 @@ class TrainableParams:
 
 def lora_params(config: GPTConfig, lora: LoraConfig) -> int:
     """Parameters LoRA adds: rank x (in + out) for each adapted projection of every block."""
-    d = config.n_embd
-    return config.n_layer * sum(lora.rank * (i + o) * d for i, o in (_PROJECTION_SHAPES[t] for t in lora.targets))
+    shapes = projections(config)
+    return config.n_layer * sum(lora.rank * (i + o) for i, o in (shapes[t] for t in lora.targets))
 
 
 def trainable_params(
@@ -164,5 +185,5 @@ def trainable_params(
 
 
 def _norm_params(config: GPTConfig) -> int:
-    """ln_f's parameters: the one LayerNorm outside the blocks."""
-    return config.n_embd * (2 if config.bias else 1)
+    """ln_f's parameters: the one norm outside the blocks."""
+    return config.n_embd * (2 if config.bias and config.norm == "layernorm" else 1)

@@ -78,11 +78,21 @@ def model_report(
 
 def _describe(config: GPTConfig) -> str:
     head = "head tied to wte" if config.tie_weights else "untied head"
-    bias = "biases" if config.bias else "no biases"
+    bias = "biases" if config.bias else "q/k/v biases" if config.qkv_bias else "no biases"
     dropout = f", dropout {config.dropout:g}" if config.dropout > 0 else ""
+    heads = plural(config.n_head, "head")
+    if config.kv_heads != config.n_head or config.head_size is not None:
+        heads = f"{heads} of {config.head_dim} ({config.kv_heads} for keys and values)"
+    family = ""
+    if config.arch != "gpt2":
+        positions = (f"rotary positions (theta {config.rope_theta:,.0f}"
+                     + (f", {config.rope_scaling} scaling x{config.rope_factor:g}" if config.rope_scaling != "none"
+                        else "") + ")" if config.positions == "rope" else "learned positions")
+        family = (f"; llama layout: {positions}, {'RMSNorm' if config.norm == 'rmsnorm' else 'LayerNorm'}, "
+                  f"{config.mlp} MLP{', qk-norm' if config.qk_norm else ''}")
     return (
-        f"{plural(config.n_layer, 'layer')}, {plural(config.n_head, 'head')}, n_embd {config.n_embd}, "
-        f"vocab {config.vocab_size:,}, context {config.block_size:,}; {bias}, {head}{dropout}"
+        f"{plural(config.n_layer, 'layer')}, {heads}, n_embd {config.n_embd}, "
+        f"vocab {config.vocab_size:,}, context {config.block_size:,}{family}; {bias}, {head}{dropout}"
     )
 
 
@@ -102,10 +112,13 @@ def render_model_report(report: dict[str, Any]) -> str:
     lines = [f"{report['name']}: {_describe(cfg)}", "", "Parameters"]
     lines += _rows([
         ("token embedding (wte)", f"{p['token_embedding']:,}", share(p["token_embedding"])),
-        ("position embedding (wpe)", f"{p['position_embedding']:,}", share(p["position_embedding"])),
+        ("position embedding (wpe)", f"{p['position_embedding']:,}", share(p["position_embedding"]))
+        if cfg.positions == "learned" else ("position embedding", "none", "rotary positions"),
         (f"attention x {L}", f"{p['attention']:,}", share(p["attention"])),
-        (f"MLP (4x wide) x {L}", f"{p['mlp']:,}", share(p["mlp"])),
-        (f"layer norms x {2 * L + 1}", f"{p['layer_norm']:,}", share(p["layer_norm"])),
+        (f"MLP ({'4x' if cfg.mlp == 'gelu' and cfg.mlp_width == 4 * cfg.n_embd else f'{cfg.mlp}, {cfg.mlp_width:,}'}"
+         f" wide) x {L}", f"{p['mlp']:,}", share(p["mlp"])),
+        (f"{'layer norms' if cfg.norm == 'layernorm' else 'RMSNorms'} x {2 * L + 1}", f"{p['layer_norm']:,}",
+         share(p["layer_norm"])),
         ("LM head", "tied to wte" if p["tied"] else f"{p['head']:,}", "" if p["tied"] else share(p["head"])),
         ("total", f"{total:,}", f"({format_count(total)})"),
         ("non-embedding", f"{p['non_embedding']:,}", share(p["non_embedding"])),
@@ -113,7 +126,8 @@ def render_model_report(report: dict[str, Any]) -> str:
     ])
     lines += ["", f"FLOPs per token (matmuls, 2 per multiply-add; attention over all {T:,} positions)"]
     lines += _rows([
-        ("forward", format_flops(f["forward"]), "2·(matmul weights + d·V) + 4·L·T·d"),
+        ("forward", format_flops(f["forward"]), "2·(matmul weights + d·V) + 4·L·T·d"
+         if cfg.n_head * cfg.head_dim == cfg.n_embd else "2·(matmul weights + d·V) + 4·L·T·n_head·head_dim"),
         ("  attention projections", format_flops(f["attention_proj"]), ""),
         ("  attention scores and values", format_flops(f["attention"]), ""),
         ("  MLP", format_flops(f["mlp"]), ""),
@@ -128,7 +142,8 @@ def render_model_report(report: dict[str, Any]) -> str:
     batch = m["batch_size"]
     lines += ["", f"Inference memory ({m['dtype']})"]
     lines += _rows([
-        ("KV cache per token", format_bytes(m["kv_cache_bytes_per_token"]), "2 x n_layer x n_embd values"),
+        ("KV cache per token", format_bytes(m["kv_cache_bytes_per_token"]), "2 x n_layer x n_embd values"
+         if cfg.kv_heads == cfg.n_head and cfg.head_size is None else "2 x n_layer x n_kv_head x head_dim values"),
         (f"KV cache, {cfg.block_size:,} tokens x batch {batch}", format_bytes(m["kv_cache_bytes_full_context"]), ""),
         ("weights for inference", format_bytes(m["inference_weight_bytes"]), ""),
     ])

@@ -8,12 +8,16 @@ import os
 import sys
 
 from ..calc.units import plural
+from ..config import ARCHS
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
                      kept_checkpoint, seed_type)
 
+# every GPTConfig field is a config-file key; the common ones are flags too
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
-                "activation", "init")
+                "activation", "init", "layer_norm_eps", "scale_embeddings", "arch", "positions", "norm", "mlp",
+                "intermediate_size", "n_kv_head", "head_size", "qk_norm", "qkv_bias", "rope_theta", "rope_scaling",
+                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
 
 
 def train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
@@ -112,7 +116,7 @@ def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str |
     run's own) and `begun` on a start over, a new GPTConfig only when --preset or a model flag
     changes the saved one."""
     from ..checkpoint import load_config
-    from ..config import GPTConfig, TrainConfig, from_mapping
+    from ..config import GPTConfig, TrainConfig, from_mapping, with_arch
     from ..train import read_train_config
 
     saved, _ = read_train_config(run)
@@ -120,7 +124,7 @@ def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str |
     if not (model_over or preset):
         return begun, train_cfg
     base = (GPTConfig.from_preset(preset) if preset else begun.config if begun else load_config(run)).to_dict()
-    return from_mapping(GPTConfig, {**base, **model_over}), train_cfg
+    return from_mapping(GPTConfig, with_arch(base, model_over)), train_cfg
 
 
 def _begun_with(run: str):
@@ -149,7 +153,7 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     """The model of a new run: the preset with the model flags over it, else the one sizing chooses."""
     import dataclasses
 
-    from ..config import GPTConfig, from_mapping
+    from ..config import GPTConfig, from_mapping, with_arch
     from ..data import load_data
     from ..sizing import ModelChoice, choose_model
     from ..train import check_has_val
@@ -160,7 +164,7 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     vocab = int(meta["vocab_size"])
     if preset:
         base = GPTConfig.from_preset(preset, vocab_size=vocab).to_dict()
-        config = from_mapping(GPTConfig, {**base, **model_over})
+        config = from_mapping(GPTConfig, with_arch(base, model_over))
         flags = " with its flags over it" if model_over else ""
         return ModelChoice(config, "preset", f"model: the {preset} preset{flags}")  # recorded, as any choice
     # one path for every default: sized for --max-time when no size flag is given, else for the
@@ -237,8 +241,17 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--vocab-size", type=POSITIVE, help="default: the data's vocabulary")
     m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
     m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None)
-    m.add_argument("--activation", choices=["gelu", "gelu_tanh"])
+    m.add_argument("--activation", choices=["gelu", "gelu_tanh"], help="a gelu MLP's GELU (gelu_tanh)")
     m.add_argument("--init", choices=["gpt2", "torch"])
+    m.add_argument("--arch", choices=ARCHS,
+                   help="gpt2 (the default) or llama: rotary positions, RMSNorm, a SwiGLU MLP, no biases, HF's module "
+                        "names, and the choices below")
+    m.add_argument("--n-kv-head", type=POSITIVE, help="llama: key/value heads, dividing --n-head (grouped-query "
+                                                      "attention; default n_head)")
+    m.add_argument("--intermediate-size", type=POSITIVE, help="the MLP's width (gelu 4 n_embd; swiglu 8/3 n_embd)")
+    m.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
+                   help="llama: RMSNorm on each head's queries and keys (Qwen3)")
+    m.add_argument("--rope-theta", type=Number("float", 1, low_open=True), help="llama: the rotary base (10000)")
     t = p.add_argument_group("training")
     add_training_flags(t, TRAIN_DEFAULTS)
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
