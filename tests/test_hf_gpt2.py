@@ -314,9 +314,12 @@ def edit_config(folder, **changes):
     (folder / "config.json").write_text(json.dumps(config))
 
 
-def test_not_gpt2(hf_folder):
-    edit_config(hf_folder, model_type="llama")
-    with pytest.raises(CheckpointError, match="'llama' model, not GPT-2"):
+def test_not_an_architecture_tinygpt_reads(hf_folder):
+    edit_config(hf_folder, model_type="mistral")
+    with pytest.raises(CheckpointError, match="model_type='mistral' is not supported .*gpt2, llama, qwen2, qwen3"):
+        tinygpt.load(hf_folder)
+    edit_config(hf_folder, model_type="llama")  # GPT-2's weights under a Llama config: its tensors are not there
+    with pytest.raises(CheckpointError, match="hf"):
         tinygpt.load(hf_folder)
 
 

@@ -43,7 +43,7 @@ from .config import GPTConfig, LoraConfig
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, TokenizerError
 from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, read_json, write_json
-from .interop.hf_gpt2 import is_hf_folder, load_hf
+from .interop.hf import is_hf_folder, load_hf
 from .interop.hf_tokenizer import load_hf_tokenizer
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
 from .lora import merge as merge_lora

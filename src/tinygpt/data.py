@@ -504,7 +504,7 @@ def _hf_folder_tokenizer(path: Path) -> Tokenizer | None:
     with, and what `tinygpt load` reads there), or None when `path` is not such a folder."""
     if not path.is_dir() or not (path / "config.json").is_file():
         return None
-    from .interop.hf_gpt2 import is_hf_folder
+    from .interop.hf import is_hf_folder
     from .interop.hf_tokenizer import load_hf_tokenizer
 
     if not is_hf_folder(path):
@@ -729,6 +729,8 @@ def _second_pass(reader: _Reader, tok: Tokenizer, split_at: int, folder: Path) -
         for k, doc in enumerate(reader.docs):
             if k and tok.eot_id is not None:
                 writer.add_separator(tok.eot_id)  # between documents only
+            for token in tok.added_ids[0]:  # a pretrained model's BOS begins each document, as its tokenizer has it
+                writer.add_separator(token)
             for piece in reader.pieces(doc, "encode", done):
                 if writer.split == "train" and pos + len(piece) > split_at:
                     writer.add_text(piece[: split_at - pos])

@@ -28,11 +28,15 @@ from __future__ import annotations
 
 import base64
 import codecs
+import contextvars
+import datetime
+import functools
 import hashlib
 import itertools
 import json
 import operator
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -48,7 +52,7 @@ from .fileio import read_json, write_json
 
 FORMAT = "tinygpt-tokenizer"
 VERSION = 1
-KINDS = ("char", "bpe", "gpt2")
+KINDS = ("char", "bpe", "gpt2", "hf")
 EOT = "<|endoftext|>"
 # GPT-2's pre-tokenizer split (tiktoken's r50k/gpt2 pattern): contractions, letters, digits,
 # other symbols, whitespace. BPE merges never cross these pieces.
@@ -109,6 +113,12 @@ class _TokenizerBase:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`."""
         return self.encode_batch([text])[0]
+
+    @property
+    def added_ids(self) -> tuple[list[int], list[int]]:
+        """(before, after): the ids put around a document or a prompt, as transformers' tokenizer puts
+        a pretrained model's BOS (HFTokenizer); none for tinygpt's own kinds."""
+        return [], []
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -356,7 +366,49 @@ def check_bpe_vocab_size(vocab_size: int) -> None:
         raise TokenizerError(f"vocab size {vocab_size:,} is too large for BPE (at most {BPE_MAX_VOCAB:,})")
 
 
-class BPETokenizer(_TokenizerBase):
+class _TokenizersKind(_TokenizerBase):
+    """What the kinds a `tokenizers.Tokenizer` runs (self._tok) share: text encoded as text, each id's
+    bytes (self._bytes), the special tokens."""
+
+    _tok: Any
+    _bytes: list[bytes]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        texts = list(texts)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("encode expects str")
+        try:
+            encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+        except Exception as e:  # tokenizers refuses strings it cannot hold, e.g. lone surrogates
+            raise TokenizerError(f"cannot encode text: {e}") from None
+        return [e.ids for e in encodings]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        return b"".join(map(self._bytes.__getitem__, self._check_ids(ids)))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying `tokenizers.Tokenizer` (for export to Hugging Face formats)."""
+        return self._tok
+
+    def special_ids(self) -> dict[str, int]:
+        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+    def _with_added_specials(self, tokens: list[str]) -> Any:
+        """A copy of the `tokenizers.Tokenizer` with `tokens` added as special tokens where it lacks them,
+        one by one in order, so each lands on the next id."""
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as HFTokenizerCore
+
+        tok = HFTokenizerCore.from_str(self._tok.to_str())  # a copy: this tokenizer stays as it is
+        have = self.special_ids()
+        for t in tokens:
+            if t not in have:
+                tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
+        return tok
+
+
+class BPETokenizer(_TokenizersKind):
     """Byte-level BPE (GPT-2's scheme) trained on your corpus with Hugging Face `tokenizers`."""
 
     kind = "bpe"
@@ -434,37 +486,8 @@ class BPETokenizer(_TokenizerBase):
             raise
         return cls(tok)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        texts = list(texts)
-        if not all(isinstance(t, str) for t in texts):
-            raise TypeError("encode expects str")
-        try:
-            encodings = self._tok.encode_batch_fast(texts, add_special_tokens=False)
-        except Exception as e:  # tokenizers refuses strings it cannot hold, e.g. lone surrogates
-            raise TokenizerError(f"cannot encode text: {e}") from None
-        return [e.ids for e in encodings]
-
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        return b"".join(map(self._bytes.__getitem__, self._check_ids(ids)))
-
-    @property
-    def hf_tokenizer(self) -> Any:
-        """The underlying `tokenizers.Tokenizer` (for export to Hugging Face formats)."""
-        return self._tok
-
-    def special_ids(self) -> dict[str, int]:
-        return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
-
     def _with_specials(self, tokens: list[str]) -> BPETokenizer:
-        from tokenizers import AddedToken
-        from tokenizers import Tokenizer as HFTokenizer
-
-        tok = HFTokenizer.from_str(self._tok.to_str())  # a copy: this tokenizer stays as it is
-        have = self.special_ids()
-        for t in tokens:  # one by one, in order, so each lands on the next id
-            if t not in have:
-                tok.add_special_tokens([AddedToken(t, special=True, normalized=False)])
-        return BPETokenizer(tok)
+        return BPETokenizer(self._with_added_specials(tokens))
 
     def to_dict(self) -> dict[str, Any]:
         return {**self._header(), "eot": EOT, "tokenizer": json.loads(self._tok.to_str())}
@@ -773,6 +796,197 @@ def _as_gpt2(tokenizer: Tokenizer, where: Path) -> GPT2Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------------
+# A Hugging Face model's own tokenizer: tokenizer.json with its special tokens and Jinja chat template
+
+
+# tokenizer_config.json's names for the special tokens a chat template sees (transformers' special_tokens_map)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _is_byte_level(data: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json decodes byte-level tokens (GPT-2's alphabet)."""
+    decoder = data.get("decoder") or {}
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    return any(isinstance(step, dict) and step.get("type") == "ByteLevel" for step in steps)
+
+
+def _as_transformers_builds(data: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """tokenizer.json as transformers 5 runs it. Its LlamaTokenizer class (TinyLlama's and Llama 2's
+    tokenizer_class) builds a SentencePiece pipeline of its own around tokenizer.json's vocabulary and
+    merges: no normalizer, a Metaspace pre-tokenizer that puts "▁" before the first piece only
+    (legacy false, its default; before every piece with legacy true; never without add_prefix_space),
+    and the matching decoder. Every other tokenizer.json (byte-level ones included, which it loads for
+    a LlamaTokenizer too, as Llama 3's) runs as written: the classes that rebuild theirs (Qwen2's,
+    GPT-2's) rebuild what the Hub's files hold."""
+    name = config.get("tokenizer_class") or ""
+    if name.removesuffix("Fast") != "LlamaTokenizer" or _is_byte_level(data):
+        return data
+    from tokenizers import Tokenizer as HFTokenizerCore
+    from tokenizers import decoders, pre_tokenizers
+
+    prefix = config.get("add_prefix_space") is not False
+    scheme = ("always" if config.get("legacy") is True else "first") if prefix else "never"
+    tok = HFTokenizerCore.from_str(json.dumps(data))
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
+    return json.loads(tok.to_str())
+
+
+class HFTokenizer(_TokenizersKind):
+    """A pretrained model's tokenizer as its Hugging Face folder has it: tokenizer.json run by the
+    `tokenizers` library (byte-level BPE as SmolLM2, Qwen and Llama 3 have it, or SentencePiece-style
+    BPE with byte fallback as TinyLlama's), the special tokens of tokenizer_config.json, and the
+    model's Jinja chat template (a JinjaChatTemplate), kept whole in a run's tokenizer.json.
+
+    Text is text, as for every tinygpt tokenizer (`encode`: a "<|im_start|>" typed in a prompt is its
+    characters); a rendered chat template is encoded with its special tokens found (`encode_rendered`),
+    as transformers' apply_chat_template does. `added_ids` are the ids transformers puts around a text
+    it encodes (Llama's and TinyLlama's BOS, say): tokenizer.json's post-processor's, as transformers 5
+    has it (it ignores tokenizer_config.json's add_bos_token and add_eos_token beside a tokenizer.json).
+    eot_id, the document separator, is the eos token.
+
+    Args:
+        data: tokenizer.json's content.
+        config: bos_token, eos_token, unk_token, pad_token (strings or None), split_special_tokens, tokenizer_class,
+            legacy and add_prefix_space (see _as_transformers_builds), and stop: the ids generation
+            ends at (generation_config.json's eos_token_id).
+        chat_template: the Jinja template, or None.
+    """
+
+    kind = "hf"
+
+    def __init__(self, data: dict[str, Any], config: dict[str, Any], chat_template: str | None = None) -> None:
+        from tokenizers import Tokenizer as HFTokenizerCore
+
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, dict) or model.get("type") != "BPE":
+            kind = model.get("type") if isinstance(model, dict) else None
+            raise TokenizerError(f"a {kind} tokenizer.json is not supported (tinygpt reads BPE: byte-level, or "
+                                 "SentencePiece-style with byte fallback)")
+        self._data, self.config = data, dict(config)
+        try:
+            pipeline = json.dumps(_as_transformers_builds(data, self.config))
+            self._tok = HFTokenizerCore.from_str(pipeline)
+            self._rendered = HFTokenizerCore.from_str(pipeline)
+        except Exception as e:
+            raise TokenizerError(f"tokenizer.json does not load ({type(e).__name__}: {e})") from None
+        self._tok.encode_special_tokens = True  # a prompt's "<|im_end|>" is text
+        self._rendered.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self._bytes = self._byte_table(data, vocab)
+        names = {name: config.get(name) for name in SPECIAL_TOKEN_NAMES}
+        for name, token in names.items():
+            if token is not None and token not in vocab:
+                raise TokenizerError(f"tokenizer_config.json's {name} {token!r} is not in the vocabulary")
+        probe = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        at = next((i for i in range(len(full) - len(probe) + 1) if full[i:i + len(probe)] == probe), 0)
+        self._added = (full[:at], full[at + len(probe):])
+        self.eot_id = vocab.get(names["eos_token"]) if names["eos_token"] is not None else None
+        self.bos_id = vocab.get(names["bos_token"]) if names["bos_token"] is not None else None
+        stop = config.get("stop") or []
+        if not all(isinstance(i, int) and 0 <= i < self.vocab_size for i in stop):
+            raise TokenizerError(f"generation stop ids {stop!r} are not ids of the vocabulary")
+        self.chat_template = JinjaChatTemplate(chat_template, self.template_tokens()) if chat_template else None
+
+    @staticmethod
+    def _byte_table(data: dict[str, Any], vocab: dict[str, int]) -> list[bytes]:
+        """Each id's bytes, as the tokenizer's decoder writes them: byte-level tokens in GPT-2's alphabet,
+        or SentencePiece pieces ("▁" a space, "<0xNN>" a byte); added tokens as their text."""
+        decoder = data.get("decoder") or {}
+        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {step.get("type") for step in steps if isinstance(step, dict)}
+        added = {t["id"]: t["content"] for t in data.get("added_tokens") or [] if isinstance(t, dict)}
+        table = [b""] * (max(vocab.values()) + 1)
+        if "ByteLevel" in kinds:
+            for token, i in vocab.items():
+                table[i] = added[i].encode("utf-8") if i in added else _token_bytes(token)
+            return table
+        spaces = "Metaspace" in kinds or any(s.get("type") == "Replace" and s.get("content") == " "
+                                              for s in steps if isinstance(s, dict))
+        if not spaces:
+            raise TokenizerError(f"a tokenizer.json whose decoder is {decoder.get('type')!r} is not supported "
+                                 "(tinygpt reads byte-level BPE and SentencePiece-style BPE with byte fallback)")
+        fallback = "ByteFallback" in kinds
+        for token, i in vocab.items():
+            if i in added:
+                table[i] = added[i].encode("utf-8")
+            elif fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                table[i] = bytes([int(token[3:5], 16)])
+            else:
+                table[i] = token.replace("\u2581", " ").encode("utf-8")
+        return table
+
+    def template_tokens(self) -> dict[str, str]:
+        """What a chat template sees of the special tokens: bos_token, eos_token, ... (transformers'
+        special_tokens_map), the ones tokenizer_config.json names."""
+        return {name: self.config[name] for name in SPECIAL_TOKEN_NAMES if self.config.get(name) is not None}
+
+    @property
+    def added_ids(self) -> tuple[list[int], list[int]]:
+        """(before, after): the ids transformers adds around an encoded text (a BOS, an EOS), or none."""
+        return list(self._added[0]), list(self._added[1])
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids generation ends at: generation_config.json's eos ids, the eos token, and the chat
+        template's end of turn."""
+        ids = set(self.config.get("stop") or [])
+        if self.eot_id is not None:
+            ids.add(self.eot_id)
+        if self.chat_template is not None:
+            special = self.special_ids()
+            ids.update(special[t] for t in self.chat_template.turn_ends(self) if t in special)
+        return sorted(ids)
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """A rendered chat template's ids, its special tokens found as such (apply_chat_template's
+        encoding: no BOS or EOS added), and each token's (start, end) characters in `text`."""
+        try:
+            encoding = self._rendered.encode(text, add_special_tokens=False)
+        except Exception as e:
+            raise TokenizerError(f"cannot encode text: {e}") from None
+        return encoding.ids, encoding.offsets
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """A text's ids back as transformers decodes them (special tokens written out): a SentencePiece
+        tokenizer drops the space its encoding put before the first word, which decode_bytes (each
+        token's bytes: what IncrementalDecoder streams of a continuation) keeps."""
+        return self._tok.decode(self._check_ids(ids), skip_special_tokens=False)
+
+    def _with_specials(self, tokens: list[str]) -> HFTokenizer:
+        return HFTokenizer(json.loads(self._with_added_specials(tokens).to_str()), self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        header = self._header()
+        header.pop("chat_template", None)  # this kind keeps its own, in Jinja
+        template = self.chat_template.source if self.chat_template is not None else None
+        return {**header, "tokenizer": self._data, "config": self.config, "jinja_chat_template": template}
+
+    def _canonical(self) -> dict[str, Any]:
+        inner = {k: v for k, v in self._data.items() if k not in ("version", "truncation", "padding")}
+        return {"kind": self.kind, "tokenizer": inner, "config": self.config,
+                "jinja_chat_template": self.chat_template.source if self.chat_template is not None else None}
+
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:  # the template is in the canonical form already, as Jinja
+            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(self._canonical())).hexdigest()
+        return self._fingerprint
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HFTokenizer:
+        inner, config, template = data.get("tokenizer"), data.get("config"), data.get("jinja_chat_template")
+        if not isinstance(inner, dict) or not isinstance(config, dict) or not (template is None or
+                                                                              isinstance(template, str)):
+            raise TokenizerError('an hf tokenizer needs "tokenizer" (tokenizer.json\'s object), "config" (an object) '
+                                 'and "jinja_chat_template" (text or null)')
+        return cls(inner, config, template)
+
+
+# ---------------------------------------------------------------------------------------------
 # Chat templates
 
 ROLES = ("system", "user", "assistant")
@@ -847,22 +1061,189 @@ class ChatTemplate:
         )
 
 
+class JinjaChatTemplate:
+    """A Hugging Face model's chat template: Jinja, rendered with jinja2 as transformers' apply_chat_template
+    renders it (a sandboxed environment with trim_blocks and lstrip_blocks, loop controls, the
+    {% generation %} tag, raise_exception, strftime_now and a tojson that keeps non-ASCII text; the
+    special tokens as bos_token, eos_token, ...), the text then encoded with its special tokens found.
+
+    The loss mask of a conversation (render_chat) covers the assistant's replies: the text inside
+    {% generation %} blocks where the template marks them, otherwise each reply found by rendering
+    the conversation up to it (with the generation prompt) and through it, whatever the template
+    writes between (the end of turn included).
+
+    Args:
+        source: the template.
+        tokens: the special tokens it may name (HFTokenizer.template_tokens()).
+    """
+
+    roles = ROLES
+
+    def __init__(self, source: str, tokens: Mapping[str, str] | None = None) -> None:
+        if not isinstance(source, str) or not source.strip():
+            raise ChatError("a Jinja chat template must be non-empty text")
+        self.source = source
+        self.tokens = dict(tokens or {})
+        _compiled_template(source)  # a template that does not compile is refused here, once
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JinjaChatTemplate) and (self.source, self.tokens) == (other.source, other.tokens)
+
+    __hash__ = None
+
+    @property
+    def marks_generation(self) -> bool:
+        """Whether the template marks the assistant's replies with {% generation %}."""
+        return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> tuple[str, list]:
+        """The conversation's text, and the (start, end) characters of its {% generation %} blocks.
+
+        Raises:
+            ChatError: the template raises (raise_exception, an undefined name, a sandbox refusal).
+        """
+        import jinja2
+
+        template = _compiled_template(self.source)
+        blocks: list[str] = []
+        spans: list[tuple[int, int]] = []
+        token = _GENERATION.set((blocks, spans))
+        try:
+            for chunk in template.generate(messages=[dict(m) for m in messages], tools=None, documents=None,
+                                           add_generation_prompt=add_generation_prompt, **self.tokens):
+                blocks.append(chunk)
+        except jinja2.TemplateError as e:
+            raise ChatError(f"the chat template raised: {e}") from None
+        except Exception as e:  # anything a template's expressions can raise (a type error in it, say)
+            raise ChatError(f"the chat template raised {type(e).__name__}: {e}") from None
+        finally:
+            _GENERATION.reset(token)
+        return "".join(blocks), spans
+
+    def rendered(self, tokenizer: HFTokenizer, messages: list[dict[str, str]]) -> Rendered:
+        """The conversation's ids as apply_chat_template gives them, and its loss mask (see the class)."""
+        text, spans = self.render(messages)
+        if not self.marks_generation:
+            spans = self._replies(messages, text)
+        ids, offsets = tokenizer.encode_rendered(text)
+        mask, at = [], 0
+        for start, end in offsets:  # a token learns where it overlaps a reply (offsets and spans in order)
+            while at < len(spans) and start >= spans[at][1]:
+                at += 1
+            mask.append(int(at < len(spans) and end > spans[at][0] and end > start))
+        return Rendered(ids, mask)
+
+    def _replies(self, messages: list[dict[str, str]], text: str) -> list[tuple[int, int]]:
+        """Each assistant reply's span in `text`, from the renderings up to it and through it."""
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, _ = self.render(messages[:i], add_generation_prompt=True)
+            through, _ = self.render(messages[: i + 1])
+            if not (through.startswith(before) and text.startswith(through)):
+                raise ChatError(f"the chat template does not write message {i + 1} (assistant) after the ones before "
+                                "it as it writes the whole conversation, so its reply cannot be found; mark replies "
+                                "with {% generation %} ... {% endgeneration %}")
+            spans.append((len(before), len(through)))
+        return spans
+
+    def prompt_ids(self, tokenizer: HFTokenizer, messages: list[dict[str, str]]) -> list[int]:
+        """The ids a model continues to write the assistant's next turn (add_generation_prompt)."""
+        return tokenizer.encode_rendered(self.render(messages, add_generation_prompt=True)[0])[0]
+
+    def turn_ends(self, tokenizer: HFTokenizer) -> list[str]:
+        """The special token the template writes right after a reply (its end of turn), as a list of
+        none or one: found by rendering a reply and reading the first special token after it."""
+        reply = "tinygpt-reply"
+        try:
+            text, _ = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": reply}])
+        except ChatError:
+            return []
+        rest = text[text.rfind(reply) + len(reply):] if reply in text else ""
+        found = [(rest.find(t), t) for t in tokenizer.special_ids() if t and t in rest]
+        return [min(found)[1]] if found else []
+
+    def special_tokens(self) -> list[str]:
+        return list(self.tokens.values())
+
+    def jinja(self) -> str:
+        return self.source
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"jinja": self.source}
+
+
+# the {% generation %} blocks of the template being rendered: (the chunks written so far, their spans)
+_GENERATION: contextvars.ContextVar = contextvars.ContextVar("tinygpt_generation_spans", default=None)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled_template(source: str) -> Any:
+    """A chat template compiled as transformers compiles one (see JinjaChatTemplate)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 is a dependency
+        raise TokenizerError("jinja2 is not installed: pip install jinja2") from None
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %} ... {% endgeneration %}: where its text lands in the rendering."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            tracked = _GENERATION.get()
+            if tracked is not None:
+                start = sum(map(len, tracked[0]))
+                tracked[1].append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ChatError(f"the chat template is not valid Jinja ({e})") from None
+
+
 def _jinja_str(text: str) -> str:
     """A Jinja string literal of `text` (its escapes are Python's)."""
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def with_chat_template(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> Tokenizer:
+def with_chat_template(tokenizer: Tokenizer, template: ChatTemplate | JinjaChatTemplate | None = None) -> Tokenizer:
     """A copy of `tokenizer` that carries a chat template, its special tokens added where missing.
 
     Char vocabularies get them as ids after the characters, BPE as added special tokens, GPT-2 as
     ids after 50,256 (a model trained before needs its embedding grown: `tinygpt.model.grow_vocab`).
-    The tokenizer given is not changed.
+    The tokenizer given is not changed. A Jinja template goes with a pretrained model's own
+    tokenizer (HFTokenizer), whose special tokens it names.
 
     Args:
         tokenizer: any tinygpt tokenizer.
         template: the template (ChatTemplate(): <|system|>, <|user|>, <|assistant|>, <|end|>).
     """
+    if isinstance(template, JinjaChatTemplate):
+        if not isinstance(tokenizer, HFTokenizer):
+            raise ChatError(f"a Jinja chat template goes with a Hugging Face model's tokenizer, not a {tokenizer.kind} one")
+        return HFTokenizer(tokenizer._data, tokenizer.config, template.source)
     template = template or ChatTemplate()
     tok = tokenizer._with_specials(template.special_tokens())
     tok.chat_template = template
@@ -915,7 +1296,7 @@ def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, training: boo
         raise ChatError("the conversation has no assistant turn")
 
 
-def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate:
+def chat_template_of(tokenizer: Tokenizer) -> ChatTemplate | JinjaChatTemplate:
     """The tokenizer's chat template.
 
     Raises:
@@ -933,6 +1314,8 @@ def stop_ids(tokenizer: Tokenizer) -> frozenset[int]:
     reply, or its sample, ends there: a role's start begins another turn, and its spelling is no text
     the conversation could carry on with). What the server's chat, `tinygpt chat` and `tinygpt sample`
     pass as stop_tokens."""
+    if isinstance(tokenizer, HFTokenizer):  # generation_config.json's eos ids, the eos token, the end of turn
+        return frozenset(tokenizer.stop_token_ids)
     ids = set() if tokenizer.eot_id is None else {tokenizer.eot_id}
     template = getattr(tokenizer, "chat_template", None)
     if template is not None:
@@ -955,6 +1338,8 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Rendere
     """
     template = chat_template_of(tokenizer)
     check_messages(messages, template.roles)
+    if isinstance(template, JinjaChatTemplate):
+        return template.rendered(tokenizer, messages)
     ids, mask = _render(tokenizer, template, messages)
     return Rendered(ids, mask)
 
@@ -967,6 +1352,8 @@ def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> 
     """
     template = chat_template_of(tokenizer)
     check_messages(messages, template.roles, training=False)
+    if isinstance(template, JinjaChatTemplate):
+        return template.prompt_ids(tokenizer, messages)
     ids, _ = _render(tokenizer, template, messages)
     return ids + [tokenizer.special_ids()[template.start_token("assistant")]]
 
@@ -1013,7 +1400,7 @@ def _render(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[st
 # Files
 
 
-_KIND_CLASSES: dict[str, Any] = {"char": CharTokenizer, "bpe": BPETokenizer, "gpt2": GPT2Tokenizer}
+_KIND_CLASSES: dict[str, Any] = {"char": CharTokenizer, "bpe": BPETokenizer, "gpt2": GPT2Tokenizer, "hf": HFTokenizer}
 
 
 def tokenizer_from_dict(data: Any, *, where: str = "tokenizer") -> Tokenizer:

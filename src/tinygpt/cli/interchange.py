@@ -1,5 +1,5 @@
-"""Models in and out of tinygpt: `tinygpt export` (a Hugging Face GPT-2 folder or a GGUF file), `import` (a
-Hugging Face GPT-2 folder into a run) and `merge` (an adapter run's LoRA adapters into plain weights)."""
+"""Models in and out of tinygpt: `tinygpt export` (a Hugging Face folder or a GGUF file), `import` (a Hugging
+Face folder, GPT-2 or the Llama family, into a run) and `merge` (an adapter run's LoRA adapters into plain weights)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     params = f"{format_count(model.num_params())} parameters"
     tok = _tokenizer_words(tokenizer)
     if args.format == "hf":
-        from ..interop.hf_gpt2 import export_hf
+        from ..interop.hf import export_hf
 
         export_hf(model, tokenizer, out)
         print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
@@ -57,11 +57,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    """Turn a Hugging Face GPT-2 folder (config.json + model.safetensors) into a tinygpt run.
+    """Turn a Hugging Face folder (config.json + model.safetensors or shards) of GPT-2, Llama, Qwen2 or
+    Qwen3 into a tinygpt run.
 
     The tokenizer comes along: GPT-2's vocab.json + merges.txt (run by tiktoken), or a
-    tokenizer.json holding a byte-level BPE or a one-token-per-character vocabulary. A folder with
-    only pytorch_model.bin is refused: it is a pickle, and tinygpt never unpickles a file.
+    tokenizer.json (a Llama-family model's with its special tokens, chat template and
+    generation_config.json's eos ids). A folder with only pytorch_model.bin is refused: it is a
+    pickle, and tinygpt never unpickles a file.
     """
     from ..calc import format_count
     from ..checkpoint import import_hf
@@ -116,8 +118,9 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 def add_import(sub: argparse._SubParsersAction) -> None:
     """`tinygpt import` and its flags."""
-    p = sub.add_parser("import", help="turn a Hugging Face GPT-2 folder into a run", description=cmd_import.__doc__)
-    p.add_argument("dir", metavar="DIR", help="a Hugging Face GPT-2 folder (config.json + model.safetensors)")
+    p = sub.add_parser("import", help="turn a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) into a run",
+                       description=cmd_import.__doc__)
+    p.add_argument("dir", metavar="DIR", help="a Hugging Face folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.set_defaults(func=cmd_import)
 

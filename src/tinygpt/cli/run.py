@@ -15,8 +15,13 @@ from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, add_nonfi
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids, after the ids a pretrained model's tokenizer puts first (its BOS), as
+    transformers encodes a prompt for generation."""
+    first = tokenizer.added_ids[0]
     if prompt:
-        return tokenizer.encode(prompt)
+        return first + tokenizer.encode(prompt)
+    if first:
+        return first
     if tokenizer.eot_id is not None:
         return [tokenizer.eot_id]
     try:
@@ -25,10 +30,16 @@ def _encode_prompt(tokenizer, prompt: str) -> list[int]:
         return [0]
 
 
-def _turn_end(tokenizer) -> int | None:
-    """The id of the tokenizer's chat end-of-turn token, or None without a template."""
+def _turn_ends(tokenizer) -> set[int]:
+    """The ids of the tokenizer's chat end-of-turn token (none without a template)."""
+    from ..tokenizer import JinjaChatTemplate
+
     template = getattr(tokenizer, "chat_template", None)
-    return None if template is None else tokenizer.special_ids()[template.end]
+    if template is None:
+        return set()
+    special = tokenizer.special_ids()
+    ends = template.turn_ends(tokenizer) if isinstance(template, JinjaChatTemplate) else [template.end]
+    return {special[t] for t in ends}
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
@@ -57,7 +68,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
     # the end-of-text token, and a chat run's end of turn: a sample stops where a reply would
     stop_tokens = sorted(stop_ids(tokenizer)) or None
-    turn_end = _turn_end(tokenizer)
+    turn_ends = _turn_ends(tokenizer)
     observer = None
     if args.trace:
         observer = _TracePrinter(tokenizer, args.trace_top or 5, ids.shape[1], model.config.block_size)
@@ -72,7 +83,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
                                      observer=observer, vocab_size=tokenizer.vocab_size, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
-                ended = "the end-of-turn token" if int(token[0]) == turn_end else "the end-of-text token"
+                ended = "the end-of-turn token" if int(token[0]) in turn_ends else "the end-of-text token"
                 break
             out.write(stopper.push(decoder.push([int(token[0])])))
             out.flush()

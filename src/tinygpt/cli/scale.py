@@ -15,7 +15,7 @@ def _run_config(run: str) -> tuple[dict, str]:
 
     from ..checkpoint import CONFIG
     from ..fileio import parse_json
-    from ..interop.hf_gpt2 import is_hf_config
+    from ..interop.hf import is_hf_config
     from ..config import GPTConfig
 
     path = Path(run)
@@ -30,7 +30,7 @@ def _run_config(run: str) -> tuple[dict, str]:
     except ValueError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     if is_hf_config(data):
-        from ..interop.hf_gpt2 import config_from_hf
+        from ..interop.hf import config_from_hf
 
         return config_from_hf(data, str(run)).to_dict(), str(run)
     return GPTConfig.from_dict(data).to_dict(), str(run)

@@ -1,6 +1,6 @@
-"""Hugging Face GPT-2 folders in and out: config.json and model.safetensors (the tokenizer's files
-are tinygpt.interop.hf_tokenizer's; tinygpt.checkpoint opens these folders like runs, and its
-import_hf turns one into a run folder).
+"""Hugging Face GPT-2 folders in and out: config.json and model.safetensors (tinygpt.interop.hf reads
+the folders and dispatches here by model_type; the tokenizer's files are tinygpt.interop.hf_tokenizer's;
+tinygpt.checkpoint opens these folders like runs, and its import_hf turns one into a run folder).
 
 tinygpt keeps GPT-2's parameter names, so interchange is a key map plus one list of transposed
 weights, every shape asserted:
@@ -30,20 +30,14 @@ from safetensors.torch import save_file
 
 from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
-from ..fileio import atomic_write, check_folder_path, read_json, write_json
+from ..fileio import atomic_write, write_json
 from ..model import GPT
 from ..tokenizer import Tokenizer
-from ..weights import TIED_KEY, check_layers, model_from_tensors, read_weights
+from ..weights import TIED_KEY
+from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
 from .hf_tokenizer import save_hf_tokenizer
 
 MODEL_TYPE = "gpt2"
-# Hugging Face's names; a tinygpt run folder uses the same two (tinygpt.checkpoint), which is why a
-# Hugging Face folder is told apart by the model_type in its config.json (is_hf_folder)
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-GENERATION_CONFIG = "generation_config.json"
-PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # The four projections GPT-2 stores as Conv1D (in, out); tinygpt's nn.Linear holds (out, in).
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers older GPT-2 checkpoints carry (the causal mask): not parameters, never needed.
@@ -244,82 +238,7 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
         raise CheckpointError(f"{where}: config.json: {e}") from None
 
 
-# ---- loading a Hugging Face folder ------------------------------------------------------------
-
-
-def is_hf_config(data: Any) -> bool:
-    """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
-    return isinstance(data, dict) and "model_type" in data
-
-
-def is_hf_folder(path: str | Path) -> bool:
-    """True for a Hugging Face model folder: its config.json is a Hugging Face one (is_hf_config)."""
-    file = Path(path) / CONFIG
-    if not file.is_file():
-        return False
-    try:
-        data = read_json(file, CheckpointError)
-    except CheckpointError:
-        return False
-    return is_hf_config(data)
-
-
-def _read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    if (path / WEIGHTS).is_file():
-        return read_weights(path / WEIGHTS)[0]
-    if (path / INDEX).is_file():  # sharded: the index maps each tensor to its file
-        index = read_json(path / INDEX, CheckpointError)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{path / INDEX}: no weight_map")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            file = path / shard
-            if not file.is_file() or file.parent != path:
-                raise CheckpointError(f"{path / INDEX}: names a shard {shard!r} that is not in the folder")
-            tensors.update(read_weights(file)[0])
-        return tensors
-    pickles = [name for name in PICKLES if (path / name).exists()]
-    if pickles:
-        raise CheckpointError(
-            f"{path}: only {pickles[0]}, a pickle, which tinygpt never loads (unpickling a file can run any "
-            "code in it); convert it to safetensors with transformers: "
-            f"GPT2LMHeadModel.from_pretrained('{path}').save_pretrained('{path}-safetensors')"
-        )
-    raise CheckpointError(f"{path}: no {WEIGHTS} (nor {INDEX})")
-
-
-def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> GPT:
-    """Load a Hugging Face GPT-2 folder (config.json + model.safetensors) as a tinygpt GPT, in eval mode.
-
-    Args:
-        path: the folder, as `save_pretrained` or `tinygpt export --format hf` writes it.
-        device: where to put the weights.
-        allow_nonfinite: accept NaN or infinite weights.
-
-    Raises:
-        CheckpointError: not a GPT-2 folder, a pickle-only one, missing tensors, or shapes that
-            disagree with config.json.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such folder")
-    config = config_from_hf(read_json(path / CONFIG, CheckpointError), str(path))
-    tensors = _read_hf_weights(path)
-    check_layers(config, tensors, str(path))  # before a model of config's size is built
-    tensors = from_hf_state_dict(tensors, config, str(path))
-    return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
-
-
 # ---- export -----------------------------------------------------------------------------------
-
-
-def _check_target(out: Path) -> None:
-    """Refuse to write over anything that is not an earlier export (a run, a file, a foreign folder), and
-    a folder that cannot be made or written in."""
-    check_folder_path(out, CheckpointError)
-    if out.is_dir() and any(out.iterdir()) and not is_hf_folder(out):
-        raise CheckpointError(f"{out} is not empty and not a Hugging Face model folder; export to a new folder")
 
 
 def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
@@ -336,7 +255,7 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
     """
     out = Path(out)
     check_gpt2_computes(model.config)
-    _check_target(out)
+    check_export_target(out)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {model.config.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)

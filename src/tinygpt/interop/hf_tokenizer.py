@@ -22,12 +22,15 @@ from typing import Any
 
 from ..errors import ChatError, TokenizerError
 from ..fileio import atomic_write, read_json, write_json
+from .hf_folder import FAMILY
 from ..tokenizer import (
     EOT,
+    SPECIAL_TOKEN_NAMES,
     BPETokenizer,
     ChatTemplate,
     CharTokenizer,
     GPT2Tokenizer,
+    HFTokenizer,
     Tokenizer,
     byte_to_unicode,
     with_chat_template,
@@ -39,7 +42,10 @@ GPT2_VOCAB = "vocab.json"
 GPT2_MERGES = "merges.txt"
 # every tokenizer file of a folder: an export removes those it does not write, which would be read
 # in place of its own
-TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GPT2_VOCAB, GPT2_MERGES, "special_tokens_map.json")
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"
+CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GPT2_VOCAB, GPT2_MERGES, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE)
 TINYGPT_TEMPLATE = "tinygpt_chat_template"  # tokenizer_config.json: the template in tinygpt's form
 # The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
 CHAR_SPLIT = r"[\s\S]"
@@ -207,6 +213,8 @@ def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
     tinygpt_chat_template) comes back with it.
     """
     path = Path(path)
+    if _model_type(path) in FAMILY:
+        return _pretrained_tokenizer(path)
     template = _chat_template(path)
     tokenizer = _load_hf_tokenizer(path, template)
     if tokenizer is None or template is None:
@@ -216,6 +224,58 @@ def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
         raise TokenizerError(f"{path}: tokenizer_config.json names a chat template whose special tokens the "
                              "tokenizer lacks")
     return chat
+
+
+def _model_type(path: Path) -> Any:
+    data = read_json(path / "config.json", TokenizerError) if (path / "config.json").is_file() else None
+    return data.get("model_type") if isinstance(data, dict) else None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's object with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pretrained_tokenizer(path: Path) -> HFTokenizer | None:
+    """A Llama-family folder's own tokenizer: tokenizer.json, tokenizer_config.json's special tokens and
+    class, the chat template (chat_template.jinja, as transformers 5 writes it, else
+    tokenizer_config.json's chat_template, its "default" one where it names several), and
+    generation_config.json's eos ids, which end generation. None without a tokenizer.json."""
+    file = path / TOKENIZER
+    if not file.is_file():
+        return None
+    data = read_json(file, TokenizerError)
+    settings = read_json(path / TOKENIZER_CONFIG, TokenizerError) if (path / TOKENIZER_CONFIG).is_file() else {}
+    extra = read_json(path / SPECIAL_TOKENS_MAP, TokenizerError) if (path / SPECIAL_TOKENS_MAP).is_file() else {}
+    if not isinstance(settings, dict) or not isinstance(extra, dict):
+        raise TokenizerError(f"{path}: {TOKENIZER_CONFIG} and {SPECIAL_TOKENS_MAP} must be JSON objects")
+    config: dict[str, Any] = {name: _token_text(settings.get(name, extra.get(name))) for name in SPECIAL_TOKEN_NAMES}
+    for flag in ("split_special_tokens", "legacy", "add_prefix_space"):
+        if isinstance(settings.get(flag), bool):
+            config[flag] = settings[flag]
+    if isinstance(settings.get("tokenizer_class"), str):
+        config["tokenizer_class"] = settings["tokenizer_class"]
+    generation = read_json(path / GENERATION_CONFIG, TokenizerError) if (path / GENERATION_CONFIG).is_file() else {}
+    eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    config["stop"] = [eos] if isinstance(eos, int) else [i for i in eos if isinstance(i, int)] if isinstance(
+        eos, list) else []
+    template = settings.get("chat_template")
+    if (path / CHAT_TEMPLATE).is_file():
+        try:
+            template = (path / CHAT_TEMPLATE).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{path / CHAT_TEMPLATE}: cannot read it ({e})") from None
+    elif isinstance(template, list):  # several named templates: the default one
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{path / TOKENIZER_CONFIG}: chat_template must be text")
+    try:
+        return HFTokenizer(data, config, template)
+    except (TokenizerError, ChatError) as e:
+        raise TokenizerError(f"{path}: {e}") from None
 
 
 def _chat_template(path: Path) -> ChatTemplate | None:
