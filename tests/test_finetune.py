@@ -215,7 +215,8 @@ def test_finetune_settings_are_checked():
                 dict(freeze_layers=-1), dict(lora_rank=0)):
         with pytest.raises(ConfigError):
             FinetuneConfig(**bad)
-    assert FinetuneConfig(method="lora", lora_targets="attn,mlp").lora_targets == (
+    assert FinetuneConfig(method="lora", lora_targets="attn,mlp").lora_targets == ("attn", "mlp")
+    assert FinetuneConfig(method="lora", lora_targets="attn,mlp").lora.resolved_for(GPTConfig()).targets == (
         "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
     assert FinetuneConfig().default_lr < 1e-4 < FinetuneConfig(method="lora").default_lr < tinygpt.config.DEFAULT_LR
     assert FinetuneConfig.from_dict(FinetuneConfig(method="lora").to_dict()) == FinetuneConfig(method="lora")

@@ -106,7 +106,7 @@ def test_only_adapters_get_gradients_and_their_count_is_the_calculators(tie, tar
         is_adapter = name.endswith((".lora_A", ".lora_B"))
         assert p.requires_grad is is_adapter, name
         assert (p.grad is not None) is is_adapter, name
-    lora = LoraConfig(rank=3, alpha=6.0, targets=targets)
+    lora = LoraConfig(rank=3, alpha=6.0, targets=targets).resolved_for(model.config)  # the model's own names
     counts = trainable_params(model.config, lora=lora)
     assert counts.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert counts.total == sum(p.numel() for p in model.parameters())
@@ -143,7 +143,7 @@ def test_apply_lora_refusals():
         LoraConfig(rank=8, alpha=1e308)
     with pytest.raises(ConfigError, match="ambiguous"):
         apply_lora(tiny(), targets="c_proj")
-    with pytest.raises(ConfigError, match="unknown target 'q_proj'"):
+    with pytest.raises(ConfigError, match="attn.q_proj is not a projection of this model's blocks .gpt2 layout"):
         apply_lora(tiny(), targets="c_attn,q_proj")
     with pytest.raises(ConfigError, match="at least one"):
         LoraConfig(targets=" , ")
@@ -157,8 +157,10 @@ def test_apply_lora_refusals():
         apply_lora(quantized)
     with pytest.raises(CheckpointError, match="LoRA adapters"):
         tinygpt.save(model, "/nonexistent/never-written")  # a plain run cannot hold adapters
-    assert LoraConfig(targets="mlp,c_attn").targets == ("attn.c_attn", "mlp.c_fc", "mlp.c_proj")
-    assert LoraConfig() == LoraConfig(rank=8, alpha=8.0, targets=("attn.c_attn",), dropout=0.0)  # PEFT's
+    assert LoraConfig(targets="mlp,c_attn").resolved_for(tiny().config).targets == ("attn.c_attn", "mlp.c_fc",
+                                                                                     "mlp.c_proj")
+    # PEFT's defaults: rank 8, alpha 8, and the layout's target modules
+    assert LoraConfig().resolved_for(tiny().config) == LoraConfig(rank=8, alpha=8.0, targets=("attn.c_attn",))
 
 
 def test_adapter_state_dict_round_trip_and_refusals():
@@ -306,7 +308,7 @@ def test_adapter_run_round_trip(base_run, tmp_path):
                                                      "tokenizer.json"]
     saved = json.loads((run / "adapter_config.json").read_text())
     assert saved["base"]["path"] == "../base"  # relative to the adapter run: the two move together
-    assert saved["lora"] == {"rank": 4, "alpha": 8.0, "targets": list(LoraConfig(targets="attn,mlp").targets),
+    assert saved["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"],
                              "dropout": 0.0}
     assert saved["base"]["checksum"] == weights_checksum(tinygpt.load(base_run))
     assert (run / "adapter.safetensors").stat().st_size < (base_run / "model.safetensors").stat().st_size / 3

@@ -377,17 +377,23 @@ class SampleConfig:
         return self.greedy or self.temperature < 1e-5
 
 
-# The projections of a block that LoRA can adapt, by their names inside the block, in block order,
-# and the short names and groups that stand for them. A bare "c_proj" is both attention's and the
-# MLP's, so it is refused rather than guessed.
+# The projections of a block that LoRA can adapt, by their names inside the block, in block order:
+# GPT-2's, and the llama layout's (Hugging Face's names, as PEFT's target_modules give them), with
+# the short names that stand for them, and the groups attn and mlp (a block's attention projections,
+# its MLP's: which ones is the model's layout's to say). A bare "c_proj" is both attention's and the
+# MLP's in GPT-2, so it is refused rather than guessed.
 LORA_TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-LORA_TARGET_NAMES: dict[str, tuple[str, ...]] = {
-    **{name: (name,) for name in LORA_TARGETS},
-    "c_attn": ("attn.c_attn",),
-    "c_fc": ("mlp.c_fc",),
-    "attn": ("attn.c_attn", "attn.c_proj"),
-    "mlp": ("mlp.c_fc", "mlp.c_proj"),
+LLAMA_LORA_TARGETS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                      "mlp.down_proj")
+LORA_GROUPS = ("attn", "mlp")
+LORA_TARGET_NAMES: dict[str, str] = {
+    **{name: name for name in (*LORA_TARGETS, *LLAMA_LORA_TARGETS, *LORA_GROUPS)},
+    **{name.split(".")[1]: name for name in ("attn.c_attn", "mlp.c_fc", *LLAMA_LORA_TARGETS)},
 }
+# the targets when none are given, PEFT's defaults: GPT-2's c_attn (its queries, keys and values in one
+# matrix), and the llama layout's q_proj and v_proj (the LoRA paper found adapting queries and values as
+# good as adapting more, at a fixed budget)
+LORA_DEFAULT_TARGETS = {"gpt2": ("attn.c_attn",), "llama": ("attn.q_proj", "attn.v_proj")}
 
 
 @dataclass
@@ -399,18 +405,19 @@ class LoraConfig:
         rank: r, the adapters' inner size. Each adapter adds rank x (in + out) parameters.
         alpha: the adapters' output is scaled by alpha / rank, so that a new rank needs no new
             learning rate (the LoRA paper's reason). The defaults (8, 8) are PEFT's.
-        targets: the projections to adapt in every block: c_attn, attn.c_proj, c_fc, mlp.c_proj, or the
-            groups attn (c_attn + attn.c_proj) and mlp (c_fc + mlp.c_proj); a comma-separated string
-            is accepted. Kept as full names (attn.c_attn, ...) in block order. The default, c_attn
-            alone, is PEFT's for GPT-2: c_attn holds the query, key and value projections, the LoRA
-            paper found adapting queries and values as good as adapting more at a fixed budget, and
-            it is the fewest parameters (rank x 4 n_embd per block).
+        targets: the projections to adapt in every block: GPT-2's c_attn, attn.c_proj, c_fc, mlp.c_proj;
+            the llama layout's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or the
+            groups attn and mlp (every projection of the attention or the MLP); a comma-separated
+            string is accepted. Kept as full names (attn.c_attn, attn.q_proj, ...) and groups;
+            resolved_for(config) gives the model's own, in block order. None (the default): PEFT's
+            for the model's layout (LORA_DEFAULT_TARGETS: c_attn for GPT-2, the fewest parameters,
+            rank x 4 n_embd a block; q_proj and v_proj for the llama layout).
         dropout: dropout on the adapters' input during training (the frozen path sees x unchanged).
     """
 
     rank: int = 8
     alpha: float = 8.0
-    targets: tuple[str, ...] = ("attn.c_attn",)
+    targets: tuple[str, ...] | None = None
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
@@ -423,14 +430,31 @@ class LoraConfig:
                f"where {self.scaling:g} is infinite; got alpha {self.alpha:g} at rank {self.rank}")
         _check(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
                and 0.0 <= self.dropout < 1.0, "lora dropout", f"must be in [0, 1), got {self.dropout!r}")
-        self.targets = lora_targets(self.targets)
+        self.targets = None if self.targets is None else lora_targets(self.targets)
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
 
+    def resolved_for(self, config: GPTConfig) -> LoraConfig:
+        """These settings with the targets a model of `config` has, as full names in block order: the
+        groups expanded, the default chosen for its layout.
+
+        Raises:
+            ConfigError: a target the model's layout does not have (c_attn on the llama layout, q_proj on GPT-2).
+        """
+        layout = LORA_TARGETS if config.arch == "gpt2" else tuple(
+            t for t in LLAMA_LORA_TARGETS if t != "mlp.gate_proj" or config.mlp == "swiglu")
+        chosen = set(self.targets if self.targets is not None else LORA_DEFAULT_TARGETS[config.arch])
+        for name in chosen:
+            _check(name in layout or name in LORA_GROUPS, "lora targets",
+                   f"{name} is not a projection of this model's blocks ({config.arch} layout: {', '.join(layout)}, "
+                   "or the groups attn and mlp)")
+        targets = tuple(t for t in layout if t in chosen or t.split(".")[0] in chosen)
+        return dataclasses.replace(self, targets=targets)
+
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "targets": list(self.targets)}
+        return {**dataclasses.asdict(self), "targets": None if self.targets is None else list(self.targets)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoraConfig:
@@ -438,7 +462,8 @@ class LoraConfig:
 
 
 def lora_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Full projection names (attn.c_attn, ...) in block order for LoRA targets as a user gives them.
+    """Full projection names (attn.c_attn, attn.q_proj, ...) and groups (attn, mlp), in a fixed order,
+    for LoRA targets as a user gives them (LoraConfig.resolved_for picks a model's own).
 
     Args:
         targets: names and groups (see LoraConfig), as a sequence or one comma-separated string.
@@ -455,9 +480,10 @@ def lora_targets(targets: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
             raise ConfigError("lora targets: c_proj is ambiguous: say attn.c_proj or mlp.c_proj")
         _check(name in LORA_TARGET_NAMES, "lora targets",
                f"unknown target {name!r}; choose from {', '.join(LORA_TARGET_NAMES)}")
-        chosen.update(LORA_TARGET_NAMES[name])
-    _check(bool(chosen), "lora targets", "name at least one projection (c_attn, attn.c_proj, c_fc, mlp.c_proj)")
-    return tuple(t for t in LORA_TARGETS if t in chosen)
+        chosen.add(LORA_TARGET_NAMES[name])
+    _check(bool(chosen), "lora targets", "name at least one projection (c_attn, attn.c_proj, c_fc, mlp.c_proj; "
+           "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or attn, mlp)")
+    return tuple(t for t in (*LORA_TARGETS, *LLAMA_LORA_TARGETS, *LORA_GROUPS) if t in chosen)
 
 
 DEFAULT_LR = 1e-3  # TrainConfig.lr when it is left to choose and nothing sized the model
@@ -597,7 +623,7 @@ class FinetuneConfig:
     method: str = "full"
     lora_rank: int = 8
     lora_alpha: float = 8.0
-    lora_targets: tuple[str, ...] = ("attn.c_attn",)
+    lora_targets: tuple[str, ...] | None = None
     lora_dropout: float = 0.0
     freeze_embeddings: bool = False
     freeze_layers: int = 0
@@ -645,7 +671,8 @@ class FinetuneConfig:
         return FINETUNE_LR[self.method]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "lora_targets": list(self.lora_targets), "prompts": list(self.prompts)}
+        targets = None if self.lora_targets is None else list(self.lora_targets)
+        return {**dataclasses.asdict(self), "lora_targets": targets, "prompts": list(self.prompts)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FinetuneConfig:

@@ -97,7 +97,7 @@ def apply_lora(
     model: GPT,
     rank: int = 8,
     alpha: float = 8.0,
-    targets: str | tuple[str, ...] | list[str] = ("attn.c_attn",),
+    targets: str | tuple[str, ...] | list[str] | None = None,
     dropout: float = 0.0,
     *,
     generator: torch.Generator | None = None,
@@ -111,19 +111,20 @@ def apply_lora(
         model: a built GPT, not yet adapted or quantized.
         rank: the adapters' inner size r (PEFT's default 8).
         alpha: the update is scaled by alpha / rank (PEFT's default 8: a scale of 1 at rank 8).
-        targets: c_attn, attn.c_proj, c_fc, mlp.c_proj, or the groups attn and mlp (see LoraConfig).
-            The default, c_attn alone, is PEFT's for GPT-2: the query, key and value projections in
-            one matrix, the ones the LoRA paper found worth adapting first, for the fewest parameters.
+        targets: the projections to adapt (see LoraConfig): GPT-2's c_attn, attn.c_proj, c_fc,
+            mlp.c_proj; the llama layout's q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+            down_proj; the groups attn and mlp. None: PEFT's default for the model's layout (c_attn;
+            q_proj and v_proj), the projections the LoRA paper found worth adapting first.
         dropout: dropout on the adapters' input, in training only.
         generator: draws the A matrices (default: torch's global generator).
 
     Returns:
-        The same model; `model.lora_config` holds the settings.
+        The same model; `model.lora_config` holds the settings, its targets the model's own in full.
 
     Raises:
         ConfigError: a bad rank, alpha, dropout or target, or a model already adapted or quantized.
     """
-    config = LoraConfig(rank=rank, alpha=alpha, targets=targets, dropout=dropout)
+    config = LoraConfig(rank=rank, alpha=alpha, targets=targets, dropout=dropout).resolved_for(model.config)
     if lora_config_of(model) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ConfigError("the model already has LoRA adapters: merge them first (tinygpt.lora.merge)")
     if getattr(model, "inference_only", False):

@@ -150,6 +150,7 @@ class _Method:
     def of(cls, config: GPTConfig, lora: LoraConfig | None, freeze_embeddings: bool, freeze_layers: int) -> _Method:
         L, every = config.n_layer, frozenset(projections(config))
         if lora is not None:
+            lora = lora.resolved_for(config)
             targets = frozenset(lora.targets)
             return cls((((False, targets), L),), targets, lora, False, False, False)
         frozen = min(freeze_layers, L)

@@ -137,6 +137,7 @@ class TrainableParams:
 def lora_params(config: GPTConfig, lora: LoraConfig) -> int:
     """Parameters LoRA adds: rank x (in + out) for each adapted projection of every block."""
     shapes = projections(config)
+    lora = lora.resolved_for(config)
     return config.n_layer * sum(lora.rank * (i + o) for i, o in (shapes[t] for t in lora.targets))
 
 
@@ -170,6 +171,7 @@ def trainable_params(
         if freeze_embeddings or freeze_layers:
             raise ConfigError("freezing embeddings or layers goes with full training: LoRA already freezes every "
                               "base weight")
+        lora = lora.resolved_for(config)
         adapters = lora_params(config, lora)
         method = f"LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}"
         return TrainableParams(method, counts.total + adapters, adapters, adapters)

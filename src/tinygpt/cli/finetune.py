@@ -62,8 +62,8 @@ def _configs(args: argparse.Namespace, resume: bool):
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a pretrained model on your text, on the same training loop as `train`.
 
-    FROM is a tinygpt run folder or a Hugging Face GPT-2 folder (GPT-2 124M as Hugging Face's own
-    tools download it included). DATA must be prepared with FROM's tokenizer:
+    FROM is a tinygpt run folder or a Hugging Face folder of GPT-2, Llama, Qwen2 or Qwen3 (GPT-2
+    124M, SmolLM2, Qwen2.5, Qwen3, TinyLlama or Llama 3.2 as Hugging Face's own tools download them). DATA must be prepared with FROM's tokenizer:
     `tinygpt prepare TEXT --tokenizer-file FROM --out DATA`, or for supervised fine-tuning on
     conversations `tinygpt prepare FILE.jsonl --format chat --tokenizer-file FROM --out DATA`: the
     chat template's special tokens then get new embedding rows (each the mean of the old ones),
@@ -149,11 +149,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def add_finetune(sub: argparse._SubParsersAction) -> None:
     """`tinygpt finetune` and its flags."""
-    p = sub.add_parser("finetune", help="fine-tune a run or a Hugging Face GPT-2 on your text (full, LoRA, frozen)",
+    p = sub.add_parser("finetune", help="fine-tune a run or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) on your text (full, LoRA, frozen)",
                        description=cmd_finetune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example:\n  tinygpt prepare notes.txt --tokenizer-file gpt2 --out data/notes\n"
                               "  tinygpt finetune gpt2 --data data/notes --out runs/notes --method lora")
-    p.add_argument("base", metavar="FROM", help="a run folder or a Hugging Face GPT-2 folder")
+    p.add_argument("base", metavar="FROM", help="a run folder or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3)")
     p.add_argument("--data", required=True, help="a folder prepared with FROM's tokenizer (prepare --tokenizer-file FROM; "
                    "chat data: prepare FILE.jsonl --format chat --tokenizer-file FROM)")
     p.add_argument("--out", required=True, help="the run folder to create (or continue with --resume)")
@@ -164,7 +164,8 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--method", choices=("full", "lora"), help="full (default): every weight; lora: adapters only")
     m.add_argument("--lora-rank", type=POSITIVE, help="adapters' rank (8)")
     m.add_argument("--lora-alpha", type=RATE, help="adapters' output scaled by alpha/rank (8)")
-    m.add_argument("--lora-targets", metavar="LIST", help="c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
+    m.add_argument("--lora-targets", metavar="LIST",
+                   help="GPT-2: c_attn, attn.c_proj, c_fc, mlp.c_proj; llama layout: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or the groups attn, mlp (PEFT's default: c_attn; q_proj,v_proj)")
     m.add_argument("--lora-dropout", type=FRACTION, help="dropout on the adapters' input (0)")
     m.add_argument("--freeze-embeddings", action="store_true", help="with full: wte and wpe do not train")
     m.add_argument("--freeze-layers", type=NATURAL, metavar="N", help="with full: the first N blocks do not train")

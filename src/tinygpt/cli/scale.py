@@ -82,7 +82,8 @@ def cmd_params(args: argparse.Namespace) -> int:
         --batch-size, --seq-len: the batch the KV cache and the training activations are sized for.
         --dtype: compute dtype of activations, KV cache and inference weights.
         --lora-rank R, --lora-alpha A, --lora-targets LIST: trainable parameters and training memory
-            for LoRA (any of the three turns it on; defaults rank 8, alpha 8, c_attn).
+            for LoRA (any of the three turns it on; defaults rank 8, alpha 8, and PEFT's targets:
+            c_attn for GPT-2, q_proj and v_proj for the llama layout).
         --freeze-layers N, --freeze-embeddings: the same for full training with the first N blocks
             and/or the embeddings frozen.
         --grad-checkpoint: the training memory with each block's activations recomputed in backward
@@ -199,7 +200,9 @@ def add_params(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--lora-rank", metavar="R", type=Number("int", 1), help="LoRA adapters of rank R (8)")
     f.add_argument("--lora-alpha", metavar="A", type=Number("float", 0, low_open=True), help="LoRA's scale is alpha / rank (alpha 8)")
     f.add_argument("--lora-targets", metavar="LIST",
-                   help="projections to adapt: c_attn, attn.c_proj, c_fc, mlp.c_proj, attn, mlp (c_attn)")
+                   help="projections to adapt: GPT-2's c_attn, attn.c_proj, c_fc, mlp.c_proj; the llama layout's "
+                        "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; or attn, mlp "
+                        "(PEFT's default: c_attn; q_proj,v_proj)")
     f.add_argument("--freeze-layers", metavar="N", type=Number("int", 0), help="full training with the first N blocks frozen")
     f.add_argument("--freeze-embeddings", action="store_true", help="full training with wte and wpe frozen")
     f.add_argument("--grad-checkpoint", action="store_true",
