@@ -132,6 +132,21 @@ def test_fsdp_matches_ddp(runs):
         assert torch.allclose(a["state"][i]["exp_avg_sq"], b["state"][i]["exp_avg_sq"], rtol=1e-3, atol=1e-9)
 
 
+# DDP replicates whatever module it is given, so its llama run (10 s) is a slow variant; FSDP wraps the blocks
+@pytest.mark.parametrize("sharding", [pytest.param([], marks=pytest.mark.slow), ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_the_llama_layout_trains_in_two_processes_as_one_process_with_twice_the_batch(char_data, tmp_path, sharding):
+    # rotary positions, grouped-query attention, qk-norm, SwiGLU and an untied head; FSDP shards it block by block
+    llama = ["--arch", "llama", "--n-kv-head", 1, "--qk-norm", "--no-tie-weights", "--max-iters", 5, *FLAT]
+    single("train", "--data", char_data, "--out", tmp_path / "one", "--batch-size", 8, *llama)
+    torchrun("train", "--data", char_data, "--out", tmp_path / "two", "--batch-size", 4, *sharding, *llama)
+    one, two = steps(tmp_path / "one"), steps(tmp_path / "two")
+    assert list(two) == list(one) == list(range(1, 6))
+    for s in one:
+        assert two[s] == pytest.approx(one[s], abs=1e-4), s
+    assert max_weight_diff(tmp_path / "one", tmp_path / "two") < 1e-4
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["arch"] == "llama"
+
+
 @pytest.mark.parametrize("source", ["d10", "f10"])
 def test_a_two_process_checkpoint_resumes_in_one_process(runs, char_data, tmp_path, source, capsys):
     run = tmp_path / "run"

@@ -151,7 +151,7 @@ def add_nonfinite_flag(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
-    """Model and tokenizer of a run folder or a Hugging Face GPT-2 folder (shared by sample, eval, serve),
+    """Model and tokenizer of a run folder or a Hugging Face folder (shared by sample, eval, serve),
     with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels.
     NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
     from ..checkpoint import load_run

@@ -290,7 +290,7 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
     """`tinygpt sample` and its flags."""
     seed = seed_type()
     p = sub.add_parser("sample", help="generate text from a run", description=cmd_sample.__doc__)
-    p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")
+    p.add_argument("run", help="a run folder or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3)")
     p.add_argument("--prompt", default="", help="text to continue (default: start of text)")
     p.add_argument("--max-new-tokens", type=NATURAL, default=200)
     p.add_argument("--temperature", type=Number("float", 0), default=0.8)
@@ -313,7 +313,7 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
 def add_eval(sub: argparse._SubParsersAction) -> None:
     """`tinygpt eval` and its flags."""
     p = sub.add_parser("eval", help="loss, perplexity and bits per char/byte", description=cmd_eval.__doc__)
-    p.add_argument("run", help="a run folder or a Hugging Face GPT-2 folder")
+    p.add_argument("run", help="a run folder or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--data", help="a prepared data folder: its val split (default: the run's own data)")
     src.add_argument("--text", help="any UTF-8 text file")

@@ -14,7 +14,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run over an OpenAI-compatible HTTP API, with a web playground at /.
 
     Args (flags):
-        RUN: the run folder to serve (or a Hugging Face GPT-2 folder with its tokenizer).
+        RUN: the run folder to serve (or a Hugging Face folder with its tokenizer: GPT-2, Llama, Qwen2, Qwen3).
         --host, --port: where to listen (127.0.0.1:8000; port 0 picks a free one).
         --api-key KEY: require `Authorization: Bearer KEY` on /v1 routes (default: $TINYGPT_API_KEY).
         --max-concurrency N: sequences decoded together in one batched step (8).
@@ -93,7 +93,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                "examples:\n  tinygpt serve runs/stdlib\n"
                "  tinygpt serve runs/stdlib --host 0.0.0.0 --port 8080 --api-key KEY --cors-origin https://my.app",
     )
-    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face GPT-2 folder)")
+    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face folder: GPT-2, Llama, Qwen2, Qwen3)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     p.add_argument("--port", type=Number("int", 0, 65535), default=8000, help="port (8000; 0 picks a free one)")
     p.add_argument("--api-key", metavar="KEY", help="require this bearer key on /v1 routes (default $TINYGPT_API_KEY)")
