@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo chat-demo bench
+.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo chat-demo bench docs docs-serve
 
 install: $(STAMP)
 
@@ -17,6 +17,14 @@ $(STAMP): pyproject.toml
 # time is subprocesses and servers that wait, so two run in about 0.6x the time of one.
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or page fails it.
+# Material's notice about MkDocs 2 is silenced: the docs extra pins MkDocs 1.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -m slow

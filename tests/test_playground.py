@@ -1,33 +1,16 @@
 """The playground page in a real browser: headless Chromium (Debian's chromium + chromium-driver)
 driven by Selenium types a prompt and reads the streamed, probability-coloured text."""
 
-import os
-import shutil
-
 import pytest
 import torch
+from browser_util import chromium
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from server_util import NAME, running, tiny_model, tiny_tokenizer
 
 import tinygpt
 from tinygpt.server import create_app
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-if not (CHROMIUM and os.path.exists(DRIVER)):
-    if os.environ.get("CI"):  # CI installs them (.ci/run): missing there is a failure, not a skip
-        pytest.fail("chromium and chromium-driver are not installed", pytrace=False)
-    pytest.skip("needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
-                allow_module_level=True)
-
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
-
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--window-size=1280,1000"]
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +21,8 @@ def url(model, tok):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
-    driver.set_page_load_timeout(60)
-    try:
+    with chromium(tmp_path_factory.mktemp("chromium-profile")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 def set_slider(driver, id: str, value) -> None:

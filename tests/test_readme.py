@@ -1,7 +1,7 @@
-"""The README, run as a new user runs it: its Python snippets and the values their comments claim, the
-output of its params/chinchilla examples, the flags of every command it shows, its few-shot task file,
-the lesson figures it quotes, the commands its error messages recommend, and what its commands leave
-in the repository."""
+"""The README and the documentation site's pages, run as a new user runs them: their Python snippets and
+the values their comments claim, the output of the params/chinchilla examples, the flags of every command
+they show, the few-shot task file, the lesson figures they quote, the commands error messages recommend,
+and what the commands leave in the repository."""
 
 import ast
 import io
@@ -29,32 +29,47 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
 
+def pages() -> list[Path]:
+    """The README and every page of the documentation site: a user runs the commands of all of them."""
+    return [README, *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 @dataclass
 class Block:
     lang: str
+    page: str  # relative to the repository
     line: int  # of the opening fence, from 1
     text: str
 
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
 
 def readme_blocks(lang: str | None = None) -> list[Block]:
-    """The README's fenced blocks (an indented fence, inside a list item, is dedented)."""
-    blocks, current, indent = [], None, 0
-    for n, line in enumerate(README.read_text(encoding="utf-8").splitlines(), start=1):
-        fence = re.match(r"^(\s*)```(\w*)\s*$", line)
-        if current is None and fence:
-            current, indent = Block(fence.group(2), n, ""), len(fence.group(1))
-        elif current is not None and fence and not fence.group(2):
-            blocks.append(current)
-            current = None
-        elif current is not None:
-            current.text += line[indent:] + "\n"
-    assert current is None, f"README.md:{current.line}: a block that is never closed"
+    """The fenced blocks of every page (an indented fence, inside a list item, is dedented)."""
+    blocks = []
+    for page in pages():
+        name, current, indent = str(page.relative_to(ROOT)), None, 0
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            fence = re.match(r"^(\s*)```(\w*)\s*$", line)
+            if current is None and fence:
+                current, indent = Block(fence.group(2), name, n, ""), len(fence.group(1))
+            elif current is not None and fence and not fence.group(2):
+                blocks.append(current)
+                current = None
+            elif current is not None:
+                current.text += line[indent:] + "\n"
+        assert current is None, f"{current.where}: a block that is never closed"
     return [b for b in blocks if lang is None or b.lang == lang]
 
 
 def readme_section(heading: str) -> str:
-    """A section's prose with its lines joined (a line break inside a sentence becomes one space)."""
-    text = README.read_text(encoding="utf-8")
+    """A section's prose, from whichever page holds it, with its lines joined (a line break inside a
+    sentence becomes one space)."""
+    holding = [t for t in (p.read_text(encoding="utf-8") for p in pages()) if heading + "\n" in t]
+    assert len(holding) == 1, f"{len(holding)} pages hold the heading {heading!r}"
+    text = holding[0]
     start = text.index(heading + "\n")
     end = text.find("\n#", start + len(heading))
     return re.sub(r"\n[ \t]*", " ", text[start : end if end != -1 else None])
@@ -96,14 +111,14 @@ SKIP = {
 
 def python_block(marker: str) -> Block:
     found = [b for b in readme_blocks("python") if marker in b.text]
-    assert len(found) == 1, f"{len(found)} README python blocks hold {marker!r}"
+    assert len(found) == 1, f"{len(found)} python blocks of the pages hold {marker!r}"
     return found[0]
 
 
 def test_every_python_block_is_run_or_skipped():
     for block in readme_blocks("python"):
         markers = [m for m in (*RUN, *SKIP) if m in block.text]
-        assert len(markers) == 1, f"README.md:{block.line}: a python block to run here or skip with a reason"
+        assert len(markers) == 1, f"{block.where}: a python block to run here or skip with a reason"
     for marker in (*RUN, *SKIP):
         python_block(marker)
 
@@ -162,7 +177,7 @@ def test_readme_python_block_runs_and_prints_what_it_says(marker, request, tmp_p
     if fixture == "hf_mine":
         pytest.importorskip("transformers")
     monkeypatch.chdir(request.getfixturevalue(fixture) if fixture else tmp_path)
-    checked = run_snippet(block.text, f"README.md:{block.line}")
+    checked = run_snippet(block.text, block.where)
     if marker in ('GPTConfig.from_preset("lesson")', "from tinygpt.calc import"):
         assert checked >= 2  # the blocks whose printed numbers are the point
 
@@ -229,7 +244,7 @@ def test_every_console_command_is_compared_or_measured():
     for block, command, _ in console_commands():
         deterministic = re.match(r"tinygpt (params|chinchilla)\b", command) and "--time" not in command
         assert deterministic or any(command.startswith(m) for m in MEASURED), (
-            f"README.md:{block.line}: `{command}`: compare its output here or list it in MEASURED")
+            f"{block.where}: `{command}`: compare its output here or list it in MEASURED")
 
 
 @pytest.mark.parametrize("command", [c for _, c, _ in console_commands()
@@ -432,3 +447,34 @@ def test_eval_of_a_folder_without_data_says_so(tmp_path, capsys):
     assert "no data of its own" in err and "--data DIR" in err and "--text FILE" in err
     (tmp_path / "new.txt").write_text(text)
     assert cli.main(["eval", str(tmp_path / "mine"), "--text", str(tmp_path / "new.txt")]) == 0
+
+
+# ---- the README's links: the docs site checks its own (mkdocs build --strict); GitHub shows the README --
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub and MkDocs' toc both spell them."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    heads = re.findall(r"^#{1,6} (.+?)\s*$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.replace("`", "").lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_link_of_the_readme_resolves():
+    text = re.sub(r"^```.*?^```", "", README.read_text(encoding="utf-8"), flags=re.S | re.M)
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links
+    for link in links:
+        if re.match(r"^[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path if path else README
+        assert target.exists(), f"README.md links to {link}, which does not exist"
+        if anchor:
+            assert target.suffix == ".md" and anchor in heading_anchors(target), (
+                f"README.md links to {link}: {target.name} has no heading with that anchor")
+
+
+def test_heading_anchors_are_spelled_as_github_spells_them(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("# Train, sample, evaluate\n## The lesson's pitfalls\n```\n# not a heading\n```\n"
+                    "### `tinygpt serve` and GGUF\n")
+    assert heading_anchors(page) == {"train-sample-evaluate", "the-lessons-pitfalls", "tinygpt-serve-and-gguf"}

@@ -424,8 +424,8 @@ def train(
     Raises:
         ConfigError: a new run without a model config.
         TrainingError: bad data or settings, or (several processes) another process died or
-        stopped answering within train_config.dist_timeout; NonFiniteError when the loss or the
-        gradient norm is not finite (nothing is saved then, the last checkpoint stays as it was).
+            stopped answering within train_config.dist_timeout; NonFiniteError when the loss or the
+            gradient norm is not finite (nothing is saved then, the last checkpoint stays as it was).
     """
     if model_config is None and not resume:
         raise ConfigError("a new run needs a model: pass a GPTConfig, or a ModelChoice from "
