@@ -234,7 +234,7 @@ def test_cli_sample_and_eval_read_a_hf_folder(runs, tmp_path, cli):
     hf = tmp_path / "hf"
     r = cli("export", runs["char"], "--format", "hf", "--out", hf)
     assert r.returncode == 0, r.stderr
-    assert "Hugging Face GPT-2" in r.stdout and "char tokenizer" in r.stdout
+    assert "Hugging Face GPT2LMHeadModel" in r.stdout and "char tokenizer" in r.stdout
     args = ["--prompt", "the cat", "--greedy", "--max-new-tokens", "30", "--device", "cpu"]
     from_run, from_hf = cli("sample", runs["char"], *args), cli("sample", hf, *args)
     assert from_hf.returncode == 0, from_hf.stderr

@@ -13,14 +13,17 @@ def _tokenizer_words(tokenizer) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write a run as a Hugging Face GPT-2 folder (--format hf) or a GGUF file for llama.cpp (--format gguf).
+    """Write a run as a Hugging Face folder (--format hf) or a GGUF file for llama.cpp (--format gguf).
 
     Args (flags):
-        RUN: a run folder (or a Hugging Face GPT-2 folder).
-        --format hf: a folder that transformers' GPT2LMHeadModel, AutoTokenizer and
+        RUN: a run folder (or a Hugging Face folder: GPT-2, Llama, Qwen2, Qwen3; an adapter run is
+            merged on the way).
+        --format hf: a folder that transformers' AutoModelForCausalLM, AutoTokenizer and
             pipeline("text-generation") load: config.json, model.safetensors, generation_config.json,
-            tokenizer.json and tokenizer_config.json.
-        --format gguf: one .gguf file with GPT-2 metadata, the tokenizer and the weights.
+            tokenizer.json and tokenizer_config.json (and chat_template.jinja): GPT2LMHeadModel, or for
+            the Llama family LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM.
+        --format gguf: one .gguf file with the metadata of llama.cpp's gpt2, llama, qwen2 or qwen3
+            architecture, the tokenizer, the chat template and the weights.
         --out: the folder (hf) or file (gguf) to write.
         --dtype: with gguf, float32 (default) or float16 matrices.
     """
@@ -40,17 +43,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         from ..interop.hf import export_hf
 
+        from ..interop.hf_folder import CONFIG
+        from ..fileio import read_json
+
         export_hf(model, tokenizer, out)
-        print(f"exported {src} to {out} (Hugging Face GPT-2: {params}, {tok})")
-        print(f"  transformers: GPT2LMHeadModel.from_pretrained('{out}'), AutoTokenizer.from_pretrained('{out}')")
+        arch = read_json(out / CONFIG, ConfigError)["architectures"][0]
+        print(f"exported {src} to {out} (Hugging Face {arch}: {params}, {tok})")
+        print(f"  transformers: AutoModelForCausalLM.from_pretrained('{out}'), AutoTokenizer.from_pretrained('{out}')")
         if tokenizer is None:
             print(f"  note: {src} has no {TOKENIZER}, so {out} holds the model alone")
     else:
-        from ..interop.gguf import export_gguf, gguf_notes
+        from ..interop.gguf import export_gguf, gguf_arch, gguf_notes
 
         export_gguf(model, tokenizer, out, dtype=args.dtype)
         size = out.stat().st_size
-        print(f"exported {src} to {out} (GGUF, architecture gpt2, {args.dtype}: {params}, {tok}; {size / 1e6:.1f} MB)")
+        print(f"exported {src} to {out} (GGUF, architecture {gguf_arch(model.config)}, {args.dtype}: {params}, {tok}; "
+              f"{size / 1e6:.1f} MB)")
         for note in gguf_notes(model, tokenizer):
             print(f"  note: {note}")
     return 0
@@ -103,12 +111,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def add_export(sub: argparse._SubParsersAction) -> None:
     """`tinygpt export` and its flags."""
     p = sub.add_parser(
-        "export", help="write a run as a Hugging Face GPT-2 folder or a GGUF file",
+        "export", help="write a run as a Hugging Face folder or a GGUF file",
         description=cmd_export.__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  tinygpt export runs/mine --format hf --out hf/mine\n"
                "  tinygpt export runs/mine --format gguf --out mine.gguf",
     )
-    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face GPT-2 folder)")
+    p.add_argument("run", metavar="RUN", help="a run folder (or a Hugging Face folder)")
     p.add_argument("--format", required=True, choices=("hf", "gguf"), help="hf (a folder) or gguf (a file)")
     p.add_argument("--out", required=True, metavar="PATH", help="the folder (hf) or .gguf file (gguf) to write")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16"),

@@ -25,12 +25,13 @@ in the dtype they are stored in (bfloat16 for the published models).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..config import GPTConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 
 # model_type -> the architecture transformers names in config.json
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -294,3 +295,79 @@ def transformers_class(config: GPTConfig) -> tuple[Any, Any]:
     names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
     return getattr(transformers, names[0]), getattr(transformers, names[1])
+
+
+# ---- export -----------------------------------------------------------------------------------
+
+
+def export_hf(model: Any, tokenizer: Any, out: str | Path) -> Path:
+    """Write a llama-layout model as the Hugging Face folder AutoModelForCausalLM loads (LlamaForCausalLM,
+    Qwen2ForCausalLM or Qwen3ForCausalLM, by model_type), with its tokenizer.
+
+    Args:
+        model: the GPT (config.arch "llama"), in any dtype: the weights are written as they are.
+        tokenizer: its tokenizer: a pretrained one (its tokenizer.json, special tokens and Jinja chat
+            template as they came), or a tinygpt kind (see save_hf_tokenizer); None writes the model alone.
+        out: the folder, new or an earlier export (its files are replaced atomically).
+
+    Raises:
+        ConfigError: a config transformers' classes cannot express (check_exportable).
+        CheckpointError: `out` is something else than an earlier export.
+        TokenizerError: a tokenizer larger than the model's vocabulary.
+    """
+    from safetensors.torch import save_file
+
+    from ..fileio import atomic_write, write_json
+    from ..tokenizer import HFTokenizer, stop_ids
+    from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
+    from .hf_tokenizer import save_hf_tokenizer
+
+    out, config = Path(out), model.config
+    check_exportable(config)
+    check_export_target(out)
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise TokenizerError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
+    out.mkdir(parents=True, exist_ok=True)
+    state = to_hf_state_dict(model.state_dict(), config)
+    atomic_write(out / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
+    bos = getattr(tokenizer, "bos_id", None) if isinstance(tokenizer, HFTokenizer) else None
+    eos = tokenizer.eot_id if tokenizer is not None else None
+    stops = sorted(stop_ids(tokenizer)) if tokenizer is not None else []
+    generation: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": stops[0] if len(stops) == 1 else stops or eos}
+    if eos is not None:
+        generation["pad_token_id"] = eos
+    write_json(out / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
+    save_hf_tokenizer(tokenizer, out, config.block_size)
+    write_json(out / CONFIG, {**hf_config(config, bos, eos), "torch_dtype": str(state["model.embed_tokens.weight"].dtype)
+                              .removeprefix("torch."), "transformers_version": _transformers_version()})
+    return out
+
+
+def _transformers_version() -> str:
+    """The version transformers writes in config.json (the installed one, or the oldest that reads the folder)."""
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # not installed: the folder needs nothing of it to be written
+        return "4.46.0"
+
+
+def to_transformers(model: Any) -> Any:
+    """The model as transformers' own LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM, in eval mode
+    and the model's dtype (needs the hf extra)."""
+    try:
+        config_class, model_class = transformers_class(model.config)
+    except ImportError:
+        raise MissingDependencyError("transformers is not installed: pip install 'tinygpt[hf]'") from None
+    check_exportable(model.config, "transformers' " + model_class.__name__)
+    fields = {k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")}
+    hf = model_class(config_class(**fields))
+    state = to_hf_state_dict(model.state_dict(), model.config)
+    result = hf.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not (model.config.tie_weights and k == "lm_head.weight")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"transformers' {model_class.__name__} disagrees: missing {missing[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]}")
+    hf.tie_weights()
+    return hf.to(model.wte.weight.dtype).eval()

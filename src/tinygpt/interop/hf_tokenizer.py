@@ -347,7 +347,8 @@ def save_hf_tokenizer(tokenizer: Tokenizer | None, out: str | Path, max_length: 
     Hub ships GPT-2). Tokenizer files already there that this one does not write are removed.
 
     Args:
-        tokenizer: char, bpe or gpt2; None removes the folder's tokenizer files.
+        tokenizer: char, bpe or gpt2, or a pretrained model's (hf: its tokenizer.json, special tokens and
+            Jinja chat template as they came); None removes the folder's tokenizer files.
         out: the folder (it exists).
         max_length: the model's context, for tokenizer_config.json.
     """
@@ -355,9 +356,21 @@ def save_hf_tokenizer(tokenizer: Tokenizer | None, out: str | Path, max_length: 
     written = {TOKENIZER, TOKENIZER_CONFIG} if tokenizer is not None else set()
     if isinstance(tokenizer, GPT2Tokenizer):
         written |= {GPT2_VOCAB, GPT2_MERGES}
+    if isinstance(tokenizer, HFTokenizer) and tokenizer.chat_template is not None:
+        written.add(CHAT_TEMPLATE)
     for name in set(TOKENIZER_FILES) - written:
         (out / name).unlink(missing_ok=True)
     if tokenizer is None:
+        return
+    if isinstance(tokenizer, HFTokenizer):  # a pretrained model's, written back as its folder had it
+        saved = tokenizer.to_dict()
+        write_json(out / TOKENIZER, saved["tokenizer"], indent=None)
+        settings = {k: v for k, v in saved["config"].items() if k != "stop"}  # generation_config.json's
+        write_json(out / TOKENIZER_CONFIG, {"model_max_length": max_length, "clean_up_tokenization_spaces": False,
+                                            **{k: v for k, v in settings.items() if v is not None}})
+        if tokenizer.chat_template is not None:  # where transformers 5 writes it
+            source = saved["jinja_chat_template"]
+            atomic_write(out / CHAT_TEMPLATE, lambda tmp: tmp.write_text(source, encoding="utf-8"))
         return
     hf_tok = to_hf_tokenizer(tokenizer)
     atomic_write(out / TOKENIZER, lambda tmp: hf_tok.save(str(tmp)))
