@@ -172,8 +172,13 @@ class _HeadLoss(torch.autograd.Function):
         kind = hidden.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # The gradient products below sum over a chunk's rows at unit scale, where a GradScaler's scale never
+        # reaches: float16's range (65,504) overflows there on a big batch over a small vocabulary, so under
+        # float16 autocast they run in float32 (bfloat16 has float32's range)
+        grad_dtype = torch.float32 if dtype is torch.float16 else dtype
         with torch.autocast(kind, enabled=False):
             h_all, w_c = hidden.to(dtype), weight.to(dtype)
+            w_g = w_c.to(grad_dtype)
             grad_h = torch.empty_like(hidden) if need_h else None
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -184,12 +189,12 @@ class _HeadLoss(torch.autograd.Function):
                 ce = _cross_entropy_rows_(logits, t, w, grad=need_h or need_w)
                 total += torch.where(w > 0, ce * w, 0.0).sum()  # where: a masked target's loss may be inf
                 if need_h or need_w:
-                    p = logits.to(dtype)  # now the loss's gradient for the chunk's logits
+                    p = logits.to(grad_dtype)  # now the loss's gradient for the chunk's logits
                     if need_h:
-                        grad_h[i:i + rows] = p @ w_c
-                    if need_w and dtype == torch.float32:
-                        grad_w.addmm_(p.T, h)
-                    elif need_w:  # autocast: the product in its dtype, added to float32
+                        grad_h[i:i + rows] = p @ w_g
+                    if need_w and grad_dtype == torch.float32:
+                        grad_w.addmm_(p.T, h.to(grad_dtype))
+                    elif need_w:  # bfloat16 autocast: the product in its dtype, added to float32
                         grad_w.add_(p.T @ h)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
