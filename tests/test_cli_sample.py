@@ -68,3 +68,14 @@ def test_a_prompt_that_is_not_utf8_is_refused_naming_the_flag(tmp_path, capsys):
         code, out, err = tinygpt_cli(capsys, "sample", run, *flags, "--max-new-tokens", 3, "--device", "cpu")
         assert code == 2 and out == ""
         assert err == f"tinygpt: error: {flags[0]}: not valid UTF-8 text (byte 0xff at character 4)\n"
+
+
+def test_compile_refuses_a_model_on_cpu_kernels_in_one_line(run, capsys):
+    # torch.compile cannot trace the CPU kernels --quantize converts a model for (fbgemm's, tinygpt's own)
+    from tinygpt.interop.quantize import fbgemm_works
+
+    if not fbgemm_works():
+        pytest.skip("no fbgemm here: int8 decodes on PyTorch's own operators, which compile")
+    code, out, err = tinygpt_cli(capsys, "sample", run, "--compile", "--quantize", "int8", "--max-new-tokens", 5,
+                                 "--device", "cpu")
+    assert code == 2 and err.count("\n") == 1 and "torch.compile cannot trace" in err, err

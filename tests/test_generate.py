@@ -143,6 +143,27 @@ def test_invalid_inputs(model):
         assert generate(model, idx, 3, stop_tokens=stops).shape == (1, 5)
 
 
+def test_compiled_decoding_refuses_what_it_cannot_compile(model):
+    from tinygpt.interop.quantize import on_cpu_kernels
+
+    idx = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ConfigError, match="use_cache=False has none"):
+        generate(model, idx, 3, compile=True, use_cache=False)
+    assert not on_cpu_kernels(model) and not on_cpu_kernels(quantize(copy.deepcopy(model), "fp32", pack=False))
+    converted = quantize(copy.deepcopy(model), "int8")
+    if on_cpu_kernels(converted):  # fbgemm's or tinygpt's kernels, where this CPU has them
+        with pytest.raises(ConfigError, match="CPU kernels torch.compile cannot trace"):
+            generate(converted, idx, 3, compile=True)
+
+
+@pytest.mark.slow  # a first compile takes tens of seconds on a CPU; tests/test_gpu.py runs it on a GPU
+@pytest.mark.parametrize("rows", [1, 2])
+def test_compiled_decoding_gives_eager_s_tokens(model, rows):
+    idx = torch.randint(0, 29, (rows, 3), generator=torch.Generator().manual_seed(4))
+    n = 2 * model.config.block_size  # past block_size: the cache is rebuilt, then decoded into again
+    assert torch.equal(generate(model, idx, n, greedy=True, compile=True), generate(model, idx, n, greedy=True))
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_observer_sees_every_step_and_changes_nothing(model, use_cache):
     from tinygpt.config import SampleConfig

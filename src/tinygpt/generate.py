@@ -4,10 +4,14 @@ The plain loop (`use_cache=False`) is the lesson's: run the model on the last bl
 take the last position's logits, choose, append. The cached loop gives the same tokens. Once a
 sequence outgrows block_size every position shifts, so the cache is rebuilt from the last
 block_size tokens at each step, exactly the context the plain loop sees.
+
+`compile=True` runs the decode steps through torch.compile (compiled_decode_step), as gpt-fast
+decodes: one graph for every position, replayed as a CUDA graph on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +21,7 @@ import torch
 from . import fastpath
 from .config import SampleConfig
 from .errors import ConfigError
+from .interop import quantize
 from .kv_cache import KVCache
 from .sampling import choose, process_logits
 
@@ -34,11 +39,43 @@ def decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.
     """
     if isinstance(pos, int) and fastpath.applies(model, token, kv_cache, pos):
         return fastpath.step(model, token, kv_cache, pos)
-    if isinstance(pos, int):
-        positions = torch.tensor([pos], device=token.device)
-    else:
-        positions = pos.view(-1, 1)
+    return _step(model, token, kv_cache, _positions(pos, token.device))
+
+
+def compiled_decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> torch.Tensor:
+    """decode_step through torch.compile, as gpt-fast decodes: one graph serves every position (the
+    position is a tensor input, and the cache is read whole, masked: KVCache.span under the compiler),
+    and on a GPU it is replayed as a CUDA graph (mode "reduce-overhead"), a whole step one launch
+    instead of a few hundred kernels each waiting on Python. The first step of a model shape, dtype and
+    batch compiles (seconds on a GPU, tens of seconds on a CPU); the logits are the eager step's to float
+    rounding. Returns logits (B, V) of the caller's own (a CUDA graph's output is overwritten by its next replay).
+    """
+    for buffer in (kv_cache.k, kv_cache.v):
+        # written in place by every step: a CUDA graph may keep their addresses rather than copy them in
+        # and out (unguarded: a new cache of the same shape reuses the graph instead of recompiling)
+        torch._dynamo.mark_static_address(buffer, guard=False)
+    if token.device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()  # each step is a new replay; the last one's output is ours
+    step = _compiled_step(token.device.type)
+    # a column of the tokens so far has a stride of their length, a new one at every step: a copy with the
+    # standard stride keeps one graph (contiguous() would not copy a single row, already contiguous)
+    token = token.clone(memory_format=torch.contiguous_format)
+    return step(model, token, kv_cache, _positions(pos, token.device)).clone()
+
+
+def _positions(pos: int | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step's positions as the model takes them: (1,) for rows at one position, (B, 1) for a position per row."""
+    return torch.tensor([pos], device=device) if isinstance(pos, int) else pos.view(-1, 1)
+
+
+def _step(model, token: torch.Tensor, kv_cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
     return model(token.view(-1, 1), kv_cache, positions)[:, -1]
+
+
+@functools.cache
+def _compiled_step(device_type: str):
+    # CUDA graphs where there are any; static shapes: a decode step's never change
+    return torch.compile(_step, mode="reduce-overhead" if device_type == "cuda" else None, dynamic=False)
 
 
 def _check_inputs(model, idx: torch.Tensor, max_new_tokens: int) -> None:
@@ -102,6 +139,7 @@ def generate_stream(
     use_cache: bool = True,
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
+    compile: bool = False,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
     cfg = SampleConfig(
@@ -111,6 +149,12 @@ def generate_stream(
     if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
                                        and 1 <= vocab_size):
         raise ConfigError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
+    if compile and not use_cache:
+        raise ConfigError("compile: compiles the decode steps with the KV cache; use_cache=False has none")
+    if compile and quantize.on_cpu_kernels(model):
+        raise ConfigError("compile: this model's layers run on CPU kernels torch.compile cannot trace (tinygpt.quantize "
+                          "converts a model on a CPU for them, which decode faster there than a compiled graph)")
+    decode = compiled_decode_step if compile else decode_step
     block_size = model.config.block_size
     idx = idx.long()
     stops = torch.tensor(_stop_ids(stop_tokens), dtype=torch.long, device=idx.device)
@@ -126,7 +170,7 @@ def generate_stream(
             if not use_cache:
                 logits = model(tokens[:, -block_size:])[:, -1]
             elif step > 0 and filled < block_size:
-                logits = decode_step(model, tokens[:, -1], kv_cache, filled)
+                logits = decode(model, tokens[:, -1], kv_cache, filled)
                 filled += 1
             else:  # the first step, or the context slid past block_size: (re)build the cache
                 context = tokens[:, -block_size:]
@@ -165,6 +209,7 @@ def generate(
     use_cache: bool = True,
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
@@ -184,6 +229,9 @@ def generate(
             token chosen) before the token is yielded; None costs nothing.
         vocab_size: the tokenizer's vocabulary size (`tokenizer.vocab_size`): ids at or past it are
             never chosen, for a model whose vocabulary is padded past its tokenizer's. None: any id.
+        compile: decode through torch.compile (compiled_decode_step; CUDA graphs on a GPU): the first
+            call for a shape compiles, later steps cost a fraction of eager ones where Python's
+            per-operator time dominates (small models, a GPU). Needs use_cache.
 
     Raises:
         ConfigError: an argument out of range or of the wrong type.
@@ -192,7 +240,7 @@ def generate(
         generate_stream(
             model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
-            observer=observer, vocab_size=vocab_size,
+            observer=observer, vocab_size=vocab_size, compile=compile,
         )
     )
     if not new:

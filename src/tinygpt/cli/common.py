@@ -150,15 +150,17 @@ def add_nonfinite_flag(p: argparse.ArgumentParser) -> None:
                    help="load NaN or infinite weights (refused by default), to inspect a diverged run")
 
 
-def load_model(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False):
+def load_model(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False,
+               pack: bool | None = None):
     """Model and tokenizer of a run folder or a Hugging Face folder (shared by sample, eval, serve),
-    with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels.
-    NaN or infinite weights are refused unless allow_nonfinite (--allow-nonfinite)."""
+    with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels
+    (pack=False: PyTorch's own layout, which torch.compile traces). NaN or infinite weights are refused
+    unless allow_nonfinite (--allow-nonfinite)."""
     from ..checkpoint import load_run
     from ..interop.quantize import quantize as to_format
 
     model, tokenizer = load_run(run, device, allow_nonfinite=allow_nonfinite)
-    return to_format(model, quantize or "fp32"), tokenizer
+    return to_format(model, quantize or "fp32", pack=pack), tokenizer
 
 
 def int_flag(value: str | None, flag: str) -> int | None:

@@ -62,7 +62,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if args.trace_top is not None and args.trace_top < 1:
         raise ConfigError("--trace-top must be >= 1")
     args.trace = args.trace or args.trace_top is not None
-    model, tokenizer = load_model(args.run, args.device, args.quantize, args.allow_nonfinite)
+    model, tokenizer = load_model(args.run, args.device, args.quantize, args.allow_nonfinite,
+                                  pack=False if args.compile else None)
     device = next(model.parameters()).device
     ids = torch.tensor([_encode_prompt(tokenizer, args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
@@ -81,7 +82,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         decoder, stopper = IncrementalDecoder(tokenizer), StopText(args.stop or ())
         ended = None
         for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
-                                     observer=observer, vocab_size=tokenizer.vocab_size, **sampling):
+                                     observer=observer, vocab_size=tokenizer.vocab_size, compile=args.compile,
+                                     **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
                 ended = "the end-of-turn token" if int(token[0]) in turn_ends else "the end-of-text token"
                 break
@@ -304,6 +306,8 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", action="store_true",
                    help="show every step: the context, the top candidates after sampling settings, the choice")
     p.add_argument("--trace-top", type=POSITIVE, metavar="N", help="candidates shown per step (5); implies --trace")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile, CUDA graphs on a GPU (the first token waits for the compile)")
     add_device_flag(p)
     add_quantize_flag(p)
     add_nonfinite_flag(p)

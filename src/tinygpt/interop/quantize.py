@@ -460,6 +460,13 @@ def _replace_linears(model: nn.Module, make) -> None:
                 setattr(parent, name, make(child))
 
 
+def on_cpu_kernels(model: nn.Module) -> bool:
+    """Whether some layer of the model multiplies on a CPU kernel outside PyTorch's operators (tinygpt's own,
+    oneDNN's packed layout, fbgemm's): what `quantize` gives a model on a CPU, and torch.compile cannot trace."""
+    return any(isinstance(m, (FloatLinear, PackedLinear, Fp16Linear, Int4Linear))
+               or isinstance(m, Int8Linear) and (m.packed is not None or m.lowbit) for m in model.modules())
+
+
 def weight_format(model: nn.Module) -> str:
     """"int4", "int8", "fp16", "bf16" or "fp32" for a model, by how its weights are stored."""
     kinds = {type(m) for m in model.modules()}
