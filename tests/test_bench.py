@@ -14,24 +14,62 @@ import torch
 
 from tinygpt import GPT, GPTConfig
 from tinygpt.lab.bench import (
-    Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, llama_failure, machine, ratios, render,
-    run, peer_formats, train_dtypes,
+    GPU, SMOKE, Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, llama_failure,
+    machine, plan_for, ratios, render, run, peer_formats, train_dtypes,
 )
+from tinygpt.calc.hardware import gpu_peaks
 from tinygpt.interop.quantize import quantize
 
 bench_module = importlib.import_module("tinygpt.lab.bench")
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers is not installed")
 
-TINY = Plan(
-    matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4, new_tokens=3,
-    no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
-)
 
 
 def test_training_rows_use_a_char_vocabulary_and_short_context():
     cfg = bench_config("gpt2", training=True)
     assert (cfg.vocab_size, cfg.block_size, cfg.n_layer) == (77, 256, 12)
     assert bench_config("gpt2", training=False).block_size == 1024
+    # a GPU trains GPT-2 as it is: 1,024 positions, its own vocabulary
+    cfg = bench_config("gpt2", training=True, vocab=GPU.train_vocab, context=GPU.train_context)
+    assert (cfg.vocab_size, cfg.block_size) == (50257, 1024)
+
+
+def test_each_device_gets_its_plan_and_a_gpu_its_datasheet_peaks():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert plan_for(cuda) is GPU and plan_for(cpu) is bench_module.FULL and plan_for(cpu, quick=True) is bench_module.QUICK
+    assert plan_for(cuda, smoke=True) is SMOKE is plan_for(cpu, quick=True, smoke=True)
+    assert ("gpt2", 16, 10) in GPU.train and ("bfloat16", True) in GPU.train_modes and ("bf16", 1) in GPU.gen_compiled
+    assert gpu_peaks("NVIDIA H200") == (989, 4800) and gpu_peaks("NVIDIA H200 NVL") == (835, 4800)
+    assert gpu_peaks("NVIDIA H100 80GB HBM3") == (989, 3350) and gpu_peaks("NVIDIA H100 PCIe") == (756, 2000)
+    assert gpu_peaks("NVIDIA A100-SXM4-40GB") == (312, 1555) and gpu_peaks("Some New GPU") is None
+
+
+def test_a_gpu_run_is_read_against_its_peaks_and_targets():
+    lim = {"matmul_float32_gflops": 400e3, "matmul_bfloat16_gflops": 790e3, "memory_read_gbs": 4300.0,
+           "peak_bf16_gflops": 989e3, "peak_memory_gbs": 4800.0, "peak_source": "datasheet: NVIDIA H200"}
+    assert bench_module.peak_flops(lim, "float32") == 989e12 and bench_module.peak_bandwidth(lim) == 4800e9
+    cpu_lim = {"matmul_float32_gflops": 200.0, "matmul_bfloat16_gflops": 400.0, "memory_read_gbs": 40.0}
+    assert bench_module.peak_flops(cpu_lim, "float32") == 200e9 and bench_module.peak_bandwidth(cpu_lim) == 40e9
+    train = dict(model="gpt2", dtype="bfloat16", batch=16, seq_len=1024, vocab=50257)
+    decode = dict(model="gpt2", format="bf16", kv_cache=True, prompt=64, new_tokens=128, prefill_tokens_per_s=1e5,
+                  ttft_s=0.01)
+    result = {"quick": False, "seconds": 60.0, "limits": lim, "training": [
+        {**train, "impl": "tinygpt", "tokens_per_s": 2e5, "mfu": 0.15},
+        {**train, "impl": "tinygpt compiled", "tokens_per_s": 6e5, "mfu": 0.45}], "generation": [
+        {**decode, "impl": "tinygpt", "batch": 1, "decode_tokens_per_s": 300.0, "bandwidth_use": 0.02},
+        {**decode, "impl": "tinygpt compiled", "batch": 1, "decode_tokens_per_s": 9000.0, "bandwidth_use": 0.45,
+         "same_tokens_as_eager": True}],
+        "machine": {**machine(torch.device("cpu")), "gpu": "NVIDIA H200", "gpu_memory_gib": 139.8,
+                    "gpu_capability": "9.0", "gpu_multiprocessors": 132, "cuda": "13.0"}}
+    result["ratios"] = ratios(result)
+    got = {r["name"]: (r["ratio"], r["met"]) for r in result["ratios"]}
+    assert got["train gpt2 16x1024 bf16 compiled: MFU of the dense bf16 peak"] == (0.45, True)
+    assert got["decode gpt2 b1 compiled: bandwidth use of the peak"] == (0.45, False)
+    text = render(result)
+    assert "gpu: NVIDIA H200, 139.8 GiB, compute capability 9.0" in text
+    assert "against 989 TFLOP/s bf16 and 4800 GB/s (datasheet: NVIDIA H200)" in text
+    assert "tinygpt compiled" in text and "compiled decoding's greedy tokens equal to eager's (row 0): bf16 batch 1 yes" in text
+    assert "45%   target >= 50%: NOT met" in text
 
 
 def test_bytes_per_token_count_each_format():
@@ -46,7 +84,7 @@ def test_bytes_per_token_count_each_format():
 @needs_transformers
 def test_a_tiny_run_measures_every_row_and_ratio():
     lines = []
-    result = run(plan=TINY, log=lines.append)
+    result = run(plan=SMOKE, log=lines.append)
     json.dumps(result)  # all JSON-ready
     assert result["limits"]["matmul_float32_gflops"] > 0 and result["limits"]["memory_read_gbs"] > 0
     train = {(r["impl"], r["dtype"]) for r in result["training"]}
@@ -54,7 +92,7 @@ def test_a_tiny_run_measures_every_row_and_ratio():
     assert all(r["tokens_per_s"] > 0 for r in result["training"])
     gen = {(r["impl"], r["format"], r["batch"], r["kv_cache"]) for r in result["generation"]}
     assert ("tinygpt", "int8", 2, True) in gen and ("transformers", "fp32", 1, False) in gen
-    assert (("transformers", "bf16", 1, False) in gen) == ("bf16" in peer_formats(TINY, torch.device("cpu")))
+    assert (("transformers", "bf16", 1, False) in gen) == ("bf16" in peer_formats(SMOKE, torch.device("cpu")))
     peer = next(r for r in result["generation"] if r["impl"] == "transformers" and r["format"] == "fp32"
                 and r["batch"] == 1 and r["kv_cache"])
     assert peer["same_tokens_as_tinygpt"]  # greedy on identical weights: the same tokens
@@ -172,3 +210,32 @@ def test_atomic_write_names_the_file_asked_for_not_its_temp(tmp_path):
     with pytest.raises(OSError) as e:
         write_json(tmp_path / "missing" / "x.json", {})
     assert e.value.filename == str(tmp_path / "missing" / "x.json")
+
+
+def test_a_plan_s_compiled_rows_are_measured_beside_the_eager_ones(monkeypatch):
+    # the GPU plan's kinds of row, on the CPU: compiled training and decoding (the compiler itself left out,
+    # it takes tens of seconds here; tests/test_gpu.py runs it on a GPU)
+    import dataclasses
+
+    asked = []
+    real_train, real_stream = bench_module.train_tinygpt, bench_module.generate_stream
+
+    def train_tinygpt(*args, compile=False, **kwargs):
+        asked.append(("train", compile))
+        return real_train(*args, compile=False, **kwargs)
+
+    def generate_stream(*args, compile=False, **kwargs):
+        asked.append(("decode", compile))
+        return real_stream(*args, **kwargs)
+
+    monkeypatch.setattr(bench_module, "train_tinygpt", train_tinygpt)
+    monkeypatch.setattr(bench_module, "generate_stream", generate_stream)
+    plan = dataclasses.replace(SMOKE, train_modes=(("float32", False), ("float32", True)), formats=("fp32", "int8"),
+                               gen_compiled=(("fp32", 1), ("int8", 2), ("bf16", 1)))
+    result = run(plan=plan, peers=False, device="cpu", log=lambda line: None)
+    assert {r["impl"] for r in result["training"]} == {"tinygpt", "tinygpt compiled"}
+    assert ("train", True) in asked and ("decode", True) in asked
+    compiled = {(r["format"], r["batch"]): r for r in result["generation"] if r["impl"] == "tinygpt compiled"}
+    assert set(compiled) == {("fp32", 1), ("int8", 2)}  # bf16 is not among the plan's formats
+    assert all(r["same_tokens_as_eager"] and r["bandwidth_use"] > 0 for r in compiled.values())
+    assert "tinygpt compiled" in render(result)

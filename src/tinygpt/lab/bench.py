@@ -6,16 +6,21 @@ A shared machine's figures move 10-30% from one minute to the next, so what to r
 ratios between rows measured in the same run; the limits measured at the start (matmul FLOP/s,
 memory read bandwidth) turn speeds into MFU and bandwidth use.
 
-    limits       dense matmul GFLOP/s (float32, bfloat16), memory read GB/s (a sum over 1 GiB)
+    limits       dense matmul GFLOP/s (float32, bfloat16), memory read GB/s (a sum over 1 GiB; on a
+                 GPU a device-to-device copy, bytes read and written); on a GPU also its datasheet's
+                 dense bf16 peak and memory bandwidth, where tinygpt.calc.hardware knows the GPU
     training     tokens/s and MFU of real `tinygpt.train` steps (AdamW, clipping, logging) and of a
-                 transformers loop with fused AdamW, float32 and bfloat16 autocast
+                 transformers loop with fused AdamW, float32 and bfloat16 autocast (on a GPU: GPT-2
+                 at 16 x 1024 in bfloat16, eager and with --compile)
     generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8, with and
-                 without the KV cache, for each weight format; decode bandwidth use (bytes of
-                 weights and cache read per token / time / measured bandwidth); and, at batch 1,
-                 llama.cpp decoding tinygpt's own GGUF export of the same weights in f32, f16, Q8_0
-                 and Q4_0 (its own quantizer makes the last two)
+                 without the KV cache, for each weight format (on a GPU also through torch.compile,
+                 CUDA graphs); decode bandwidth use (bytes of weights and cache read per token / time /
+                 bandwidth); and, at batch 1 on a CPU, llama.cpp decoding tinygpt's own GGUF export of
+                 the same weights in f32, f16, Q8_0 and Q4_0 (its own quantizer makes the last two)
 
-Every report starts with the CPU and the instruction sets that decide which kernels are fast
+MFU and bandwidth use are against the measured limits on a CPU, and against the datasheet's dense
+bf16 peak and memory bandwidth on a GPU (MFU as PaLM defines it; a GPU it does not know: the measured
+ones). Every report starts with the CPU and the instruction sets that decide which kernels are fast
 (AVX2, AVX-512, AVX-512 BF16, VNNI, AMX), since the same code ranks differently on each.
 
 transformers and llama.cpp (llama-cpp-python) are imported only here, and only when installed (the hf
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
+import functools
 import logging
 import math
 import os
@@ -45,8 +52,9 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..calc import flops_per_token
+from ..calc.hardware import gpu_peaks
 from ..config import GPTConfig, TrainConfig
-from ..device import cpu_flag_set, cpu_has_native_bf16, resolve_device
+from ..device import allow_fast_float32, cpu_flag_set, cpu_has_native_bf16, resolve_device
 from ..generate import generate_stream
 from ..interop.hf_gpt2 import to_transformers
 from ..interop.quantize import FORMATS, quantize
@@ -80,6 +88,12 @@ class Plan:
     llama_models: tuple[str, ...] = ()  # decoded at batch 1 by tinygpt and llama.cpp (when installed)
     llama_formats: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
     formats: tuple[str, ...] = FORMATS  # tinygpt's weight formats (int4 only where the model is on a CPU)
+    # (dtype, compile) of each training row; None: float32, and bfloat16 where it is native, eager
+    train_modes: tuple[tuple[str, bool], ...] | None = None
+    train_vocab: int | None = CHAR_VOCAB  # None: the preset's own (GPT-2's 50,257)
+    train_context: int = TRAIN_CONTEXT  # the longest training sequence (at most the preset's block_size)
+    # (format, batch) decoded with the cache through torch.compile too (generate's compile=True)
+    gen_compiled: tuple[tuple[str, int], ...] = ()
 
 
 FULL = Plan(
@@ -94,6 +108,33 @@ QUICK = Plan(
     prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"),
 )
+# A GPU: matrices and a copy big enough to reach its limits (a 4 GiB copy is 70 times an H200's L2);
+# GPT-2 trained at 16 x 1024 with its own vocabulary in bfloat16, eager and compiled; GPT-2 decoded
+# at batch 1 and 8 in fp32, bf16 and int8, bf16 also through torch.compile's CUDA graphs (the batch-1
+# row is the one bound by memory bandwidth). One round of each: a GPU of its own does not have a
+# shared host's slow spells. A few minutes, most of them compiling.
+GPU = Plan(
+    matmul_n=8192, memory_mib=4096, repeats=10, repeats_gen=1, repeats_train=1,
+    train=(("gpt2", 16, 10),), train_modes=(("bfloat16", False), ("bfloat16", True)), train_vocab=None,
+    train_context=1024, prompt=64, new_tokens=128, no_cache_tokens=16, gen_models=("gpt2",), gen_batches=(1, 8),
+    peer_formats=("bf16",), formats=("fp32", "bf16", "int8"), gen_compiled=(("bf16", 1), ("bf16", 8)),
+)
+GPU_QUICK = dataclasses.replace(GPU, repeats=3, train_modes=(("bfloat16", True),), new_tokens=64, formats=("bf16",),
+                                gen_batches=(1,), gen_compiled=(("bf16", 1),))
+# Every kind of row once at the smallest sizes, in seconds: that the bench runs here (its figures say nothing)
+SMOKE = Plan(
+    matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4,
+    new_tokens=3, no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
+)
+
+
+def plan_for(device: torch.device, *, quick: bool = False, smoke: bool = False) -> Plan:
+    """What `tinygpt bench` measures on `device`: SMOKE, else the GPU plans on CUDA, the CPU's elsewhere."""
+    if smoke:
+        return SMOKE
+    if device.type == "cuda":
+        return GPU_QUICK if quick else GPU
+    return QUICK if quick else FULL
 
 
 def _sync(device: torch.device) -> None:
@@ -128,11 +169,15 @@ def machine(device: torch.device) -> dict[str, Any]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": cpu_flags(),
         "native_bf16": cpu_has_native_bf16(),
-        "tinygpt_kernels": kernels.lowbit() is not None,
+        # built (seconds to a minute, once) only where they are used: a GPU run computes nothing on them
+        "tinygpt_kernels": kernels.lowbit() is not None if device.type == "cpu" else None,
         "load_average": _load(),
     }
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_capability=f"{props.major}.{props.minor}", gpu_multiprocessors=props.multi_processor_count,
+                    cuda=torch.version.cuda)
     return info
 
 
@@ -168,9 +213,10 @@ def describe_cpu(info: dict[str, Any]) -> str:
     """One line naming the CPU's flags and what torch makes of them, from `machine()`'s dict."""
     flags = info.get("cpu_flags") or {}
     listed = ", ".join(f"{name} {'yes' if flag else 'no'}" for name, flag in flags.items()) or "flags unknown"
+    built = info.get("tinygpt_kernels")  # None: not tried, on a GPU run
     return (f"cpu: {info['processor']}; {listed}; torch kernels {info['cpu_capability']}, "
             f"native bf16 {'yes' if info.get('native_bf16') else 'no'}, "
-            f"tinygpt's CPU kernels {'yes' if info.get('tinygpt_kernels') else 'no'}")
+            f"tinygpt's CPU kernels {'not used' if built is None else 'yes' if built else 'no'}")
 
 
 def _load() -> float | None:
@@ -180,35 +226,63 @@ def _load() -> float | None:
         return None
 
 
-def limits(plan: Plan, device: torch.device) -> dict[str, float]:
-    """Dense matmul GFLOP/s in float32 and bfloat16, and memory read GB/s (a sum over a big tensor)."""
-    out = {}
+def limits(plan: Plan, device: torch.device) -> dict[str, Any]:
+    """Dense matmul GFLOP/s in float32 (TF32 on a GPU, as training sets it) and bfloat16, and memory GB/s:
+    a sum over a big tensor (read), on a GPU a device-to-device copy (bytes read and written). On a GPU also
+    peak_bf16_gflops and peak_memory_gbs, the limits its MFU and bandwidth use are measured against: the
+    datasheet's where tinygpt.calc.hardware knows the GPU (peak_source names it), else the measured ones."""
+    out: dict[str, Any] = {}
     n = plan.matmul_n
+    allow_fast_float32(device)
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        a = torch.randn(n, n, device=device).to(dtype)
+        a = torch.randn(n, n, device=device).to(dtype)  # random values: zeros multiply faster than data
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = _best_time(lambda: a @ b, plan.repeats, device)
         out[f"matmul_{name}_gflops"] = 2 * n**3 / seconds / 1e9
+        del a, b
     x = torch.ones(plan.memory_mib * 2**20 // 4, device=device)
-    seconds = _best_time(lambda: x.sum(), plan.repeats, device)
-    out["memory_read_gbs"] = x.numel() * 4 / seconds / 1e9
+    if device.type == "cuda":
+        y = torch.empty_like(x)
+        seconds = _best_time(lambda: y.copy_(x), plan.repeats, device)
+        out["memory_read_gbs"] = 2 * x.numel() * 4 / seconds / 1e9
+        del y
+        datasheet = gpu_peaks(torch.cuda.get_device_name(device))
+        if datasheet is not None:
+            out.update(peak_bf16_gflops=datasheet[0] * 1e3, peak_memory_gbs=float(datasheet[1]),
+                       peak_source=f"datasheet: {torch.cuda.get_device_name(device)}")
+        else:
+            out.update(peak_bf16_gflops=out["matmul_bfloat16_gflops"], peak_memory_gbs=out["memory_read_gbs"],
+                       peak_source="measured")
+    else:
+        seconds = _best_time(lambda: x.sum(), plan.repeats, device)
+        out["memory_read_gbs"] = x.numel() * 4 / seconds / 1e9
     return out
+
+
+def peak_flops(lim: dict[str, Any], dtype: str) -> float:
+    """FLOP/s a training row's MFU divides by: the GPU's dense bf16 peak, on a CPU the measured matmul of its dtype."""
+    return lim.get("peak_bf16_gflops", lim[f"matmul_{dtype}_gflops"]) * 1e9
+
+
+def peak_bandwidth(lim: dict[str, Any]) -> float:
+    """Bytes/s a decode row's bandwidth use divides by: the GPU's peak, on a CPU the measured read."""
+    return lim.get("peak_memory_gbs", lim["memory_read_gbs"]) * 1e9
 
 
 # ---- configurations -----------------------------------------------------------------------------
 
 
-def bench_config(name: str, *, training: bool) -> GPTConfig:
+def bench_config(name: str, *, training: bool, vocab: int | None = CHAR_VOCAB, context: int = TRAIN_CONTEXT) -> GPTConfig:
     """The model a row measures: a preset, or "char" (the peer's 4-layer, 128-wide model). Training
-    rows use a CHAR_VOCAB-symbol vocabulary and at most TRAIN_CONTEXT positions; generation rows keep
-    the preset's vocabulary (GPT-2's 50,257) and context. "gpt2-4k" is GPT-2 small's 12 x 768 with a
-    4,096-token vocabulary (the llama.cpp comparison's larger model)."""
+    rows use a `vocab`-symbol vocabulary (None: the preset's own) and at most `context` positions;
+    generation rows keep the preset's vocabulary (GPT-2's 50,257) and context. "gpt2-4k" is GPT-2
+    small's 12 x 768 with a 4,096-token vocabulary (the llama.cpp comparison's larger model)."""
     if name == "char":
-        return GPTConfig(vocab_size=CHAR_VOCAB if training else 65, **PEER_CHAR)
+        return GPTConfig(vocab_size=(vocab or CHAR_VOCAB) if training else 65, **PEER_CHAR)
     cfg = GPTConfig.from_preset("gpt2", vocab_size=4096) if name == LLAMA_WIDE else GPTConfig.from_preset(name)
     if training:
-        cfg.vocab_size = CHAR_VOCAB
-        cfg.block_size = min(cfg.block_size, TRAIN_CONTEXT)
+        cfg.vocab_size = vocab or cfg.vocab_size
+        cfg.block_size = min(cfg.block_size, context)
     else:
         cfg.dropout = 0.0
     return cfg
@@ -250,9 +324,11 @@ def _char_data(root: Path, vocab: int) -> Path:
 
 
 def train_tinygpt(
-    cfg: GPTConfig, batch: int, steps: int, dtype: str, data: Path, *, compile: bool = False, warmup: int = 2
+    cfg: GPTConfig, batch: int, steps: int, dtype: str, data: Path, *, compile: bool = False, warmup: int = 2,
+    device: str = "auto",
 ) -> dict[str, Any]:
-    """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones)."""
+    """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones: with compile,
+    the first of them compiles)."""
     import json
 
     from ..train import METRICS, train
@@ -260,7 +336,7 @@ def train_tinygpt(
     with tempfile.TemporaryDirectory() as tmp:
         tc = TrainConfig(
             batch_size=batch, max_iters=warmup + steps, warmup=10, eval_interval=10**6, eval_iters=1,
-            dtype=dtype, compile=compile, seed=0,
+            dtype=dtype, compile=compile, seed=0, device=device,
         )
         start = time.perf_counter()
         train(data, Path(tmp) / "run", cfg, tc, progress=False)
@@ -320,10 +396,10 @@ class _Clock:
                 "tokens": tokens}
 
 
-def generate_tinygpt(model, idx: torch.Tensor, new_tokens: int, *, use_cache: bool) -> dict[str, Any]:
+def generate_tinygpt(model, idx: torch.Tensor, new_tokens: int, *, use_cache: bool, compile: bool = False) -> dict[str, Any]:
     """Greedy generation with tinygpt.generate_stream: TTFT, prefill and decode rates, row 0's tokens."""
     clock, tokens = _Clock(), []
-    for token in generate_stream(model, idx, new_tokens, greedy=True, use_cache=use_cache):
+    for token in generate_stream(model, idx, new_tokens, greedy=True, use_cache=use_cache, compile=compile):
         clock.tick()
         tokens.append(int(token[0]))
     return clock.result(idx.shape[1], idx.shape[0], tokens)
@@ -464,19 +540,21 @@ def bytes_per_token(model, batch: int, context: float) -> float:
 
 def run(
     *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate"), peers: bool = True,
-    log: Callable[[str], None] = print, plan: Plan | None = None,
+    log: Callable[[str], None] = print, plan: Plan | None = None, device: str = "auto", smoke: bool = False,
 ) -> dict[str, Any]:
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
     Args:
         quick: the short plan (fewer models, steps and repeats).
-        plan: what to measure, instead of the full or quick plan.
+        smoke: every kind of row once at the smallest sizes (SMOKE): that the bench runs, in seconds.
+        plan: what to measure, instead of the one plan_for picks.
+        device: where to measure (resolve_device's names; "auto" picks cuda where there is one).
         sections: any of "limits", "train", "generate".
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
         log: called with a line per measurement, as it is taken.
     """
-    plan = plan or (QUICK if quick else FULL)
-    device = resolve_device("auto")
+    device = resolve_device(device)
+    plan = plan or plan_for(device, quick=quick, smoke=smoke)
     want_peers = peers
     peers = want_peers and peers_available()
     llama = want_peers and llama_available()
@@ -485,15 +563,13 @@ def run(
     if want_peers and not llama and plan.llama_models:
         log("llama.cpp is not installed (pip install 'tinygpt[hf,llama]', which builds it from source in about "
             "10 minutes): measuring tinygpt without it")
-    result: dict[str, Any] = {"quick": quick, "machine": machine(device), "peers": peers, "llama": llama}
+    result: dict[str, Any] = {"quick": quick, "smoke": plan is SMOKE, "machine": machine(device), "peers": peers,
+                              "llama": llama}
     log(describe_cpu(result["machine"]))
     started = time.perf_counter()
     lim = limits(plan, device)  # MFU and bandwidth use need them, so they are always measured
     result["limits"] = lim
-    log(
-        f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
-        f"bfloat16; memory read {lim['memory_read_gbs']:.1f} GB/s"
-    )
+    log(describe_limits(lim))
     if "train" in sections:
         result["training"] = _training(plan, device, lim, peers, log)
     if "generate" in sections:
@@ -521,35 +597,46 @@ def peer_formats(plan: Plan, device: torch.device) -> tuple[str, ...]:
     return tuple(f for f in plan.peer_formats if f != "bf16" or bf16_native(device))
 
 
+def describe_limits(lim: dict[str, Any]) -> str:
+    """The limits line of a report: measured matmuls and memory, and a GPU's peaks with their source."""
+    line = (f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
+            f"GFLOP/s bfloat16; memory {lim['memory_read_gbs']:.1f} GB/s")
+    if "peak_source" in lim:
+        line += (f"; MFU and bandwidth against {lim['peak_bf16_gflops'] / 1e3:.0f} TFLOP/s bf16 and "
+                 f"{lim['peak_memory_gbs']:.0f} GB/s ({lim['peak_source']})")
+    return line
+
+
 def _training(plan: Plan, device, lim, peers: bool, log) -> list[dict[str, Any]]:
     rows = []
     dtypes = train_dtypes(device)
-    if "bfloat16" not in dtypes:
+    modes = plan.train_modes or tuple((d, False) for d in dtypes)
+    if plan.train_modes is None and "bfloat16" not in dtypes:
         log("train: bfloat16 rows left out: this CPU emulates bfloat16 (tinygpt trains in float32 here)")
     with tempfile.TemporaryDirectory() as tmp:
         data = _char_data(Path(tmp), CHAR_VOCAB)
         for name, batch, steps in plan.train:
-            cfg = bench_config(name, training=True)
+            cfg = bench_config(name, training=True, vocab=plan.train_vocab, context=plan.train_context)
             flops = flops_per_token(cfg, cfg.block_size).training
-            impls = [("tinygpt", d) for d in dtypes]
+            impls = [("tinygpt compiled" if c else "tinygpt", d) for d, c in modes]
             if peers:
-                impls += [("transformers", d) for d in dtypes]
+                impls += [("transformers", d) for d in dict.fromkeys(d for d, c in modes if not c)]
             best: dict[tuple[str, str], float] = {}
             # interleaved rounds, the best of each kept: a shared host has slow spells (the README's
             # Performance section has one) that should not decide a ratio
             for _ in range(plan.repeats_train):
                 for impl, dtype in impls:
-                    if impl == "tinygpt":
-                        r = train_tinygpt(cfg, batch, steps, dtype, data)
-                    else:
+                    if impl == "transformers":
                         r = train_transformers(cfg, batch, steps, dtype, device)
+                    else:
+                        r = train_tinygpt(cfg, batch, steps, dtype, data, compile=impl != "tinygpt", device=str(device))
                     best[impl, dtype] = max(best.get((impl, dtype), 0.0), r["tokens_per_s"])
             for (impl, dtype), tokens_per_s in best.items():
-                peak = lim[f"matmul_{dtype}_gflops"] * 1e9
                 row = {"model": name, "impl": impl, "dtype": dtype, "batch": batch, "seq_len": cfg.block_size,
-                       "vocab": cfg.vocab_size, "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops / peak}
+                       "vocab": cfg.vocab_size, "tokens_per_s": tokens_per_s,
+                       "mfu": tokens_per_s * flops / peak_flops(lim, dtype)}
                 rows.append(row)
-                log(f"train {name:6s} {impl:12s} {dtype:8s} {batch}x{cfg.block_size}: "
+                log(f"train {name:6s} {impl:16s} {dtype:8s} {batch}x{cfg.block_size}: "
                     f"{row['tokens_per_s']:10,.0f} tokens/s  MFU {row['mfu']:.0%}")
     return rows
 
@@ -589,10 +676,16 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
     formats = [f for f in plan.formats if f != "int4" or device.type == "cpu"]  # int4 is a CPU kernel
     copies = {fmt: copy.deepcopy(base) for fmt in formats if fmt != "fp32"}  # before packing: no copies after
     copies["fp32"] = base
-    engines += [("tinygpt", fmt, quantize(copies[fmt], fmt), cases) for fmt in formats]
+    models = {fmt: quantize(copies[fmt], fmt) for fmt in formats}
+    engines += [("tinygpt", fmt, models[fmt], cases) for fmt in formats]
+    # the same models decoded through torch.compile: (True, batch) cases of engines named "tinygpt compiled"
+    compiled = [(fmt, b) for fmt, b in plan.gen_compiled if fmt in models and b in plan.gen_batches and full]
+    engines += [("tinygpt compiled", fmt, models[fmt], [(True, b) for f, b in compiled if f == fmt])
+                for fmt in dict.fromkeys(f for f, _ in compiled)]
     g = torch.Generator().manual_seed(1)
     prompts = {b: torch.randint(0, cfg.vocab_size, (b, plan.prompt), generator=g).to(device) for b in plan.gen_batches}
-    runners = {"tinygpt": generate_tinygpt, "transformers": generate_transformers, "llama.cpp": generate_llama}
+    runners = {"tinygpt": generate_tinygpt, "transformers": generate_transformers, "llama.cpp": generate_llama,
+               "tinygpt compiled": functools.partial(generate_tinygpt, compile=True)}
     best: dict[tuple, dict[str, Any]] = {}
     for _ in range(plan.repeats_gen):  # interleaved, so a busy moment hits every engine alike
         for impl, fmt, model, engine_cases in engines:
@@ -600,7 +693,7 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
             for use_cache, batch in engine_cases:
                 idx = prompts[batch]
                 new = plan.new_tokens if use_cache else plan.no_cache_tokens
-                fn(model, idx[:, :8], 2, use_cache=use_cache)  # warm up kernels and allocations
+                fn(model, idx[:, :8], 2, use_cache=use_cache)  # warm up kernels and allocations (and compile)
                 r = fn(model, idx, new, use_cache=use_cache)
                 key = (impl, fmt, batch, use_cache)
                 if key not in best or r["decode_tokens_per_s"] > best[key]["decode_tokens_per_s"]:
@@ -609,20 +702,22 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
     for impl, _, model, _ in engines:
         if impl == "llama.cpp":
             model.close()  # its threads and buffers, before the next model's
-    ours = best[("tinygpt", "fp32", 1, True)]["tokens"]
+    tokens = {key: row.pop("tokens") for key, row in best.items()}
+    ours = tokens.get(("tinygpt", "fp32", 1, True))  # a plan without fp32 at batch 1 compares no peer's
     rows = []
     for (impl, fmt, batch, use_cache), row in best.items():
-        tokens = row.pop("tokens")
-        if impl != "tinygpt" and fmt in ("fp32", "f32") and batch == 1 and use_cache:
-            row["same_tokens_as_tinygpt"] = tokens == ours  # greedy on identical float32 weights
-        if impl == "tinygpt" and use_cache:
-            model = next(m for i, f, m, _ in engines if i == impl and f == fmt)
-            per_step = bytes_per_token(model, batch, plan.prompt + row["new_tokens"] / 2)
+        key = (impl, fmt, batch, use_cache)
+        if not impl.startswith("tinygpt") and fmt in ("fp32", "f32") and batch == 1 and use_cache and ours:
+            row["same_tokens_as_tinygpt"] = tokens[key] == ours  # greedy on identical float32 weights
+        if impl == "tinygpt compiled":
+            row["same_tokens_as_eager"] = tokens[key] == tokens[("tinygpt", fmt, batch, True)]  # row 0's
+        if impl.startswith("tinygpt") and use_cache:
+            per_step = bytes_per_token(models[fmt], batch, plan.prompt + row["new_tokens"] / 2)
             row["bytes_per_step"] = per_step
-            row["bandwidth_use"] = per_step * row["decode_tokens_per_s"] / batch / (lim["memory_read_gbs"] * 1e9)
+            row["bandwidth_use"] = per_step * row["decode_tokens_per_s"] / batch / peak_bandwidth(lim)
         rows.append(row)
         bw = f"  bandwidth {row['bandwidth_use']:.0%}" if "bandwidth_use" in row else ""
-        log(f"generate {name:5s} {impl:12s} {fmt:4s} batch {batch} {'cache' if use_cache else 'no-cache':8s}: "
+        log(f"generate {name:5s} {impl:16s} {fmt:4s} batch {batch} {'cache' if use_cache else 'no-cache':8s}: "
             f"decode {row['decode_tokens_per_s']:8.1f} tokens/s  prefill {row['prefill_tokens_per_s']:8.0f} tokens/s"
             f"  TTFT {row['ttft_s'] * 1000:7.1f} ms{bw}")
     return rows
@@ -653,6 +748,27 @@ TRAIN_TARGETS = [
 ]
 
 
+# A GPU's targets, each a fraction of its peak (MFU, bandwidth use) in the best row that matches:
+# (name, target, section, key, match). The anchors: nanoGPT's GPT-2 training runs near 40% MFU on an
+# A100, and gpt-fast decodes near 70% of HBM's bandwidth at batch 1.
+GPU_TARGETS = [
+    ("train gpt2 16x1024 bf16 compiled: MFU of the dense bf16 peak", 0.40, "training", "mfu",
+     dict(model="gpt2", impl="tinygpt compiled", dtype="bfloat16", batch=16, seq_len=1024)),
+    ("decode gpt2 b1 compiled: bandwidth use of the peak", 0.50, "generation", "bandwidth_use",
+     dict(model="gpt2", impl="tinygpt compiled", batch=1, kv_cache=True)),
+]
+
+
+def _gpu_ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for name, target, section, key, match in GPU_TARGETS:
+        values = [r[key] for r in result.get(section, []) if all(r.get(k) == v for k, v in match.items())]
+        if values:
+            out.append({"name": name, "ratio": max(values), "target": target, "met": max(values) >= target,
+                        "unit": "%"})
+    return out
+
+
 def _best(rows: list[dict], key: str, model: str, impl: str, formats: list[str], field: str) -> float | None:
     values = [r[key] for r in rows if r["model"] == model and r["impl"] == impl and r[field] in formats]
     return max(values) if values else None
@@ -676,7 +792,7 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
         target = 2 * PEER_CHAR_TOKENS_PER_S
         out.append({"name": f"train char 12x64: tinygpt best tokens/s / {target:,} (2x the peer's)",
                     "ratio": best_char / target, "target": 1.0, "met": best_char >= target})
-    return out
+    return out + _gpu_ratios(result)
 
 
 def _llama_ratios(decode: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -698,25 +814,30 @@ def render(result: dict[str, Any]) -> str:
     """The run as tables for a terminal."""
     m, lim = result["machine"], result["limits"]
     lines = [
-        f"tinygpt bench{' --quick' if result['quick'] else ''}: {m['processor']}, {m['cores']} cores, "
+        f"tinygpt bench{' --quick' if result['quick'] else ''}{' --smoke' if result.get('smoke') else ''}: {m['processor']}, {m['cores']} cores, "
         f"{m['threads']} threads, torch {m['torch']} ({m['cpu_capability']}), load {m['load_average']} -> "
         f"{m.get('load_average_end')}, {result['seconds']:.0f} s",
         describe_cpu(m),
-        f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
-        f"GFLOP/s bfloat16; memory read {lim['memory_read_gbs']:.1f} GB/s",
+        *([f"gpu: {m['gpu']}, {m['gpu_memory_gib']} GiB, compute capability {m['gpu_capability']}, "
+           f"{m['gpu_multiprocessors']} multiprocessors, CUDA {m['cuda']}"] if "gpu" in m else []),
+        describe_limits(lim),
     ]
     if result.get("training"):
-        lines += ["", f"{'training':<8} {'impl':<13}{'dtype':<10}{'batch':>8}{'tokens/s':>12}{'MFU':>7}"]
+        lines += ["", f"{'training':<8} {'impl':<17}{'dtype':<10}{'batch':>9}{'tokens/s':>12}{'MFU':>7}"]
         for r in result["training"]:
-            lines.append(f"{r['model']:<8} {r['impl']:<13}{r['dtype']:<10}{r['batch']:>4}x{r['seq_len']:<4}"
+            lines.append(f"{r['model']:<8} {r['impl']:<17}{r['dtype']:<10}{r['batch']:>4}x{r['seq_len']:<5}"
                          f"{r['tokens_per_s']:>11,.0f}{r['mfu']:>7.0%}")
     if result.get("generation"):
-        lines += ["", f"{'generate':<8} {'impl':<13}{'weights':<8}{'batch':>5} {'cache':<6}{'decode tok/s':>13}"
+        lines += ["", f"{'generate':<8} {'impl':<17}{'weights':<8}{'batch':>5} {'cache':<6}{'decode tok/s':>13}"
                       f"{'prefill tok/s':>14}{'TTFT ms':>9}{'bandwidth':>10}"]
         for r in result["generation"]:
             bw = f"{r['bandwidth_use']:>10.0%}" if "bandwidth_use" in r else f"{'':>10}"
-            lines.append(f"{r['model']:<8} {r['impl']:<13}{r['format']:<8}{r['batch']:>5} {'yes' if r['kv_cache'] else 'no':<6}"
+            lines.append(f"{r['model']:<8} {r['impl']:<17}{r['format']:<8}{r['batch']:>5} {'yes' if r['kv_cache'] else 'no':<6}"
                          f"{r['decode_tokens_per_s']:>13.1f}{r['prefill_tokens_per_s']:>14.0f}{r['ttft_s'] * 1000:>9.1f}{bw}")
+    same = [f"{r['format']} batch {r['batch']} {'yes' if r['same_tokens_as_eager'] else 'NO'}"
+            for r in result.get("generation", []) if "same_tokens_as_eager" in r]
+    if same:
+        lines.append(f"compiled decoding's greedy tokens equal to eager's (row 0): {', '.join(same)}")
     for peer in ("transformers", "llama.cpp"):
         same = [f"{r['model']} {'yes' if r['same_tokens_as_tinygpt'] else 'NO'}" for r in result.get("generation", [])
                 if r["impl"] == peer and "same_tokens_as_tinygpt" in r]
@@ -726,6 +847,9 @@ def render(result: dict[str, Any]) -> str:
     if result.get("ratios"):
         lines += ["", "ratios (same run)"]
         for r in result["ratios"]:
-            target = f"target >= {r['target']:g}: {'met' if r['met'] else 'NOT met'}" if r["target"] is not None else ""
-            lines.append(f"  {r['name']:<64}{r['ratio']:>7.2f}x  {target}")
+            percent = r.get("unit") == "%"
+            value = f"{r['ratio']:>7.0%} " if percent else f"{r['ratio']:>7.2f}x"
+            goal = f"{r['target']:.0%}" if percent else f"{r['target']:g}"
+            target = f"target >= {goal}: {'met' if r['met'] else 'NOT met'}" if r["target"] is not None else ""
+            lines.append(f"  {r['name']:<64}{value}  {target}")
     return "\n".join(lines)
