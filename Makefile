@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo chat-demo bench docs docs-serve
+.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo chat-demo bench docs docs-serve gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -32,6 +32,23 @@ test-slow: $(STAMP)
 # Speed against transformers in one run (needs the hf extra, which the dev install pulls in).
 bench: $(STAMP)
 	$(BIN)/tinygpt bench --json bench.json
+
+# The GPU check (benchmarks/gpu_check.py): tests/test_gpu.py, `tinygpt bench` and 3 minutes of training on a
+# CUDA machine, in about 8 minutes, everything in gpu-check/ and a summary table last. DEVICE=cpu is its dry
+# run at the smallest sizes (CI runs it). A machine without the project's .venv (a lent GPU machine, with its
+# own torch and no network) runs it with its own Python: make gpu-check CHECK_PYTHON=python3; the wheels in
+# .whl/ (make gpu-wheels, here) are installed first for the server's test.
+DEVICE ?= cuda
+CHECK_PYTHON ?= $(BIN)/python
+CHECK_OUT ?= gpu-check
+gpu-check: $(if $(filter $(BIN)/python,$(CHECK_PYTHON)),$(STAMP))
+	$(CHECK_PYTHON) benchmarks/gpu_check.py --device $(DEVICE) --out $(CHECK_OUT) \
+		$(if $(and $(wildcard .whl),$(filter cuda%,$(DEVICE))),--wheels .whl)
+
+# The server test's packages (the serve extra, the openai client) as wheels for a GPU machine's Python 3.12 on
+# x86-64, at the versions installed here: into .whl/, about 7 MiB.
+gpu-wheels: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --download-wheels .whl
 
 # The reliability and security suite with its long variants (30 kills, 2,000 fuzzed bodies, the load
 # run); prints the figures docs/RELIABILITY.md reports and keeps them in .reliability-figures.jsonl.

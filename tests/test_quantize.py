@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_text
+from perplexity_util import PERPLEXITY_BOUNDS, perplexity, trained_run
 
 import tinygpt
 from tinygpt import GPT, CheckpointError, ConfigError, GPTConfig, cli, generate, kernels, quantize
@@ -212,33 +212,15 @@ def test_unknown_format_and_saving_an_int8_model(tmp_path):
 
 
 def test_eval_and_sample_with_quantize_on_a_trained_model(tmp_path, capsys):
-    root = tmp_path
-    (root / "text.txt").write_text(make_text(1500))
-    tinygpt.prepare([str(root / "text.txt")], root / "data", tokenizer="char")
-    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=64)
-    tc = tinygpt.TrainConfig(batch_size=16, max_iters=120, warmup=10, lr=3e-3, eval_interval=120, eval_iters=2,
-                             device="cpu", dtype="float32")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small trains faster on one core than on two that others share
-    try:
-        tinygpt.train(root / "data", root / "run", cfg, tc, progress=False)
-    finally:
-        torch.set_num_threads(threads)
-
-    def perplexity(*flags):
-        assert cli.main(["eval", str(root / "run"), "--json", "--device", "cpu", *flags]) == 0
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["perplexity"]
-
-    fp32, bf16, int8 = perplexity(), perplexity("--quantize", "bf16"), perplexity("--quantize", "int8")
+    run = trained_run(tmp_path)
+    fp32 = perplexity(run)
     assert fp32 < math.exp(1.5)  # the model learned something, so the comparison means something
-    assert abs(bf16 / fp32 - 1) < 0.01
-    assert abs(int8 / fp32 - 1) < 0.03
-    assert abs(perplexity("--quantize", "fp16") / fp32 - 1) < 0.01
-    assert abs(perplexity("--quantize", "int4") / fp32 - 1) < 0.05
-    args = ["sample", str(root / "run"), "--quantize", "int8", "--prompt", "the cat", "--greedy",
+    for fmt, bound in PERPLEXITY_BOUNDS.items():
+        assert abs(perplexity(run, fmt=fmt) / fp32 - 1) < bound, fmt
+    args = ["sample", str(run), "--quantize", "int8", "--prompt", "the cat", "--greedy",
             "--max-new-tokens", "30", "--device", "cpu"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert out.startswith("the cat") and len(out) > 30
-    assert cli.main(["eval", str(root / "run"), "--quantize", "int3"]) == 2
+    assert cli.main(["eval", str(run), "--quantize", "int3"]) == 2
     assert "invalid choice" in capsys.readouterr().err

@@ -99,10 +99,18 @@ def choose(processed: torch.Tensor, cfg: SampleConfig, generator: torch.Generato
     if cfg.is_greedy:
         return processed.argmax(dim=-1)
     probs = processed.softmax(dim=-1)
+    # On a CPU multinomial refuses such probabilities with a RuntimeError, so they are checked only then (no
+    # work per token); CUDA's checks them inside its kernel, where a NaN is a device-side assert that ends
+    # the process's use of the GPU: there they are checked first
+    if probs.device.type != "cpu" and not bool(torch.isfinite(probs).all()):
+        raise ValueError(NONFINITE)
     try:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     except RuntimeError:
-        if not bool(torch.isfinite(probs).all()):  # checked only on failure: no extra work per token
-            raise ValueError("the next-token probabilities are NaN or infinite: the model's output is not finite "
-                             "(non-finite weights, loaded with allow_nonfinite?)") from None
+        if not bool(torch.isfinite(probs).all()):
+            raise ValueError(NONFINITE) from None
         raise
+
+
+NONFINITE = ("the next-token probabilities are NaN or infinite: the model's output is not finite "
+             "(non-finite weights, loaded with allow_nonfinite?)")
