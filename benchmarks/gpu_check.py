@@ -88,7 +88,7 @@ DRY_SIZES = Sizes(
     train_flags=("--preset", "baby", "--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--block-size", "32",
                  "--batch-size", "4", "--dtype", "float32", "--warmup", "5", "--eval-interval", "20",
                  "--eval-iters", "2"),
-    train_seconds=4, eval_tokens=5_000, sample_tokens=40,
+    train_seconds=2, eval_tokens=2_000, sample_tokens=20,
     limits={"tests": 120, "bench": 60},
 )
 RESERVE = {"bench": 60, "train": 40}  # the least a later phase is left: bench's, and train's beside its --max-time
@@ -124,7 +124,7 @@ class Check:
         code or None when it ran out of time, its stdout). It runs in a session of its own, so that running
         out of time ends everything it started (a server, torchrun's workers)."""
         self.say(f"$ {' '.join(args)}")
-        self.log.flush()
+        started = time.monotonic()
         with tempfile.TemporaryFile("w+") as captured:
             p = subprocess.Popen(args, cwd=ROOT, env=self.env, stdout=captured, stderr=self.log, text=True,
                                  start_new_session=True)
@@ -137,7 +137,7 @@ class Check:
             captured.seek(0)
             text = captured.read()
         self.log.write(text)
-        self.log.flush()
+        self.say(f"({'out of time' if code is None else f'exit {code}'} after {time.monotonic() - started:.1f} s)")
         if stdout is not None:
             stdout.write_text(text)
         return code, text
@@ -157,14 +157,35 @@ def tests_phase(check: Check, sizes: Sizes, timeout: float) -> tuple[Phase, list
     phase = check.phase("tests")
     started = time.monotonic()
     xml = check.out / "tests.xml"
-    code, _ = check.run([*python(), "-m", "pytest", "tests/test_gpu.py", "-m", sizes.tests_marks, "-q", "-rfEs",
-                         "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"], timeout)
+    # -vv (over the project's -q): a line per test as it ends, what is left of a run killed before its junit file
+    code, text = check.run([*python(), "-m", "pytest", "tests/test_gpu.py", "-m", sizes.tests_marks, "-vv", "-rfEs",
+                            "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "junit_family=xunit1"], timeout)
     phase.seconds = time.monotonic() - started
-    tests = read_junit(xml) if xml.exists() else []
-    counts = {s: sum(t["outcome"] == s for t in tests) for s in ("passed", "failed", "skipped")}
+    tests = (read_junit(xml) if xml.exists() else []) or read_progress(text)
+    counts = {s: sum(t["outcome"] == s for t in tests) for s in ("passed", "failed", "skipped", "timed out")}
     phase.detail = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no test ran"
     phase.status = "timed out" if code is None else "passed" if code == 0 else "failed"
     return phase, tests
+
+
+OUTCOMES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "failed", "SKIPPED": "skipped", "XFAIL": "skipped",
+            "XPASS": "passed"}
+
+
+def read_progress(text: str) -> list[dict]:
+    """Each test of pytest -vv's output, for a run ended before it wrote its junit file: those that ended
+    with their outcome (no seconds, no error line: log.txt has them), and the one it was running when it
+    ran out of time, "timed out"."""
+    tests = []
+    for line in text.splitlines():
+        if not line.startswith("tests/test_gpu.py::"):
+            continue
+        name, _, rest = line.removeprefix("tests/test_gpu.py::").partition(" ")
+        word = rest.split()[0] if rest.split() else ""
+        outcome = OUTCOMES.get(word, "timed out")
+        why = "" if word in OUTCOMES else "the phase ran out of time in it"
+        tests.append({"name": name, "outcome": outcome, "seconds": 0.0, "why": why})
+    return tests
 
 
 def read_junit(path: Path) -> list[dict]:
@@ -344,9 +365,13 @@ def render(summary: dict) -> str:
         heading = "figure (a dry run's: the smallest sizes, nothing to read)" if summary["dry_run"] else "figure"
         lines += ["", f"{heading:<{width + 20}} value"]
         lines += [f"{name[: width + 19]:<{width + 20}} {value}" for name, value in rows]
-    failed = [t for t in summary["tests"] if t["outcome"] == "failed"]
-    skipped = sum(t["outcome"] == "skipped" for t in summary["tests"])
-    verdict = (f"{len(failed)} tests failed" if failed else "every test passed" if summary["tests"] else "no test ran")
+    count = {o: sum(t["outcome"] == o for t in summary["tests"]) for o in ("failed", "timed out", "skipped")}
+    finished = all(p["status"] != "timed out" for p in summary["phases"] if p["name"] == "tests")
+    if count["failed"] or count["timed out"] or not finished:
+        verdict = f"{count['failed']} tests failed" + ("" if finished else ", the tests ran out of time")
+    else:
+        verdict = "every test passed" if summary["tests"] else "no test ran"
+    skipped = count["skipped"]
     written = [f for f in FILES if f == "summary.txt" or (Path(summary["out"]) / f).exists()]
     lines += ["", f"{verdict}{f' ({skipped} skipped)' if skipped else ''}; in {summary['out']}: {', '.join(written)}"]
     return "\n".join(lines)
@@ -400,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="the folder for everything (emptied first)")
     p.add_argument("--budget", type=float, default=480, help="seconds for the whole check (8 minutes)")
     p.add_argument("--only", action="append", choices=("tests", "bench", "train"), help="run only this phase")
-    p.add_argument("--train-time", type=float, help="seconds of training (3 minutes on a GPU, 4 s in the dry run)")
+    p.add_argument("--train-time", type=float, help="seconds of training (3 minutes on a GPU, 2 s in the dry run)")
     p.add_argument("--wheels", type=Path, help="a folder of wheels to install first (make gpu-wheels)")
     p.add_argument("--download-wheels", type=Path, metavar="DIR", help="save the server test's wheels in DIR and stop")
     args = p.parse_args(argv)

@@ -7,7 +7,9 @@ Without CUDA every test skips. TINYGPT_TEST_DEVICE names the device (default cud
 the CPU, as the CI's dry run does (`make gpu-check DEVICE=cpu`), where the ones that need a GPU skip.
 
 Each test takes its architecture from ARCHS and its optimizer from OPTIMIZERS: an architecture family
-(the Llama/Qwen family) is one more ARCHS entry, an optimizer (Muon) one more OPTIMIZERS entry.
+is one more ARCHS entry, an optimizer (Muon) one more OPTIMIZERS entry. Decoding runs every architecture
+in the dry run too; training and serving run the first there (the logic is the same, the CPU's minutes
+are CI's) and every one on a GPU.
 """
 
 import copy
@@ -36,7 +38,15 @@ pytestmark = pytest.mark.gpu
 
 DEVICE = os.environ.get("TINYGPT_TEST_DEVICE", "cuda")
 # GPTConfig settings of each architecture the tests build, over TINY
-ARCHS = {"gpt2": {}}
+ARCHS = {
+    "gpt2": {},
+    # the Llama family's choices at once: rotary positions with Llama 3's scaling (acting inside 32
+    # positions), grouped-query attention, qk-norm (Qwen3), q/k/v biases (Qwen2), RMSNorm, SwiGLU
+    "llama": dict(arch="llama", n_head=4, n_kv_head=2, qk_norm=True, qkv_bias=True, rope_scaling="llama3",
+                  rope_factor=4.0, rope_original_context=8, rope_theta=100.0),
+}
+# the architectures of the tests that train or serve: the first in the dry run, every one on a GPU
+ARCHS_ON_GPU = [arch if i == 0 else pytest.param(arch, marks=pytest.mark.slow) for i, arch in enumerate(ARCHS)]
 # TrainConfig settings of each optimizer the training tests use
 OPTIMIZERS = {"adamw": {}}
 # a 2-layer, 64-wide model with PyTorch's default init, whose logits have clear gaps between tokens
@@ -134,7 +144,7 @@ def train_tiny(data: Path, out: Path, device: torch.device, arch: str, optimizer
     return train(data, out, tiny(arch, vocab_size=64), TrainConfig(**settings))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS_ON_GPU)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bfloat16_autocast_trains_to_float32_s_loss(device, char_data, tmp_path, arch, optimizer):
     runs = {dtype: train_tiny(char_data, tmp_path / dtype, device, arch, optimizer, dtype=dtype)
@@ -185,31 +195,6 @@ def test_float16_trains_through_overflow_with_the_gradient_scaler(device, char_d
     assert losses[40] < losses[1] - 0.3, losses  # and then it trained
 
 
-@pytest.mark.slow  # on a CPU torch.compile takes tens of seconds a graph: the dry run leaves this to the GPU
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_compiled_training_and_decoding_give_eager_s_tokens(device, char_data, tmp_path, arch, optimizer):
-    runs = {c: train_tiny(char_data, tmp_path / str(c), device, arch, optimizer, max_iters=20, eval_interval=20,
-                          compile=c) for c in (False, True)}
-    eager, compiled = steps(tmp_path / "False"), steps(tmp_path / "True")
-    assert list(compiled) == list(range(1, 21))
-    for s in eager:
-        assert compiled[s] == pytest.approx(eager[s], rel=1e-3), s
-    models = {c: load(tmp_path / str(c), device=device).eval() for c in (False, True)}
-    prompts = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(2)).to(device)
-    want = generate(models[False], prompts, 40, greedy=True)
-    assert_same_greedy(models[False], 5, generate(models[True], prompts, 40, greedy=True), want, tie("fp32", device))
-    # decoding through torch.compile (CUDA graphs on a GPU): eager's tokens, at one row and at two
-    for fmt in ("fp32", "bf16"):
-        model = quantize(copy.deepcopy(models[False]), fmt, pack=False)  # pack: CPU kernels, which compile refuses
-        if on_cpu_kernels(model):
-            continue  # bf16 on a CPU where tinygpt's kernels build: its layers are theirs
-        for rows in (1, 2):
-            eager_tokens = generate(model, prompts[:rows], 40, greedy=True)
-            assert_same_greedy(model, 5, generate(model, prompts[:rows], 40, greedy=True, compile=True), eager_tokens,
-                               tie(fmt, device))
-
-
 # ---- inference, checkpoints, serving ----------------------------------------------------------------
 
 
@@ -250,7 +235,7 @@ def full_float32():
     torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS_ON_GPU)
 def test_the_server_answers_the_openai_client(device, arch, full_float32):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
@@ -312,3 +297,31 @@ def test_two_processes_on_two_gpus_train_as_one_process_with_twice_the_batch(dev
         assert two[s] == pytest.approx(one[s], abs=2e-3), s
     a, b = load(tmp_path / "one").state_dict(), load(tmp_path / "two").state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-3
+
+
+# ---- torch.compile: last, since its compiles take the longest (a phase out of time loses only them) ---
+
+
+@pytest.mark.slow  # on a CPU torch.compile takes tens of seconds a graph: the dry run leaves this to the GPU
+@pytest.mark.parametrize("arch", ARCHS_ON_GPU)
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_compiled_training_and_decoding_give_eager_s_tokens(device, char_data, tmp_path, arch, optimizer):
+    runs = {c: train_tiny(char_data, tmp_path / str(c), device, arch, optimizer, max_iters=20, eval_interval=20,
+                          compile=c) for c in (False, True)}
+    eager, compiled = steps(tmp_path / "False"), steps(tmp_path / "True")
+    assert list(compiled) == list(range(1, 21))
+    for s in eager:
+        assert compiled[s] == pytest.approx(eager[s], rel=1e-3), s
+    models = {c: load(tmp_path / str(c), device=device).eval() for c in (False, True)}
+    prompts = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(2)).to(device)
+    want = generate(models[False], prompts, 40, greedy=True)
+    assert_same_greedy(models[False], 5, generate(models[True], prompts, 40, greedy=True), want, tie("fp32", device))
+    # decoding through torch.compile (CUDA graphs on a GPU): eager's tokens, at one row and at two
+    for fmt in ("fp32", "bf16"):
+        model = quantize(copy.deepcopy(models[False]), fmt, pack=False)  # pack: CPU kernels, which compile refuses
+        if on_cpu_kernels(model):
+            continue  # bf16 on a CPU where tinygpt's kernels build: its layers are theirs
+        for rows in (1, 2):
+            eager_tokens = generate(model, prompts[:rows], 40, greedy=True)
+            assert_same_greedy(model, 5, generate(model, prompts[:rows], 40, greedy=True, compile=True), eager_tokens,
+                               tie(fmt, device))

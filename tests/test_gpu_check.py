@@ -31,6 +31,26 @@ def test_each_test_s_outcome_and_first_error_line_are_read_from_junit(tmp_path):
     assert gpu_check.read_junit(tmp_path / "cut.xml") == []
 
 
+def test_a_test_run_killed_before_its_junit_file_still_reports_what_ended(tmp_path):
+    # pytest -vv's lines, the last one cut where the phase ran out of time
+    text = ("============ test session starts ============\n"
+            "tests/test_gpu.py::test_cached_decoding_equals_uncached[fp32-gpt2] PASSED [ 10%]\n"
+            "tests/test_gpu.py::test_float16_trains_through_overflow_with_the_gradient_scaler FAILED [ 20%]\n"
+            "tests/test_gpu.py::test_two_processes[ddp] SKIPPED (needs 2 CUDA devices) [ 30%]\n"
+            "tests/test_gpu.py::test_compiled_training_and_decoding_give_eager_s_tokens[adamw-llama] ")
+    tests = gpu_check.read_progress(text)
+    assert [(t["name"].split("[")[0], t["outcome"]) for t in tests] == [
+        ("test_cached_decoding_equals_uncached", "passed"),
+        ("test_float16_trains_through_overflow_with_the_gradient_scaler", "failed"),
+        ("test_two_processes", "skipped"), ("test_compiled_training_and_decoding_give_eager_s_tokens", "timed out")]
+    summary = {"device": "cuda", "dry_run": False, "out": str(tmp_path), "seconds": 200.0, "bench": None, "train": None,
+               "machine": {"python": "3.12.3", "gpus": ["NVIDIA H200"]}, "tests": tests,
+               "phases": [{"name": "tests", "status": "timed out", "seconds": 200.0, "detail": ""}]}
+    table = gpu_check.render(summary)
+    assert "timed out" in table and "the phase ran out of time in it" in table
+    assert table.splitlines()[-1].startswith("1 tests failed, the tests ran out of time (1 skipped)")
+
+
 def test_a_phase_out_of_time_ends_everything_it_started(tmp_path):
     check = gpu_check.Check(tmp_path, "cpu", 60, dict(os.environ))
     pid_file = tmp_path / "child.pid"
