@@ -157,6 +157,9 @@ def finetune(
     from_, out = Path(from_), Path(out)
     if merge is not None and cfg.method != "lora":
         raise ConfigError("merge goes with method lora: a full fine-tune is a plain run already")
+    if cfg.method == "lora" and tcfg.optimizer == "muon":
+        raise ConfigError("--optimizer muon trains whole weight matrices; LoRA's low-rank adapters train with "
+                          "adamw (or fine-tune with --method full)")
     if merge is not None:  # before the training, not after it
         checkpoint.check_merge_target(merge, out, from_)
     # under torchrun every process fine-tunes its slice of each batch (train() joins the job); each

@@ -1,5 +1,5 @@
 """The optimizer and the learning-rate schedules training uses: AdamW with weight decay on matrices
-only, linear warmup then (TrainConfig.lr_schedule) cosine decay over a known length (lr_at) or over
+only, or Muon for the blocks' matrices beside it (MuonAdamW); linear warmup then (TrainConfig.lr_schedule) cosine decay over a known length (lr_at) or over
 a time budget whose length is re-estimated as the run goes (BudgetSchedule), a constant rate, or
 inverse-square-root decay; the last two need no length."""
 
@@ -91,9 +91,77 @@ class BudgetSchedule:
         return cls(cfg, 1.0, 0.0 if length is None else min(1.0, (step - warmup) / max(1, length - warmup)))
 
 
-def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings only (not on biases and LayerNorm gains)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def block_matrices(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters Muon trains: the 2-D weight matrices inside the blocks (h.N...),
+    those that train. The embeddings and the head are 2-D too, but a row of them is one token's
+    vector, not a map between hidden features: they stay with AdamW, as norms and biases do."""
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and p.dim() == 2 and name.startswith("h.")]
+
+
+class MuonAdamW:
+    """torch.optim.Muon for the block matrices and a fused AdamW for the other parameters, stepped
+    as one optimizer: param_groups lists Muon's groups then AdamW's (the schedule sets each one's
+    rate), and state_dict is Optimizer.state_dict()'s layout over them in that order (parameters
+    numbered across the groups), so a checkpoint holds it as it holds AdamW's alone.
+
+    Args:
+        muon: the optimizer of the block matrices.
+        adamw: the optimizer of everything else.
+    """
+
+    def __init__(self, muon: torch.optim.Muon, adamw: torch.optim.AdamW) -> None:
+        self.optimizers = (muon, adamw)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        return {p: s for o in self.optimizers for p, s in o.state.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        offset = 0
+        for o in self.optimizers:
+            saved = o.state_dict()
+            state.update({offset + i: s for i, s in saved["state"].items()})
+            groups += [{**g, "params": [offset + i for i in g["params"]]} for g in saved["param_groups"]]
+            offset += sum(len(g["params"]) for g in saved["param_groups"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        groups, offset = list(saved["param_groups"]), 0
+        for o in self.optimizers:
+            mine, groups = groups[:len(o.param_groups)], groups[len(o.param_groups):]
+            count = sum(len(g["params"]) for g in mine)
+            o.load_state_dict({
+                "state": {i - offset: s for i, s in saved["state"].items() if offset <= i < offset + count},
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in mine],
+            })
+            offset += count
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW | MuonAdamW:
+    """The optimizer of cfg.optimizer: AdamW with weight decay on matrices and embeddings only (not
+    on biases and norm gains), or with muon the block matrices (block_matrices) on torch.optim.Muon
+    at cfg.matrix_lr and the rest on that AdamW.
+
+    Each group's "lr" is set every step from the schedule's rate: lr_scales (one number a group,
+    muon_lr / lr for Muon's, 1 for AdamW's) says by how much it is multiplied."""
+    muon_names = set(block_matrices(model)) if cfg.optimizer == "muon" else set()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for n, p in named if n not in muon_names]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -102,5 +170,17 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devic
     # loop makes a pass per elementwise operation: the update is memory-bound, so that is most of its
     # time (the README's Performance section has the figure)
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    if not muon_names:
+        return adamw
+    muon = torch.optim.Muon([p for n, p in named if n in muon_names], lr=cfg.matrix_lr,
+                            weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum, nesterov=True)
+    return MuonAdamW(muon, adamw)
 
+
+def lr_scales(optimizer: torch.optim.Optimizer | MuonAdamW, cfg: TrainConfig) -> list[float]:
+    """Each param group's rate over the schedule's (lr's): muon_lr / lr for Muon's groups, 1 for AdamW's."""
+    if not isinstance(optimizer, MuonAdamW):
+        return [1.0] * len(optimizer.param_groups)
+    muon, adamw = optimizer.optimizers
+    return [cfg.matrix_lr / cfg.lr] * len(muon.param_groups) + [1.0] * len(adamw.param_groups)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed, kernels
-from .config import DEFAULT_LR, GPTConfig, TrainConfig
+from .config import DEFAULT_LR, OPTIMIZERS, GPTConfig, TrainConfig
 from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
@@ -41,7 +41,7 @@ from .errors import (
 )
 from .fileio import atomic_write, check_folder_path, read_json, write_json
 from .model import GPT
-from .optim import BudgetSchedule, lr_at, make_optimizer
+from .optim import BudgetSchedule, lr_at, lr_scales, make_optimizer
 from .sizing import ModelChoice
 
 DEFAULT_MAX_ITERS = 2000
@@ -545,6 +545,7 @@ class _Run:
         self.model.train()
         self.wrapped = distributed.wrap(self.model, ctx, fsdp=fsdp)
         self.optimizer = make_optimizer(self.model, cfg, self.device)
+        self.lr_scales = lr_scales(self.optimizer, cfg)
         if ctx.rank > 0:  # each process draws its own dropout masks
             torch.manual_seed(cfg.seed + ctx.rank)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
@@ -573,6 +574,10 @@ class _Run:
             self.schedule = BudgetSchedule.resumed(cfg, state, self.step)
         elif cfg.max_iters is None and state["max_iters"] is not None:
             self.horizon = int(state["max_iters"])
+        kind = state.get("optimizer_kind", "adamw")  # a state saved before muon existed is AdamW's
+        if kind != cfg.optimizer:
+            raise TrainingError(f"{run} trained with --optimizer {kind}: resume it with {kind} (its optimizer state "
+                                f"is {kind}'s), or start a new run for {cfg.optimizer}")
         _check_optimizer_state(state["optimizer"], self.optimizer, run)
         try:
             distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
@@ -613,8 +618,8 @@ class _Run:
         """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
         cfg, ctx = self.cfg, self.ctx
         lr = self.schedule.next_lr(self.step) if self.schedule is not None else lr_at(self.step, cfg, self.horizon)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
+            group["lr"] = lr * scale
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
             # every process draws the whole global batch from the same generator and takes its slice
@@ -673,6 +678,7 @@ class _Run:
             "step": self.step, "tokens": self.tokens, "max_iters": self.horizon, "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
             "schedule": self.schedule.state() if self.schedule is not None else None,
+            "optimizer_kind": self.cfg.optimizer,
         }
         if self.keep_best:
             train_state["best_val"] = self.best
@@ -867,6 +873,7 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
         "rng": isinstance(rng, dict) and rng_state(rng.get("torch")) and rng_state(rng.get("data")),
         "schedule": schedule is None or isinstance(schedule, dict) and fraction(schedule.get("warm"))
         and fraction(schedule.get("progress")),
+        "optimizer_kind": state.get("optimizer_kind") in (None, *OPTIMIZERS),
     }
     bad = [name for name, ok in checks.items() if not ok]
     if bad:

@@ -15,7 +15,8 @@ from .train import add_training_flags, train_settings
 # the defaults the training flags' help shows for finetune (tinygpt.finetune.DEFAULT_TRAIN and FINETUNE_LR)
 FINETUNE_DEFAULTS = dict(batch_size="12", lr="3e-5 full, 2e-4 lora: far below pretraining's 1e-3", warmup="10",
                          max_iters="200 unless --max-time is given", weight_decay="0", eval_interval="50",
-                         eval_iters="10", schedule="constant, nanoGPT's fine-tuning recipe")
+                         eval_iters="10", schedule="constant, nanoGPT's fine-tuning recipe",
+                         optimizer="adamw; muon goes with --method full")
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout")
 FREEZE_FLAGS = ("freeze_embeddings", "freeze_layers")
 

@@ -1,0 +1,115 @@
+"""The modern training recipe: Muon beside AdamW (which parameters each trains, its state in a
+checkpoint, an exact resume), and the refusals around it."""
+
+import json
+
+import pytest
+import torch
+
+from tinygpt import GPTConfig
+from tinygpt.checkpoint import load
+from tinygpt.config import MUON_LR, TrainConfig
+from tinygpt.errors import ConfigError, TrainingError
+from tinygpt.model import GPT
+from tinygpt.optim import MuonAdamW, make_optimizer
+from tinygpt.train import train
+
+LLAMA = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, arch="llama",
+                  qk_norm=True, tie_weights=False, dropout=0.1)
+GPT2 = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1)
+
+
+def cfg(**kw):
+    base = dict(batch_size=4, max_iters=12, eval_interval=4, eval_iters=2, warmup=3, device="cpu", dtype="float32",
+                grad_accum=2, optimizer="muon")
+    return TrainConfig(**{**base, **kw})
+
+
+def trained_by(model: GPT, config: TrainConfig) -> dict[str, str]:
+    """Each parameter's name -> "muon" or "adamw", from the optimizer make_optimizer builds."""
+    opt = make_optimizer(model, config, torch.device("cpu"))
+    names = {p: n for n, p in model.named_parameters()}
+    groups = opt.optimizers if isinstance(opt, MuonAdamW) else (opt,)
+    return {names[p]: type(o).__name__.lower() for o in groups for g in o.param_groups for p in g["params"]}
+
+
+def test_muon_trains_the_block_matrices_and_adamw_everything_else():
+    config = TrainConfig(lr=1e-3, optimizer="muon")
+    by = trained_by(GPT(LLAMA), config)
+    block = [f"h.{i}.{m}.weight" for i in range(2) for m in
+             ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+              "mlp.down_proj")]
+    rest = ["wte.weight", "lm_head.weight", "ln_f.weight",
+            *[f"h.{i}.{m}.weight" for i in range(2) for m in ("ln_1", "ln_2", "attn.q_norm", "attn.k_norm")]]
+    assert by == {**{n: "muon" for n in block}, **{n: "adamw" for n in rest}}
+    # GPT-2's block: the fused c_attn and both c_proj and c_fc; its biases, norms, wte and wpe (the head is wte)
+    by = trained_by(GPT(GPT2), config)
+    assert sorted(n for n, o in by.items() if o == "muon") == sorted(
+        f"h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert {"wte.weight", "wpe.weight", "h.0.attn.c_attn.bias", "h.1.ln_2.weight", "ln_f.bias"} <= {
+        n for n, o in by.items() if o == "adamw"}
+    assert len(by) == len(list(GPT(GPT2).parameters()))
+    # adamw: one AdamW for everything, as before
+    assert set(trained_by(GPT(LLAMA), TrainConfig(lr=1e-3)).values()) == {"adamw"}
+
+
+def test_muon_leaves_out_what_does_not_train():
+    model = GPT(LLAMA)
+    for p in model.h[0].parameters():
+        p.requires_grad_(False)
+    by = trained_by(model, TrainConfig(lr=1e-3, optimizer="muon"))
+    assert not [n for n in by if n.startswith("h.0.")] and by["h.1.attn.q_proj.weight"] == "muon"
+
+
+def test_each_group_follows_the_schedule_at_its_own_rate(char_data, tmp_path):
+    train(char_data, tmp_path / "run", LLAMA, cfg(lr=2e-3, muon_lr=0.03, max_iters=4, eval_interval=4))
+    groups = torch.load(tmp_path / "run" / "train_state.pt", weights_only=True)["optimizer"]["param_groups"]
+    lr = [json.loads(line)["lr"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+          if '"lr"' in line][-1]
+    assert [g["lr"] for g in groups] == pytest.approx([lr * 15, lr, lr])
+    assert groups[0]["momentum"] == 0.95 and groups[0]["weight_decay"] == 0.0 and groups[1]["weight_decay"] == 0.1
+
+
+@pytest.mark.parametrize("stop_at", [1, 7])
+def test_a_muon_run_resumes_bitwise(char_data, tmp_path, stop_at):
+    c = cfg(muon_weight_decay=0.05)
+    train(char_data, tmp_path / "straight", LLAMA, c)
+    first = train(char_data, tmp_path / "resumed", LLAMA, c, should_stop=lambda s: s == stop_at)
+    assert first.step == stop_at
+    state = torch.load(tmp_path / "resumed" / "train_state.pt", weights_only=True)
+    assert state["optimizer_kind"] == "muon"
+    assert {"momentum_buffer"} in [set(s) for s in state["optimizer"]["state"].values()]
+    train(char_data, tmp_path / "resumed", None, c, resume=True)
+    a, b = load(tmp_path / "straight").state_dict(), load(tmp_path / "resumed").state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_run_resumes_with_the_optimizer_it_trained_with(char_data, tmp_path):
+    train(char_data, tmp_path / "run", GPT2, cfg(max_iters=2, optimizer="adamw"))
+    with pytest.raises(TrainingError, match="trained with --optimizer adamw"):
+        train(char_data, tmp_path / "run", None, cfg(max_iters=4), resume=True)
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="FSDP2 shards each weight matrix"):
+        TrainConfig(optimizer="muon", fsdp=True)
+    with pytest.raises(ConfigError, match="optimizer: must be one of adamw, muon"):
+        TrainConfig(optimizer="sgd")
+    for field in ("muon_lr", "muon_momentum", "muon_weight_decay"):
+        with pytest.raises(ConfigError, match=field):
+            TrainConfig(**{field: -1.0})
+    assert TrainConfig().matrix_lr == MUON_LR
+
+
+def test_cli_muon_train_and_lora_refusal(char_data, tmp_path, cli):
+    r = cli("train", "--data", char_data, "--out", tmp_path / "run", "--n-layer", 1, "--n-head", 2, "--n-embd", 16,
+            "--block-size", 8, "--max-iters", 3, "--eval-iters", 1, "--optimizer", "muon", "--muon-lr", "0.01",
+            "--device", "cpu", "--quiet")
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((tmp_path / "run" / "train_config.json").read_text())["train"]
+    assert saved["optimizer"] == "muon" and saved["muon_lr"] == 0.01
+    r = cli("finetune", tmp_path / "run", "--data", char_data, "--out", tmp_path / "ft", "--method", "lora",
+            "--optimizer", "muon", "--max-iters", 1, "--quiet")
+    assert r.returncode != 0 and "LoRA's low-rank adapters train with adamw" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
