@@ -1,7 +1,10 @@
 """The modern training recipe: Muon beside AdamW (which parameters each trains, its state in a
-checkpoint, an exact resume), and the refusals around it."""
+checkpoint, an exact resume) and the refusals around it; the warmup-stable-decay schedule and the
+continuation of a WSD run from before its decay."""
 
+import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from tinygpt.checkpoint import load
 from tinygpt.config import MUON_LR, TrainConfig
 from tinygpt.errors import ConfigError, TrainingError
 from tinygpt.model import GPT
-from tinygpt.optim import MuonAdamW, make_optimizer
+from tinygpt.optim import BudgetSchedule, MuonAdamW, decay_start, lr_at, make_optimizer
 from tinygpt.train import train
 
 LLAMA = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, arch="llama",
@@ -113,3 +116,43 @@ def test_cli_muon_train_and_lora_refusal(char_data, tmp_path, cli):
             "--optimizer", "muon", "--max-iters", 1, "--quiet")
     assert r.returncode != 0 and "LoRA's low-rank adapters train with adamw" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_wsd_rate_at_every_step():
+    c = TrainConfig(lr=1.0, min_lr=0.1, warmup=2, lr_schedule="wsd", decay_fraction=0.4, max_iters=10)
+    rates = [lr_at(s, c, 10) for s in range(12)]
+    # warmup 2 steps, held to step 5, then 4 steps down to min_lr in a line, and held there
+    assert rates == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1])
+    assert decay_start(c, 10) == 6
+    # the decay never starts inside the warmup; a fraction 1 decays from the warmup's end
+    assert decay_start(dataclasses.replace(c, decay_fraction=1.0), 10) == 2
+    assert [lr_at(s, c, None) for s in (1, 50)] == [1.0, 1.0]  # a time budget not timed yet: held
+
+
+def test_wsd_on_a_time_budget_decays_over_the_last_share_of_the_steps_it_buys():
+    c = TrainConfig(lr=1.0, min_lr=0.0, warmup=1, lr_schedule="wsd", decay_fraction=0.25, max_time=60)
+    fixed = dataclasses.replace(c, max_iters=20, max_time=None)
+    schedule, rates = BudgetSchedule(c), []
+    for step in range(20):  # a steady speed: the time left buys 20 - step steps
+        schedule.left = 20 - step
+        rates.append(schedule.next_lr(step))
+    assert rates == pytest.approx([lr_at(s, fixed, 20) for s in range(20)])
+    assert rates[14] == 1.0 and rates[-1] == pytest.approx(0.0)
+
+
+def test_a_wsd_run_continues_from_before_its_decay_with_a_new_length(char_data, tmp_path):
+    c = cfg(lr_schedule="wsd", decay_fraction=0.25, max_iters=12, eval_interval=5, optimizer="adamw")
+    train(char_data, tmp_path / "short", GPT2, c)  # decays over steps 10-12
+    kept = tmp_path / "short" / "before-decay"
+    assert torch.load(kept / "train_state.pt", weights_only=True)["step"] == 9
+    shutil.copytree(kept, tmp_path / "longer")
+    longer = dataclasses.replace(c, max_iters=24)
+    result = train(char_data, tmp_path / "longer", None, longer, resume=True)
+    assert result.step == 24
+    train(char_data, tmp_path / "straight", GPT2, longer)
+    a, b = load(tmp_path / "straight").state_dict(), load(tmp_path / "longer").state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    lines = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, 25))
+    assert torch.load(tmp_path / "longer" / "before-decay" / "train_state.pt", weights_only=True)["step"] == 18

@@ -1,5 +1,6 @@
 """The optimizer and the learning-rate schedules training uses: AdamW with weight decay on matrices
-only, or Muon for the blocks' matrices beside it (MuonAdamW); linear warmup then (TrainConfig.lr_schedule) cosine decay over a known length (lr_at) or over
+only, or Muon for the blocks' matrices beside it (MuonAdamW); linear warmup then
+(TrainConfig.lr_schedule) cosine decay or warmup-stable-decay over a known length (lr_at) or over
 a time budget whose length is re-estimated as the run goes (BudgetSchedule), a constant rate, or
 inverse-square-root decay; the last two need no length."""
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import TrainConfig
+from .config import LENGTHLESS_SCHEDULES, TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
@@ -20,17 +21,36 @@ def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
     `max_iters` is the schedule's length; for a time budget it is estimated once training has
     been timed, and the warmup then takes at most a tenth of it.
     """
-    warmup = cfg.warmup
-    if cfg.max_iters is None and max_iters is not None:
-        warmup = min(warmup, max(1, max_iters // 10))
+    warmup = warmup_steps(cfg, max_iters)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
-    if cfg.lr_schedule != "cosine":
+    if cfg.lr_schedule in LENGTHLESS_SCHEDULES:
         return lengthless_lr(step, cfg, warmup)
     if max_iters is None:  # a time budget whose length is not known yet
         return cfg.lr
+    if cfg.lr_schedule == "wsd":
+        start = decay_start(cfg, max_iters)
+        return linear_decay(cfg, 0.0 if step < start else min(1.0, (step + 1 - start) / max(1, max_iters - start)))
     progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
     return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
+
+
+def warmup_steps(cfg: TrainConfig, max_iters: int | None) -> int:
+    """The warmup's length: cfg.warmup, at most a tenth of a time budget's estimated length."""
+    if cfg.max_iters is None and max_iters is not None:
+        return min(cfg.warmup, max(1, max_iters // 10))
+    return cfg.warmup
+
+
+def decay_start(cfg: TrainConfig, max_iters: int) -> int:
+    """The first step (0-based) of a WSD run's decay: the last decay_fraction of max_iters steps
+    (at least one), never inside the warmup. Steps before it run at lr."""
+    return max(warmup_steps(cfg, max_iters), max_iters - max(1, round(cfg.decay_fraction * max_iters)))
+
+
+def linear_decay(cfg: TrainConfig, progress: float) -> float:
+    """WSD's rate `progress` (0 to 1) of the way through its decay: from lr down to min_lr in a line."""
+    return cfg.lr + (cfg.final_lr - cfg.lr) * progress
 
 
 def lengthless_lr(step: int, cfg: TrainConfig, warmup: int) -> float:
@@ -43,7 +63,9 @@ def lengthless_lr(step: int, cfg: TrainConfig, warmup: int) -> float:
 
 class BudgetSchedule:
     """The learning rate of a run with a time budget and no max_iters: linear warmup, then cosine decay
-    toward min_lr over a length that is re-estimated after every step from the speed measured so far.
+    toward min_lr over a length that is re-estimated after every step from the speed measured so far
+    (or WSD's: the rate held until the steps left are the decay's share of the estimated length, then
+    the same fraction moving in a line).
 
     Both phases are fractions that only grow. The warmup moves 1/W of the way each step, W being
     cfg.warmup until the run is timed and then at most a tenth of the estimated length. The decay's
@@ -68,8 +90,12 @@ class BudgetSchedule:
             length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
             self.warm = min(1.0, self.warm + 1 / max(1, length))
             return cfg.lr * self.warm
-        if cfg.lr_schedule != "cosine":  # needs no length: the budget's estimate does not change it
+        if cfg.lr_schedule in LENGTHLESS_SCHEDULES:  # needs no length: the budget's estimate does not change it
             return lengthless_lr(step, cfg, cfg.warmup)
+        if cfg.lr_schedule == "wsd":  # held until what is left is the decay's share of the run, then a line
+            if self.left is not None and (self.progress > 0 or self.left <= cfg.decay_fraction * (step + self.left)):
+                self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
+            return linear_decay(cfg, self.progress)
         if self.left is not None:
             self.progress = min(1.0, self.progress + (1 - self.progress) / max(1.0, self.left))
         return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * self.progress)) * (cfg.lr - cfg.final_lr)

@@ -1,5 +1,5 @@
-"""The one training loop: AdamW, warmup + cosine, clipping, accumulation, mixed precision,
-evaluation, checkpoints and exact resume, on one process or several (torchrun: DDP or FSDP2).
+"""The one training loop: AdamW (or Muon beside it), warmup + cosine (or WSD, ...), clipping,
+accumulation, mixed precision, evaluation, checkpoints and exact resume, on one process or several (torchrun: DDP or FSDP2).
 It trains the model it is given, returns a TrainResult or raises, and never prints or exits:
 what a caller shows as a run goes (a progress bar, a trace) hangs on its TrainCallback hooks.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import sys
 import threading
@@ -41,11 +42,14 @@ from .errors import (
 )
 from .fileio import atomic_write, check_folder_path, read_json, write_json
 from .model import GPT
-from .optim import BudgetSchedule, lr_at, lr_scales, make_optimizer
+from .optim import BudgetSchedule, decay_start, lr_at, lr_scales, make_optimizer
 from .sizing import ModelChoice
 
 DEFAULT_MAX_ITERS = 2000
 METRICS = "metrics.jsonl"
+# a WSD run's checkpoint of the last step at the constant rate: a run folder of its own inside the
+# run, from which a copy continues with another length (and so another decay)
+BEFORE_DECAY = "before-decay"
 TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run first estimates its schedule's length
 SPEED_WINDOW = 20  # a time budget's step time: the median of this many most recent steps
@@ -617,7 +621,10 @@ class _Run:
     def train_step(self, hooks: TrainCallback) -> dict[str, Any]:
         """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
         cfg, ctx = self.cfg, self.ctx
+        before = self.schedule.state() if self.schedule is not None else None
         lr = self.schedule.next_lr(self.step) if self.schedule is not None else lr_at(self.step, cfg, self.horizon)
+        if self.decay_begins(before):  # kept as it is before this step, the first of the decay
+            self.save(self.folder / BEFORE_DECAY, before)
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
             group["lr"] = lr * scale
         loss_sum = torch.zeros((), device=self.device)
@@ -649,6 +656,15 @@ class _Run:
         self.tokens += self.tokens_per_step
         return {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
 
+    def decay_begins(self, before: dict[str, float] | None) -> bool:
+        """Whether the step about to run is a WSD run's first at a decaying rate (`before`: a time
+        budget's schedule as it was before this step's rate was drawn)."""
+        if self.cfg.lr_schedule != "wsd":
+            return False
+        if self.schedule is not None:
+            return before["progress"] == 0 and self.schedule.progress > 0
+        return self.step == decay_start(self.cfg, self.horizon)
+
     def evaluate(self, iters: int | None = None) -> dict[str, Any]:
         """Phase 4a: the loss on both splits (eval_iters batches, or the first `iters`); its metrics line."""
         self.model.eval()
@@ -661,8 +677,10 @@ class _Run:
         record = {"step": self.step, "tokens": self.tokens, "train_loss": losses["train"], "val_loss": losses["val"]}
         return {**record, "eval_iters": iters} if iters is not None and iters < self.cfg.eval_iters else record
 
-    def save(self) -> None:
-        """Phase 4b: a checkpoint of the weights and the training state (every process takes part; rank 0 writes)."""
+    def save(self, folder: Path | None = None, schedule: dict[str, float] | None = None) -> None:
+        """Phase 4b: a checkpoint of the weights and the training state (every process takes part; rank 0 writes)
+        in the run folder, or as a run folder of its own (`folder`, with the run's settings and metrics so
+        far beside it, and the schedule's state `schedule` in place of the current one)."""
         ctx, device = self.ctx, self.device
         rng = {"torch": torch.get_rng_state(), "data": self.data_rng.get_state()}
         if device.type == "cuda":
@@ -677,14 +695,18 @@ class _Run:
         train_state = {
             "step": self.step, "tokens": self.tokens, "max_iters": self.horizon, "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
-            "schedule": self.schedule.state() if self.schedule is not None else None,
+            "schedule": schedule or (self.schedule.state() if self.schedule is not None else None),
             "optimizer_kind": self.cfg.optimizer,
         }
         if self.keep_best:
             train_state["best_val"] = self.best
         base, checksum = (self.start.adapter_base, self.start.base_checksum) if self.start else (None, None)
-        checkpoint.save_training(self.folder, self.model, train_state, self.dataset.tokenizer, state_dict=weights,
-                                 adapter_base=base, base_checksum=checksum)
+        if folder is not None:
+            folder.mkdir(exist_ok=True)
+            for name in (TRAIN_CONFIG, METRICS):
+                atomic_write(folder / name, lambda tmp, name=name: shutil.copyfile(self.folder / name, tmp))
+        checkpoint.save_training(folder or self.folder, self.model, train_state, self.dataset.tokenizer,
+                                 state_dict=weights, adapter_base=base, base_checksum=checksum)
 
     def decide(self, stop: _Stop, should_stop: Callable[[int], bool] | None, pace: _Pace, now: float) -> str | None:
         """Phase 5: whether to stop after this step, the same in every process: why, or None to go on."""

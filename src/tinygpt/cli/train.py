@@ -197,15 +197,18 @@ MUON_MEASURED = ("the best of 0.01, 0.02, 0.04 and 0.08 for a 4 x 128 llama bloc
 def add_training_flags(t: argparse._ArgumentGroup, shown: dict[str, str]) -> None:
     """The optimization flags train and finetune share (each a TrainConfig field), their help naming the
     command's defaults (`shown`: TRAIN_DEFAULTS' keys)."""
-    from ..config import LR_SCHEDULES, MUON_LR, MUON_MOMENTUM, OPTIMIZERS
+    from ..config import DECAY_FRACTION, LR_SCHEDULES, MUON_LR, MUON_MOMENTUM, OPTIMIZERS
 
     t.add_argument("--batch-size", type=POSITIVE, help=f"sequences per micro-step, per process ({shown['batch_size']})")
     t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")
     t.add_argument("--lr", type=RATE, help=f"peak learning rate ({shown['lr']})")
-    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine decay (lr/10)")
+    t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine or wsd decay (lr/10)")
     t.add_argument("--warmup", type=NATURAL, help=f"linear warmup steps ({shown['warmup']})")
     t.add_argument("--lr-schedule", choices=LR_SCHEDULES,
-                   help=f"after the warmup: cosine decay to --min-lr, constant, or inverse-sqrt ({shown['schedule']})")
+                   help=f"after the warmup: cosine decay to --min-lr, constant, inverse-sqrt, or wsd (held, then a "
+                        f"linear decay to --min-lr over the last --decay-fraction of the steps) ({shown['schedule']})")
+    t.add_argument("--decay-fraction", type=Number("float", 0, 1, low_open=True),
+                   help=f"wsd: the share of the steps the decay takes ({DECAY_FRACTION:g})")
     t.add_argument("--max-iters", type=POSITIVE, help=f"optimizer steps ({shown['max_iters']})")
     t.add_argument("--max-time", type=Number("duration", keep_text=True), help="wall-clock budget, e.g. 90s, 5m, 1h")
     t.add_argument("--weight-decay", type=Number("float", 0),
