@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo chat-demo bench docs docs-serve gpu-check gpu-wheels
+.PHONY: install test test-slow reliability lesson demo stretch-demo fewshot-demo emergence-demo chat-demo bench docs docs-serve gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -102,6 +102,23 @@ fewshot-demo: $(STAMP)
 	$(BIN)/tinygpt plot $(FEWSHOT)/run --out docs/fewshot-demo-loss.png --title "the few-shot demo's training run"
 	$(BIN)/tinygpt fewshot $(FEWSHOT)/run --task synthetic --shots 0,1,2,3 --show-prompt --quiet \
 		--plot docs/fewshot-demo.png
+
+# Induction heads forming while a model trains: a 2-layer model and a 1-layer control on rows of
+# repeated random segments, probed every 10 steps (tinygpt emergence). About a minute on a laptop
+# CPU; prints the summary and rewrites docs/emergence-demo.png, then draws the 2-layer run's heads
+# (inspect heads) and one induction head and one previous-token head on a repeated sequence
+# (docs/images/). One thread, as fewshot-demo: the runs are then the same on every machine.
+EMERGENCE := runs/emergence-demo
+REPEAT := SUrdVvJgHcSUrdVvJgHc
+emergence-demo: export OMP_NUM_THREADS = 1
+emergence-demo: $(STAMP)
+	rm -rf $(EMERGENCE)
+	$(BIN)/tinygpt emergence --out $(EMERGENCE) --quiet
+	cp $(EMERGENCE)/emergence.png docs/emergence-demo.png
+	$(BIN)/tinygpt inspect heads $(EMERGENCE)/L2 --out docs/images/emergence-heads.png
+	$(BIN)/tinygpt attention $(EMERGENCE)/L2 --prompt $(REPEAT) --layer 1 --head 0 --out docs/images/induction-head.png
+	$(BIN)/tinygpt attention $(EMERGENCE)/L2 --prompt $(REPEAT) --layer 0 --head 1 \
+		--out docs/images/previous-token-head.png
 
 # Chat: a base model on the task's plain text, then a run trained on conversations with the loss on
 # the assistant's tokens; exact match on held-out conversations before and after. About 3 minutes on

@@ -17,6 +17,7 @@ def test_lesson_tour():
     assert "generated: [5, 12, 3," in r.stdout
     assert "6. Pitfall: forgetting the causal mask" in r.stdout and "without mask: '" in r.stdout
     assert "greedy           distinct-4" in r.stdout and "temperature 2.0  distinct-4" in r.stdout
+    assert "8. Emergent abilities" in r.stdout and "tinygpt emergence --out runs/emergence" in r.stdout
 
 
 def test_unknown_command_fails_cleanly():

@@ -103,6 +103,10 @@ class RunStart:
         rank, world_size: this process and how many train together (0 and 1 without torchrun).
         step: optimizer steps already done (a resumed run's).
         total: the run's length in steps, None while a time budget's is not estimated yet.
+        model: the model being trained (unwrapped and uncompiled): a hook may measure it, under
+            torch.no_grad() and with its own random generator so that training stays as it was.
+        log: writes a JSON-ready record (with "step" and "tokens") as a line of the run's
+            metrics.jsonl (rank 0 writes; elsewhere it does nothing).
     """
 
     run: Path
@@ -110,6 +114,8 @@ class RunStart:
     world_size: int
     step: int
     total: int | None
+    model: torch.nn.Module | None = None
+    log: Callable[[dict[str, Any]], None] | None = None
 
 
 class TrainCallback:
@@ -757,7 +763,8 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
     val_loss: float | None = None
     stopped = "max_iters"
     try:
-        hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total()))
+        hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total(), run.model,
+                                metrics.log))
         if run.device.type == "cpu":
             kernels.lowbit()  # training's GELU and attention kernels, compiled (once a machine) before the clock
         started = clock()

@@ -27,7 +27,7 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXI
 # every command's parser, in the order `tinygpt --help` lists them
 COMMANDS = (
     inspect.add_lesson, train.add_train, finetune.add_finetune, finetune.add_report, run.add_sample,
-    inspect.add_attention, inspect.add_plot, inspect.add_fewshot, inspect.add_fewshot_data, run.add_eval,
+    inspect.add_attention, inspect.add_plot, inspect.add_inspect, inspect.add_emergence, inspect.add_fewshot, inspect.add_fewshot_data, run.add_eval,
     scale.add_params, scale.add_chinchilla, sweep.add_sweep, prepare.add_prepare, interchange.add_export,
     interchange.add_import, interchange.add_merge, serve.add_serve, chat.add_chat, bench.add_bench,
 )

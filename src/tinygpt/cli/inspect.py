@@ -1,4 +1,5 @@
-"""Looking inside models: `tinygpt lesson`, `attention`, `plot` (loss curves), `fewshot` and `fewshot-data`."""
+"""Looking inside models: `tinygpt lesson`, `attention`, `plot` (loss curves), `inspect heads` (induction and
+previous-token heads), `emergence` (the lab that watches them form), `fewshot` and `fewshot-data`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import sys
 
 from ..calc.units import plural
 from ..errors import ConfigError
-from .common import NATURAL, POSITIVE, add_device_flag, json_line, load_model, seed_type, utf8_flag
+from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, json_line, load_model, seed_type,
+                     utf8_flag)
 
 
 def cmd_lesson(args: argparse.Namespace) -> int:
@@ -82,6 +84,99 @@ def cmd_plot(args: argparse.Namespace) -> int:
         steps = m.steps[-1] if m.steps else m.eval_steps[-1]
         print(f"{m.name}: {plural(steps, 'step')}{last}")
     print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """Score every head of a run as an induction head and as a previous-token head.
+
+    The probe is tinygpt.lab.probes': sequences of distinct random tokens repeated once. A head's
+    induction score is its mean attention, from the second copy, on the token after the query token's
+    earlier occurrence; its previous-token score, its mean attention on the token before the query.
+
+    Args (flags):
+        heads RUN: a run folder. --period N: the repeat's length (half the context). --sequences N:
+        repeated sequences (32). --seed S: their draw. --threshold X (0.4): the score a head needs to
+        be named. --out FILE: a heatmap of both scores. --json: end with one JSON line.
+    """
+    import shlex
+
+    from ..lab import probes
+
+    if args.out:
+        from ..lab.viz import check_picture
+
+        check_picture(args.out)
+    model, tokenizer = load_model(args.run, args.device)
+    cfg = model.config
+    result, tokens = probes.probe_heads(model, tokenizer.vocab_size, args.period, sequences=args.sequences,
+                                        seed=args.seed)
+    period = result["period"]
+    print(f"{args.run}: {cfg.n_layer} layers x {cfg.n_head} heads, on {args.sequences} sequences of {period} distinct "
+          f"random tokens repeated once")
+    print(f"{'layer':>5} {'head':>4}  {'induction':>9}  {'previous token':>14}")
+    named = []
+    for layer, (ind_row, prev_row) in enumerate(zip(result["induction"], result["previous_token"])):
+        for head, (ind, prev) in enumerate(zip(ind_row, prev_row)):
+            kinds = [k for k, v in (("induction head", ind), ("previous-token head", prev)) if v >= args.threshold]
+            print(f"{layer:>5} {head:>4}  {ind:9.3f}  {prev:14.3f}  {', '.join(kinds)}")
+            named += [(layer, head, k) for k in kinds]
+    print(f"second copy: loss {result['second_copy_loss']:.3f}, accuracy {100 * result['second_copy_accuracy']:.1f}%")
+    if not named:
+        print(f"no head scores {args.threshold} or more")
+    prompt = tokenizer.decode(tokens[0].tolist())
+    for layer, head, kind in named:
+        out = shlex.quote(f"{kind.split()[0]}-L{layer}H{head}.png")
+        print(f"{kind} at layer {layer}, head {head}: tinygpt attention {shlex.quote(args.run)} "
+              f"--prompt {shlex.quote(prompt)} --layer {layer} --head {head} --out {out}")
+    if args.out:
+        from ..lab import viz
+
+        viz.plot_head_scores(result["induction"], result["previous_token"], args.out,
+                             title=f"{args.run}: heads on repeated random sequences (period {period})")
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json_line({"run": args.run, **result,
+                         "heads": [{"layer": la, "head": h, "kind": k} for la, h, k in named]}))
+    return 0
+
+
+def cmd_emergence(args: argparse.Namespace) -> int:
+    """Watch induction heads, and in-context copying with them, form while a model trains.
+
+    Writes data where each row repeats one segment of distinct random tokens (a fresh segment and
+    length each row), trains a model of each --layers count on it (2 layers and a 1-layer control by
+    default) with probes every --probe-interval steps, and writes OUT/emergence.json (the curves and
+    the phase change: the first step where the best induction score reaches 0.5) and
+    OUT/emergence.png. The runs are ordinary run folders, OUT/L1 and OUT/L2.
+
+    Args (flags):
+        --out DIR: a new (or empty) folder. --vocab-size, --context, --period MIN-MAX: the data.
+        --steps, --probe-interval, --layers 1,2, --seed: the runs. The model and optimizer flags
+        default to the lesson's settings (PyTorch's init, an untied head). --json: end with one JSON line.
+    """
+    from ..lab import emergence
+    from ..train import ProgressBar
+
+    fields = ("vocab_size", "context", "steps", "probe_interval", "seed", "n_head", "n_embd", "init", "tie_weights",
+              "activation", "batch_size", "lr", "warmup", "weight_decay", "device")
+    given = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    if args.period is not None:
+        given["period"] = emergence.parse_period(args.period)
+    if args.layers is not None:
+        given["layers"] = emergence.parse_layers(args.layers)
+    settings = emergence.EmergenceSettings(**given)
+    bars = (lambda n: ()) if args.quiet else (lambda n: (ProgressBar(),))
+    summary = emergence.run_emergence(args.out, settings, callbacks=bars, plot=not args.no_plot)
+    print(f"{'layers':>6}  {'induction':>9}  {'prev. token':>11}  {'copy accuracy':>13}  {'phase change':>12}  "
+          f"{'time':>6}")
+    for r in summary["runs"]:
+        change = f"step {r['phase_change_step']}" if r["phase_change_step"] is not None else "none"
+        print(f"{r['n_layer']:>6}  {r['induction_score'][-1]:9.3f}  {r['previous_token_score'][-1]:11.3f}  "
+              f"{100 * r['second_copy_accuracy'][-1]:12.1f}%  {change:>12}  {r['seconds']:5.1f}s")
+    print(f"wrote {args.out}/{emergence.SUMMARY}" + ("" if args.no_plot else f" and {args.out}/{emergence.FIGURE}"))
+    if args.json:
+        print(json_line(summary))
     return 0
 
 
@@ -197,6 +292,56 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
     p.add_argument("--title", help="a title over the plot")
     p.set_defaults(func=cmd_plot)
+
+
+def add_inspect(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt inspect heads` and its flags."""
+    p = sub.add_parser("inspect", help="score a run's heads: induction and previous-token heads",
+                       description=cmd_inspect.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["heads"], help="what to inspect: heads")
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--period", type=Number("int", 2), help="the repeat's length (half the context)")
+    p.add_argument("--sequences", type=POSITIVE, default=32, help="repeated random sequences (32)")
+    p.add_argument("--seed", type=seed_type(), default=0, help="the sequences' draw (0)")
+    p.add_argument("--threshold", type=Number("float", 0, 1), default=0.4,
+                   help="the score that names a head an induction or previous-token head (0.4)")
+    p.add_argument("--out", metavar="FILE", help="a heatmap of every head's two scores (.png, .svg, .pdf)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    add_device_flag(p)
+    p.set_defaults(func=cmd_inspect)
+
+
+def add_emergence(sub: argparse._SubParsersAction) -> None:
+    """`tinygpt emergence` and its flags."""
+    # the defaults as EmergenceSettings has them (tests/test_emergence.py holds the two equal): importing
+    # the lab here would load the training loop for every command line
+    p = sub.add_parser("emergence", help="watch induction heads form while a 2-layer model trains (about a minute)",
+                       description=cmd_emergence.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder for the data, runs and figure")
+    p.add_argument("--vocab-size", type=Number("int", 4, 316), help="distinct tokens (64)")
+    p.add_argument("--context", type=Number("int", 4, 1024), help="the models' context, block_size (32)")
+    p.add_argument("--period", metavar="MIN-MAX",
+                   help="each row's segment length, drawn in this range (6-16)")
+    p.add_argument("--steps", type=POSITIVE, help="optimizer steps of each run (600)")
+    p.add_argument("--probe-interval", type=POSITIVE, help="steps between probes (10)")
+    p.add_argument("--layers", metavar="N,N", help="the runs' layer counts (1,2)")
+    p.add_argument("--seed", type=seed_type(), help="the data, initialization and batch order (0)")
+    m = p.add_argument_group("model and training (the lesson's settings)")
+    m.add_argument("--n-head", type=POSITIVE, help="heads per layer (4)")
+    m.add_argument("--n-embd", type=POSITIVE, help="width (64)")
+    m.add_argument("--init", choices=["gpt2", "torch"], help="initialization (torch)")
+    m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the token embedding with the head (no)")
+    m.add_argument("--activation", choices=["gelu", "gelu_tanh"], help="the MLP's GELU (gelu)")
+    m.add_argument("--batch-size", type=POSITIVE, help="sequences per step (32)")
+    m.add_argument("--lr", type=RATE, help="AdamW's rate, constant after the warmup (0.003)")
+    m.add_argument("--warmup", type=NATURAL, help="linear warmup steps (50)")
+    m.add_argument("--weight-decay", type=Number("float", 0), help="AdamW weight decay (0)")
+    add_device_flag(m, None, help="cpu, cuda, cuda:N, mps (cpu)")
+    p.add_argument("--no-plot", action="store_true", help="write no emergence.png (no matplotlib needed)")
+    p.add_argument("--json", action="store_true", help="end with emergence.json's summary as one JSON line")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_emergence)
 
 
 def add_fewshot(sub: argparse._SubParsersAction) -> None:

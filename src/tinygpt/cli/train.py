@@ -92,7 +92,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     # whole job as soon as one process exits with a non-zero code (143 after SIGTERM, say)
     with process_group(resolve_device(train_cfg.device), train_cfg.dist_timeout) as ctx:
         try:
-            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet)
+            probes = []
+            if args.probe_interval:
+                from ..lab.probes import Probes
+
+                probes.append(Probes(args.probe_interval, data=args.data))
+            result = train(args.data, args.out, model_cfg, train_cfg, resume=resume, progress=not args.quiet,
+                           callbacks=probes)
         except NonFiniteError as e:
             if ctx.is_main:
                 print(f"tinygpt: error: {e}; {kept_checkpoint(args.out)}", file=sys.stderr)
@@ -271,6 +277,9 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    t.add_argument("--probe-interval", type=POSITIVE, metavar="N",
+                   help="every N steps, log each head's induction and previous-token scores, the loss on repeated "
+                        "random sequences' second copy and an in-context learning score to metrics.jsonl (off)")
     t.add_argument("--dist-timeout", metavar="T", type=Number("duration", keep_text=True),
                    help="under torchrun: how long a process waits for the others before the job fails (10m)")
     p.set_defaults(func=cmd_train)

@@ -338,6 +338,20 @@ def _pitfall_sections() -> Iterator[str]:
         yield "\n".join("    | " + line for line in (pit.prompt + s.text).split("\n"))
 
 
+def _emergence_section() -> Iterator[str]:
+    """Section 8: where the lesson reaches emergent abilities, the labs that show them (nothing trained here)."""
+    yield _section(
+        "8. Emergent abilities: in-context learning, watched as it forms",
+        "Nothing in next-token training asks for in-context learning, yet models learn to read tasks off their\n"
+        "   prompt. In small transformers the ability appears abruptly, with an induction head: a layer-2 head\n"
+        "   that, at a repeated token, attends to what followed its earlier occurrence, fed by a layer-1 head that\n"
+        "   looks one token back.",
+    )
+    yield "watch it form (about a minute): tinygpt emergence --out runs/emergence   (or: make emergence-demo)"
+    yield "score any run's heads:         tinygpt inspect heads RUN"
+    yield "few-shot accuracy, measured:   make fewshot-demo, then tinygpt fewshot RUN --task synthetic"
+
+
 def tour() -> Iterator[str]:
     """The lesson's worked examples one after another, as the text `tinygpt lesson` prints: each item
     one print() (a line, or a section heading), yielded as soon as it is computed, since the last two
@@ -345,3 +359,4 @@ def tour() -> Iterator[str]:
     yield from _attention_sections()
     yield from _model_sections()
     yield from _pitfall_sections()
+    yield from _emergence_section()

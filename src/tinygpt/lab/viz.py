@@ -204,7 +204,8 @@ def _cmap():
 
 @dataclass
 class RunMetrics:
-    """A training run's metrics.jsonl: per-step training loss and the periodic evaluations."""
+    """A training run's metrics.jsonl: per-step training loss, the periodic evaluations and the probes
+    (tinygpt.lab.probes: (step, probe record) pairs)."""
 
     name: str
     steps: list[int] = field(default_factory=list)
@@ -216,6 +217,7 @@ class RunMetrics:
     eval_times: list[float] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
+    probes: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
@@ -242,7 +244,11 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
         try:
             record = json.loads(line)
             step, tokens = int(record["step"]), int(record["tokens"])
-            if "val_loss" in record:
+            if "probe" in record:
+                if not isinstance(record["probe"], dict):
+                    raise TypeError("a probe is a JSON object")
+                m.probes.append((step, record["probe"]))
+            elif "val_loss" in record:
                 m.eval_steps.append(step)
                 m.eval_tokens.append(tokens)
                 m.eval_times.append(offset + last)  # an evaluation follows its step
@@ -290,15 +296,19 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
         out: the picture to write (.png, .svg or .pdf).
         title: a title over the panels.
 
+    Runs with probes (tinygpt.lab.probes) get a second row: draw_probes' four panels.
+
     Returns:
-        the matplotlib Figure (three axes: by step, by token, by time).
+        the matplotlib Figure (three axes: by step, by token, by time; then the probes' four).
     """
     from matplotlib.ticker import EngFormatter
 
     if not runs:
         raise ConfigError("plot needs at least one run")
-    fig = _figure(16.0, 4.6)
-    by_step, by_token, by_time = fig.subplots(1, 3, sharey=True)
+    probed = any(m.probes for m in runs)
+    fig = _figure(16.0, 9.6 if probed else 4.6)
+    top, bottom = fig.subfigures(2, 1) if probed else (fig, None)
+    by_step, by_token, by_time = top.subplots(1, 3, sharey=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for m, color in zip(runs, colors):
         span = max(1, len(m.loss) // 100)
@@ -321,6 +331,112 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     for ax in (by_step, by_token, by_time):
         ax.grid(True, alpha=0.3)
     by_time.legend(fontsize=8, loc="upper right")
+    if bottom is not None:
+        draw_probes(dict(zip(PROBE_PANELS, bottom.subplots(1, 4))), runs)
+    if title:
+        fig.suptitle(title)
+    _save(fig, out)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes (tinygpt.lab.probes): induction and previous-token heads, copying, in-context learning
+
+PROBE_PANELS = ("second_copy_loss", "second_copy_accuracy", "scores", "icl_score")
+
+
+def draw_probes(axes: dict[str, Any], runs: Sequence[RunMetrics], marks: Sequence[int | None] = ()) -> None:
+    """Draw runs' probes against steps on the axes named by PROBE_PANELS (any of them): the second
+    copy's loss and accuracy, the best head's induction (solid) and previous-token (dashed) scores,
+    and the in-context learning score; a dotted vertical line at each run's step in `marks`."""
+    from .probes import summarize
+
+    for i, m in enumerate(runs):
+        if not m.probes:
+            continue
+        color, curves = f"C{i % 10}", summarize(m.probes)
+        steps = curves["steps"]
+        lines = {"second_copy_loss": [(curves["second_copy_loss"], "-", m.name)],
+                 "second_copy_accuracy": [(curves["second_copy_accuracy"], "-", m.name)],
+                 "scores": [(curves["induction_score"], "-", f"{m.name}: induction"),
+                            (curves["previous_token_score"], "--", f"{m.name}: previous token")],
+                 "icl_score": [([math.nan if v is None else v for v in curves["icl_score"]], "-", m.name)]}
+        for name, ax in axes.items():
+            for values, style, label in lines[name]:
+                ax.plot(steps, values, style, color=color, linewidth=1.5, label=label)
+            if i < len(marks) and marks[i] is not None:
+                ax.axvline(marks[i], color=color, linestyle=":", linewidth=1.2)
+    labels = {"second_copy_loss": ("loss on the second copy (nats)", "copying: loss"),
+              "second_copy_accuracy": ("accuracy on the second copy", "copying: accuracy"),
+              "scores": ("best head's score", "induction and previous-token heads"),
+              "icl_score": ("late minus early loss (nats)", "in-context learning score (val)")}
+    for name, ax in axes.items():
+        ylabel, title = labels[name]
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        if name in ("second_copy_accuracy", "scores"):
+            ax.set_ylim(-0.02, 1.02)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def plot_head_scores(induction: Sequence[Sequence[float]], previous: Sequence[Sequence[float]],
+                     out: str | os.PathLike, *, title: str | None = None):
+    """Two heatmaps, layers by heads: every head's induction score and its previous-token score.
+
+    Returns:
+        the matplotlib Figure (two heatmaps and their colorbar).
+    """
+    import numpy as np
+
+    panels = (("induction score", np.asarray(induction, dtype=float)),
+              ("previous-token score", np.asarray(previous, dtype=float)))
+    n_layer, n_head = panels[0][1].shape
+    fig = _figure(2 * (1.2 + 0.55 * n_head) + 1.0, 1.4 + 0.45 * n_layer)
+    axes = fig.subplots(1, 2)
+    image = None
+    for ax, (name, data) in zip(axes, panels):
+        image = ax.imshow(data, cmap="viridis", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(n_head))
+        ax.set_yticks(range(n_layer))
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(name, fontsize=10)
+        if n_layer * n_head <= 64:
+            for (i, j), v in np.ndenumerate(data):
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                        color="black" if v > 0.6 else "white")
+    fig.colorbar(image, ax=list(axes), shrink=0.8, label="mean attention")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    _save(fig, out)
+    return fig
+
+
+def plot_emergence(runs: Sequence[RunMetrics], out: str | os.PathLike, *, marks: Sequence[int | None] = (),
+                   title: str | None = None):
+    """The emergence lab's figure: training loss, the second copy's loss and accuracy, and the best
+    induction and previous-token scores against steps, one color per run, with each run's phase
+    change (`marks`) as a dotted line.
+
+    Returns:
+        the matplotlib Figure (four axes).
+    """
+    fig = _figure(12.0, 8.0)
+    (loss_ax, copy_loss), (copy_acc, scores) = fig.subplots(2, 2)
+    for i, m in enumerate(runs):
+        loss_ax.plot(m.steps, m.loss, color=f"C{i % 10}", alpha=0.25, linewidth=0.8)
+        loss_ax.plot(m.steps, _smooth(m.loss, max(1, len(m.loss) // 50)), color=f"C{i % 10}", label=m.name)
+        if i < len(marks) and marks[i] is not None:
+            loss_ax.axvline(marks[i], color=f"C{i % 10}", linestyle=":", linewidth=1.2,
+                            label=f"{m.name}: phase change (step {marks[i]})")
+    loss_ax.set_xlabel("optimizer step")
+    loss_ax.set_ylabel("training loss (nats per token)")
+    loss_ax.set_title("training loss", fontsize=10)
+    loss_ax.grid(True, alpha=0.3)
+    loss_ax.legend(fontsize=8)
+    draw_probes({"second_copy_loss": copy_loss, "second_copy_accuracy": copy_acc, "scores": scores}, runs, marks)
     if title:
         fig.suptitle(title)
     _save(fig, out)
