@@ -1,6 +1,7 @@
 """The modern training recipe: Muon beside AdamW (which parameters each trains, its state in a
 checkpoint, an exact resume) and the refusals around it; the warmup-stable-decay schedule and the
-continuation of a WSD run from before its decay."""
+continuation of a WSD run from before its decay; the modern block's options for a new run (ReLU
+squared, zero-initialised output projections, QK-norm, an untied head) and what export says of them."""
 
 import dataclasses
 import json
@@ -8,10 +9,11 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tinygpt import GPTConfig
 from tinygpt.checkpoint import load
-from tinygpt.config import MUON_LR, TrainConfig
+from tinygpt.config import MUON_LR, TrainConfig, with_arch
 from tinygpt.errors import ConfigError, TrainingError
 from tinygpt.model import GPT
 from tinygpt.optim import BudgetSchedule, MuonAdamW, decay_start, lr_at, make_optimizer
@@ -156,3 +158,71 @@ def test_a_wsd_run_continues_from_before_its_decay_with_a_new_length(char_data, 
     lines = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, 25))
     assert torch.load(tmp_path / "longer" / "before-decay" / "train_state.pt", weights_only=True)["step"] == 18
+
+
+# the modern block (the modded-nanoGPT speedrun's choices): ReLU squared, zero-initialised output projections,
+# QK-norm, an untied head
+MODERN = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, arch="llama", mlp="relu2",
+                   qk_norm=True, zero_init=True, tie_weights=False)
+
+
+def test_relu2_mlp_computes_down_of_relu_squared_of_up():
+    model = GPT(MODERN)
+    mlp = model.h[0].mlp
+    assert not hasattr(mlp, "gate_proj") and MODERN.activation == "relu2" and MODERN.mlp_width == 4 * 32
+    torch.nn.init.normal_(mlp.down_proj.weight)
+    x = torch.randn(2, 5, 32)
+    torch.testing.assert_close(mlp(x), F.linear(F.relu(F.linear(x, mlp.up_proj.weight)) ** 2, mlp.down_proj.weight),
+                               rtol=0, atol=0)
+    # as many weights as SwiGLU's three matrices at 8/3 the width (where that is a multiple of 64)
+    wide = {**MODERN.to_dict(), "n_embd": 96, "activation": None}
+    assert GPT(GPTConfig(**wide)).num_params() == GPT(GPTConfig(**{**wide, "mlp": "swiglu"})).num_params()
+    assert {n for n, o in trained_by(model, TrainConfig(lr=1e-3, optimizer="muon")).items() if o == "muon"} == {
+        f"h.{i}.{m}.weight" for i in range(2) for m in
+        ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")}
+
+
+@pytest.mark.parametrize("init", ["gpt2", "torch"])
+def test_zero_init_starts_every_block_as_the_identity(init):
+    torch.manual_seed(0)
+    config = GPTConfig(**{**MODERN.to_dict(), "init": init, "bias": True})
+    model = GPT(config)
+    for block in model.h:
+        for p in (block.attn.o_proj.weight, block.attn.o_proj.bias, block.mlp.down_proj.weight,
+                  block.mlp.down_proj.bias):
+            assert not p.any()
+        assert block.attn.q_proj.weight.any() and block.mlp.up_proj.weight.any()
+    idx = torch.randint(0, 64, (2, 16))
+    torch.testing.assert_close(model(idx), model.lm_head(model.ln_f(model.wte(idx))), rtol=0, atol=0)
+    assert model.lm_head.weight is not model.wte.weight  # untied
+    # off (the default), the same seed draws the same weights and leaves the projections as drawn
+    torch.manual_seed(0)
+    plain = GPT(dataclasses.replace(config, zero_init=False))
+    assert plain.h[0].attn.o_proj.weight.any()
+    assert torch.equal(plain.h[1].attn.q_proj.weight, model.h[1].attn.q_proj.weight)
+
+
+def test_another_mlp_brings_its_own_activation():
+    llama = GPTConfig(vocab_size=64, arch="llama", n_embd=32, n_head=4).to_dict()
+    assert GPTConfig(**with_arch(llama, {"mlp": "relu2"})).activation == "relu2"
+    assert GPTConfig(**with_arch(GPTConfig().to_dict(), {"arch": "llama", "mlp": "relu2"})).activation == "relu2"
+    assert GPTConfig(**with_arch(GPTConfig(activation="gelu").to_dict(), {"arch": "llama", "mlp": "gelu"})
+                     ).activation == "gelu"
+
+
+def test_cli_trains_the_modern_block_and_export_refuses_relu2_in_one_line(char_data, tmp_path, cli):
+    run = tmp_path / "run"
+    r = cli("train", "--data", char_data, "--out", run, "--arch", "llama", "--mlp", "relu2", "--qk-norm",
+            "--zero-init", "--no-tie-weights", "--n-layer", 1, "--n-head", 2, "--n-embd", 16, "--block-size", 8,
+            "--max-iters", 3, "--eval-iters", 1, "--optimizer", "muon", "--device", "cpu", "--quiet")
+    assert r.returncode == 0, r.stderr
+    config = load(run).config
+    assert (config.mlp, config.qk_norm, config.zero_init, config.tie_weights) == ("relu2", True, True, False)
+    for fmt, target in (("hf", "a Hugging Face Llama"), ("gguf", "llama.cpp's qwen3")):
+        r = cli("export", run, "--format", fmt, "--out", tmp_path / fmt)
+        assert r.returncode == 2 and not (tmp_path / fmt).exists()
+        assert r.stderr.strip() == (f"tinygpt: error: this model's mlp is 'relu2': {target} has 'swiglu' only, so it "
+                                    "cannot be exported")
+    r = cli("train", "--data", char_data, "--out", tmp_path / "gpt2", "--mlp", "relu2", "--max-iters", 1)
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "tinygpt: error: mlp: 'relu2' needs arch llama (GPT-2's layout has 'gelu' only)")

@@ -19,9 +19,11 @@ from .errors import ConfigError
 ARCHS = ("gpt2", "llama")
 POSITIONS = ("learned", "rope")
 NORMS = ("layernorm", "rmsnorm")
-# the MLP's kind: "gelu" (up, GELU, down: GPT-2's) or "swiglu" (down(silu(gate x) * up x): Llama's)
-MLPS = ("gelu", "swiglu")
-ACTIVATIONS = ("gelu", "gelu_tanh")  # the GELU of a "gelu" MLP; a "swiglu" MLP's is "silu"
+# the MLP's kind: "gelu" (up, GELU, down: GPT-2's), "swiglu" (down(silu(gate x) * up x): Llama's) or
+# "relu2" (up, ReLU squared, down: Primer's, which the modded-nanoGPT speedrun and nanochat train with)
+MLPS = ("gelu", "swiglu", "relu2")
+ACTIVATIONS = ("gelu", "gelu_tanh")  # the GELU of a "gelu" MLP
+MLP_ACTIVATIONS = {"swiglu": "silu", "relu2": "relu2"}  # the one activation each other MLP has
 INITS = ("gpt2", "torch")
 # how rotary positions stretch past the context they were trained at: "none", "linear" (every frequency
 # divided by rope_factor) or "llama3" (Llama 3.1's: low frequencies divided, high ones kept, a smooth
@@ -129,9 +131,13 @@ class GPTConfig:
             (True for gpt2, False for llama).
         tie_weights: share the token embedding with the LM head.
         activation: the GELU of a "gelu" MLP: "gelu" (exact, as the lesson) or "gelu_tanh" (GPT-2's
-            approximation, the default); a "swiglu" MLP's is "silu".
+            approximation, the default); a "swiglu" MLP's is "silu", a "relu2" MLP's "relu2".
         init: "gpt2" (normal 0.02, residual projections scaled by 1/sqrt(2 n_layer), zero biases)
             or "torch" (PyTorch's module defaults, as the lesson).
+        zero_init: the two projections of each block that write into the residual stream (attention's
+            output and the MLP's down projection) start at zero, whichever init the rest has, so that
+            every block starts as the identity (the modded-nanoGPT speedrun's choice). Off by default;
+            it changes nothing a trained model computes, and a config.json without it loads with it off.
         layer_norm_eps: epsilon of every norm (LayerNorm or RMSNorm; the qk-norms' too).
         scale_embeddings: multiply the token embeddings by sqrt(n_embd) in the forward pass, as the
             original Transformer and some later models (T5's, Gemma's) do; GPT-2 does not, so a
@@ -143,7 +149,8 @@ class GPTConfig:
             choice below is free). Defaults: rope, rmsnorm, swiglu, no biases.
         positions: "learned" (a position embedding, wpe) or "rope" (rotary positions on queries and keys).
         norm: "layernorm" or "rmsnorm" (torch's nn.RMSNorm).
-        mlp: "gelu" (up, GELU, down) or "swiglu" (down(silu(gate x) * up x)).
+        mlp: "gelu" (up, GELU, down), "swiglu" (down(silu(gate x) * up x)) or "relu2" (up, relu(.)^2,
+            down; no Hugging Face or llama.cpp architecture has it, so such a model does not export).
         intermediate_size: the MLP's hidden width. Default: 4 n_embd for gelu, and for swiglu 8/3
             n_embd rounded up to a multiple of 64 (the same number of weights as 4 n_embd in two matrices).
         n_kv_head: key/value heads (grouped-query attention: each serves n_head / n_kv_head query
@@ -184,6 +191,7 @@ class GPTConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
+    zero_init: bool = False
 
     def __post_init__(self) -> None:
         _check(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}, got {self.arch!r}")
@@ -191,7 +199,7 @@ class GPTConfig:
             if getattr(self, name) is None:
                 setattr(self, name, value)
         if self.activation is None:
-            self.activation = "silu" if self.mlp == "swiglu" else "gelu_tanh"
+            self.activation = MLP_ACTIVATIONS.get(self.mlp, "gelu_tanh")
         _finite(self, ("dropout", "layer_norm_eps", "rope_theta", "rope_factor", "rope_low_freq_factor",
                        "rope_high_freq_factor"))
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "rope_original_context",
@@ -205,7 +213,7 @@ class GPTConfig:
                               ("rope_scaling", ROPE_SCALINGS), ("init", INITS)):
             value = getattr(self, name)
             _check(value in allowed, name, f"must be one of {', '.join(allowed)}, got {value!r}")
-        for name in ("bias", "tie_weights", "scale_embeddings", "qk_norm", "qkv_bias"):
+        for name in ("bias", "tie_weights", "scale_embeddings", "qk_norm", "qkv_bias", "zero_init"):
             _check(isinstance(getattr(self, name), bool), name, f"must be true or false, got {getattr(self, name)!r}")
         if self.head_size is None:
             _check(
@@ -220,8 +228,13 @@ class GPTConfig:
             "dropout",
             f"must be in [0, 1), got {self.dropout!r}",
         )
-        if self.mlp == "swiglu":
-            _check(self.activation == "silu", "activation", f"a swiglu MLP's is silu, got {self.activation!r}")
+        if self.arch == "gpt2":
+            for name, value in GPT2_ONLY.items():
+                _check(getattr(self, name) == value or (name == "n_kv_head" and self.kv_heads == self.n_head), name,
+                       f"{getattr(self, name)!r} needs arch llama (GPT-2's layout has {value!r} only)")
+        if self.mlp in MLP_ACTIVATIONS:
+            want = MLP_ACTIVATIONS[self.mlp]
+            _check(self.activation == want, "activation", f"a {self.mlp} MLP's is {want}, got {self.activation!r}")
         else:
             _check(self.activation in ACTIVATIONS, "activation",
                    f"must be one of {ACTIVATIONS}, got {self.activation!r}")
@@ -238,10 +251,6 @@ class GPTConfig:
                    f"got {self.rope_low_freq_factor!r}")
         _check(self.positions == "rope" or (self.rope_scaling == "none" and self.rope_factor == 1.0), "rope_scaling",
                "applies to rotary positions (positions rope)")
-        if self.arch == "gpt2":
-            for name, value in GPT2_ONLY.items():
-                _check(getattr(self, name) == value or (name == "n_kv_head" and self.kv_heads == self.n_head), name,
-                       f"{getattr(self, name)!r} needs arch llama (GPT-2's layout has {value!r} only)")
         if self.head_size is not None:
             _check(self.head_size % 2 == 0 or self.positions != "rope", "head_size",
                    f"rotary positions turn pairs of a head's dimensions: must be even, got {self.head_size}")
@@ -287,16 +296,19 @@ def with_arch(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]
     """A config's fields (`base`, as to_dict gives them) with `overrides` over them, where an override
     of arch also brings that arch's defaults for the fields base held at its own arch's (so that
     `--preset stretch --arch llama` is the stretch model's size in the llama layout, not one with
-    GPT-2's biases, learned positions and GELU)."""
+    GPT-2's biases, learned positions and GELU), and another MLP its own activation."""
     arch = overrides.get("arch")
     old = base.get("arch", "gpt2")
-    if arch is None or arch == old or old not in ARCH_DEFAULTS:
-        return {**base, **overrides}
-    defaults = ARCH_DEFAULTS[old]
-    kept = {k: v for k, v in base.items() if k not in defaults or v != defaults[k]}
-    if {**kept, **overrides}.get("mlp", ARCH_DEFAULTS.get(arch, {}).get("mlp")) != "gelu":
-        kept.pop("activation", None)  # a GELU's form, which another MLP has no use for
-    return {**kept, **overrides}
+    kept = base
+    if arch is not None and arch != old and old in ARCH_DEFAULTS:
+        defaults = ARCH_DEFAULTS[old]
+        kept = {k: v for k, v in base.items() if k not in defaults or v != defaults[k]}
+    merged = {**kept, **overrides}
+    new_arch = ARCH_DEFAULTS.get(merged.get("arch", "gpt2"), {})
+    if merged.get("mlp", new_arch.get("mlp")) != base.get("mlp", ARCH_DEFAULTS.get(old, {}).get("mlp")):
+        if "activation" not in overrides:
+            merged.pop("activation", None)  # the old MLP's, which another has no use for
+    return merged
 
 
 _GPT2 = dict(vocab_size=50257, block_size=1024, bias=True, tie_weights=True, activation="gelu_tanh", init="gpt2")

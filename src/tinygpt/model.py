@@ -352,20 +352,20 @@ class GELU(nn.GELU):
 
 
 class MLP(nn.Module):
-    """GPT-2's c_fc, GELU, c_proj; in the llama layout up_proj, GELU, down_proj, or, as SwiGLU,
-    down_proj(silu(gate_proj x) * up_proj x)."""
+    """GPT-2's c_fc, GELU, c_proj; in the llama layout up_proj, GELU or ReLU squared, down_proj, or, as
+    SwiGLU, down_proj(silu(gate_proj x) * up_proj x)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         d, hidden = config.n_embd, config.mlp_width
-        self.swiglu = config.mlp == "swiglu"
+        self.kind = config.mlp
         if config.arch == "gpt2":
             self.c_fc = nn.Linear(d, hidden, bias=config.bias)
         else:
-            if self.swiglu:
+            if self.kind == "swiglu":
                 self.gate_proj = nn.Linear(d, hidden, bias=config.bias)
             self.up_proj = nn.Linear(d, hidden, bias=config.bias)
-        if not self.swiglu:
+        if self.kind == "gelu":
             self.gelu = GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         if config.arch == "gpt2":
             self.c_proj = nn.Linear(hidden, d, bias=config.bias)
@@ -376,7 +376,12 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "c_fc"):
             return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
-        h = F.silu(self.gate_proj(x)) * self.up_proj(x) if self.swiglu else self.gelu(self.up_proj(x))
+        if self.kind == "swiglu":
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        elif self.kind == "relu2":
+            h = F.relu(self.up_proj(x)).square()
+        else:
+            h = self.gelu(self.up_proj(x))
         return self.drop(self.down_proj(h))
 
 
@@ -432,6 +437,13 @@ class GPT(nn.Module):
         self._frequencies: dict[torch.device, torch.Tensor] = {}  # rope_frequencies by device, made when first used
         if config.init == "gpt2":
             self._init_gpt2()
+        if config.zero_init:  # every block starts as the identity: x + 0 + 0
+            with torch.no_grad():
+                for block in self.h:
+                    for projection in residual_projections(block):
+                        for tensor in (projection.weight, projection.bias):
+                            if tensor is not None:
+                                tensor.zero_()
 
     @torch.no_grad()
     def _init_gpt2(self) -> None:

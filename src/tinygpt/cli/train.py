@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..calc.units import plural
-from ..config import ARCHS
+from ..config import ARCHS, MLPS
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
                      kept_checkpoint, seed_type)
@@ -17,7 +17,7 @@ from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, R
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
                 "activation", "init", "layer_norm_eps", "scale_embeddings", "arch", "positions", "norm", "mlp",
                 "intermediate_size", "n_kv_head", "head_size", "qk_norm", "qkv_bias", "rope_theta", "rope_scaling",
-                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context", "zero_init")
 
 
 def train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
@@ -260,15 +260,21 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--dropout", type=FRACTION)
     m.add_argument("--vocab-size", type=POSITIVE, help="default: the data's vocabulary")
     m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
-    m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None)
+    m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="share the token embedding with the head (on); --no-tie-weights: an untied head")
     m.add_argument("--activation", choices=["gelu", "gelu_tanh"], help="a gelu MLP's GELU (gelu_tanh)")
     m.add_argument("--init", choices=["gpt2", "torch"])
+    m.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=None,
+                   help="each block's output projections (attention's and the MLP's) start at zero (off)")
     m.add_argument("--arch", choices=ARCHS,
                    help="gpt2 (the default) or llama: rotary positions, RMSNorm, a SwiGLU MLP, no biases, HF's module "
                         "names, and the choices below")
     m.add_argument("--n-kv-head", type=POSITIVE, help="llama: key/value heads, dividing --n-head (grouped-query "
                                                       "attention; default n_head)")
-    m.add_argument("--intermediate-size", type=POSITIVE, help="the MLP's width (gelu 4 n_embd; swiglu 8/3 n_embd)")
+    m.add_argument("--mlp", choices=MLPS, help="llama: swiglu (the default), gelu, or relu2 (up, ReLU squared, down; "
+                                                "export refuses it: no Hugging Face or llama.cpp architecture has it)")
+    m.add_argument("--intermediate-size", type=POSITIVE,
+                   help="the MLP's width (gelu and relu2 4 n_embd; swiglu 8/3 n_embd)")
     m.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
                    help="llama: RMSNorm on each head's queries and keys (Qwen3)")
     m.add_argument("--rope-theta", type=Number("float", 1, low_open=True), help="llama: the rotary base (10000)")
