@@ -237,8 +237,8 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
 
 
 def _whole_step_in_one_call(fmt) -> bool:
-    # quantize's float32 formats on tinygpt's kernels: fastpath runs them as one DecodePlan call
-    return fmt is not None and kernels.lowbit() is not None and activation_dtype(fmt, "cpu") is torch.float32
+    # quantize's float32 formats and the plain float32 model on tinygpt's kernels: one DecodePlan call
+    return kernels.lowbit() is not None and (fmt is None or activation_dtype(fmt, "cpu") is torch.float32)
 
 
 @pytest.mark.parametrize("fmt", [None, *FORMATS])  # None: the plain float model, as training leaves it
@@ -333,3 +333,25 @@ def test_a_model_in_training_mode_generates_without_dropout_and_keeps_its_mode()
     next(stream)
     stream.close()
     assert model.training
+
+
+def test_a_loaded_model_decodes_on_the_cli_s_fast_path_with_the_plain_path_s_tokens(tmp_path):
+    # issue 40: tinygpt.load + tinygpt.generate used to decode on PyTorch's plain kernels, 2-3x slower than
+    # the CLI's quantize(model, "fp32"); the loaded model's own float32 weights are now one DecodePlan call
+    if kernels.lowbit() is None:
+        pytest.skip("tinygpt's kernels do not build here")
+    import tinygpt
+
+    torch.manual_seed(0)
+    tinygpt.save(GPT(GPTConfig(vocab_size=48, block_size=64, n_layer=2, n_head=4, n_embd=64)), tmp_path / "run")
+    model = tinygpt.load(tmp_path / "run")
+    idx = torch.randint(0, 48, (1, 16))
+    fast = generate(model, idx, 40, greedy=True)
+    assert fastpath._plan(model) is not None  # the whole step in one call, on the model's own parameters
+    assert torch.equal(fast, generate(model, idx, 40, greedy=True, use_cache=False))  # the plain loop
+    cli = quantize(tinygpt.load(tmp_path / "run"), "fp32")  # what sample/serve load
+    assert torch.equal(fast, generate(cli, idx, 40, greedy=True))
+    assert all(p.requires_grad for p in model.parameters())  # still the trainable model load returns
+    with torch.no_grad():  # weights changed in place (a training step) are what the next decode reads
+        model.lm_head.weight.mul_(-1)
+    assert torch.equal(generate(model, idx, 40, greedy=True), generate(model, idx, 40, greedy=True, use_cache=False))

@@ -7,8 +7,11 @@ per row at one shared position, in fewer operators: the Linear layers (whatever 
 them) are called as they are, LayerNorm, GELU and attention are called as functions, and the new
 keys and values go straight into the cache's buffers. Where every Linear layer is one of tinygpt's
 kernels (a model `quantize` converted on a CPU where they build), the whole step is one call into
-them (tinygpt.kernels' DecodePlan: LayerNorm and attention as loops of its own). Tests hold the
-Python step equal to the model's own path bit for bit, and the one call to float32 rounding.
+them (tinygpt.kernels' DecodePlan: LayerNorm and attention as loops of its own). A plain float32
+model, as `tinygpt.load` or training leaves it, is one call too: its nn.Linear weights are already
+the (out, in) float32 layout tinygpt's float kernel reads, so the plan reads them where they are
+(no copy, and a weight trained in place is read as it now is). Tests hold the Python step equal to
+the model's own path bit for bit, and the one call to float32 rounding.
 
 `generate.decode_step` takes it when `applies` says so (eval mode, a CPU, no compiler tracing);
 everything else (training, accelerators, rows at different positions) runs the model's forward.
@@ -119,9 +122,14 @@ def _build(model):
 
 def _kernel_spec(layer) -> tuple | None:
     """(kind, out_features, weight, aux, bias) of a Linear layer on tinygpt's kernels, as
-    DecodePlan.linear takes them."""
+    DecodePlan.linear takes them: quantize's layers, and a plain float32 nn.Linear on the CPU, whose
+    weight is the layout FloatLinear("fp32") keeps."""
     if isinstance(layer, quantize.FloatLinear):
         return 0, layer.out_features, layer.weight, torch.empty(0), layer.bias
+    if type(layer) is torch.nn.Linear and quantize.FloatLinear.fits(layer):
+        w, b = layer.weight, layer.bias
+        if all(t is None or (t.dtype is torch.float32 and t.device.type == "cpu" and t.is_contiguous()) for t in (w, b)):
+            return 0, layer.out_features, w, torch.empty(0), b  # the parameters: `.data =` swaps stay seen
     if isinstance(layer, quantize.Int8Linear) and layer.lowbit and layer.scales.dtype is torch.float32:
         return 1, layer.out_features, layer.grouped, layer.scales, layer.bias
     if isinstance(layer, quantize.Int4Linear) and layer.lowbit:
