@@ -226,3 +226,56 @@ def test_cli_trains_the_modern_block_and_export_refuses_relu2_in_one_line(char_d
     r = cli("train", "--data", char_data, "--out", tmp_path / "gpt2", "--mlp", "relu2", "--max-iters", 1)
     assert r.returncode == 2 and r.stderr.strip() == (
         "tinygpt: error: mlp: 'relu2' needs arch llama (GPT-2's layout has 'gelu' only)")
+
+
+# ---- the recipe bench (tinygpt bench --recipes) ---------------------------------------------------
+
+
+def test_crossing_and_at_interpolate_between_evaluations():
+    from tinygpt.lab.recipes import at, crossing
+
+    curve = [(10, 3.0), (20, 2.0), (30, 1.0)]
+    assert crossing(curve, 1.5) == 25.0
+    assert crossing(curve, 3.5) == 10.0  # already below at the first evaluation
+    assert crossing(curve, 0.5) is None
+    assert at(curve, 15) == 2.5 and at(curve, 5) == 3.0 and at(curve, 40) == 1.0
+
+
+def test_summary_ratios_are_against_the_reference_from_the_same_seed():
+    from tinygpt.lab.recipes import summarize
+
+    def run(recipe, seed, losses, per_step):
+        return {"recipe": recipe, "seed": seed, "evals": [
+            {"step": 10 * (i + 1), "tokens": 100 * (i + 1), "val_loss": v, "seconds": per_step * 10 * (i + 1)}
+            for i, v in enumerate(losses)]}
+
+    # seed 2 ran on a machine 10x slower, for both recipes alike; "fast" reaches 2019's final 2.0 at step 20
+    runs = [run("2019", 1, [4.0, 3.0, 2.0], 1.0), run("fast", 1, [3.0, 2.0, 1.0], 2.0),
+            run("2019", 2, [4.0, 3.0, 2.0], 10.0), run("fast", 2, [3.0, 2.0, 1.0], 20.0)]
+    target, s = summarize(runs, ["2019", "fast"], "2019", bits_per_nat=2.0)
+    assert target == 2.0
+    assert s["2019"]["steps_to_target"] == 30 and s["2019"]["step_ratio"] == 1.0 and s["2019"]["time_ratio"] == 1.0
+    assert s["fast"]["steps_to_target"] == 20 and s["fast"]["tokens_to_target"] == 200
+    assert s["fast"]["step_ratio"] == pytest.approx(2 / 3)
+    assert s["fast"]["time_ratio"] == pytest.approx(4 / 3)  # two-thirds the steps at twice the time a step
+    assert s["fast"]["final_bits"] == 2.0 and s["fast"]["val_loss_at"]["0.5"] == pytest.approx(2.5)  # 150 of 300 tokens
+
+
+def test_cli_recipe_bench_trains_each_recipe_and_writes_table_json_and_plot(char_data, tmp_path, cli):
+    out = tmp_path / "r.json"
+    r = cli("bench", "--recipes", "--data", str(char_data), "--recipe", "2019", "--recipe", "modern",
+            "--seeds", "1", "--steps", "8", "--evals", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "32",
+            "--block-size", "16", "--batch-size", "4", "--eval-iters", "1", "--device", "cpu",
+            "--json", str(out), "--plot", str(tmp_path / "r.png"))
+    assert r.returncode == 0, r.stderr
+    assert "| 2019 |" in r.stdout and "| modern |" in r.stdout and "steps to target" in r.stdout
+    result = json.loads(out.read_text())
+    assert [(x["recipe"], [e["step"] for e in x["evals"]]) for x in result["runs"]] == [("2019", [4, 8]),
+                                                                                    ("modern", [4, 8])]
+    assert result["summary"]["2019"]["step_ratio"] == 1.0
+    assert result["recipes"]["modern"]["model"]["mlp"] == "relu2"
+    assert result["recipes"]["modern"]["train"]["optimizer"] == "muon"
+    assert result["recipes"]["2019"]["model"]["arch"] == "gpt2"
+    assert (tmp_path / "r.png").stat().st_size > 0
+    bad = cli("bench", "--recipes")
+    assert bad.returncode != 0 and "--recipes needs --data" in bad.stderr and "Traceback" not in bad.stderr

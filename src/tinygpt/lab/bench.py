@@ -171,7 +171,7 @@ def machine(device: torch.device) -> dict[str, Any]:
         "native_bf16": cpu_has_native_bf16(),
         # built (seconds to a minute, once) only where they are used: a GPU run computes nothing on them
         "tinygpt_kernels": kernels.lowbit() is not None if device.type == "cpu" else None,
-        "load_average": _load(),
+        "load_average": load_average(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -219,7 +219,8 @@ def describe_cpu(info: dict[str, Any]) -> str:
             f"tinygpt's CPU kernels {'not used' if built is None else 'yes' if built else 'no'}")
 
 
-def _load() -> float | None:
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
     try:
         return round(os.getloadavg()[0], 2)
     except (OSError, AttributeError):
@@ -575,7 +576,7 @@ def run(
     if "generate" in sections:
         result["generation"] = _generation(plan, device, lim, peers, llama, log)
     result["ratios"] = ratios(result)
-    result["machine"]["load_average_end"] = _load()
+    result["machine"]["load_average_end"] = load_average()
     result["seconds"] = time.perf_counter() - started
     return result
 

@@ -339,6 +339,44 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     return fig
 
 
+def plot_recipes(result: dict[str, Any], out: str | os.PathLike):
+    """The recipe bench (tinygpt.lab.recipes.run's result): each recipe's val loss against training
+    tokens and training wall time, every seed faint and the mean over them solid, and the target (the
+    reference's mean final val loss) dashed.
+
+    Returns:
+        the path written.
+    """
+    from matplotlib.ticker import EngFormatter
+
+    fig = _figure(12.0, 4.6)
+    by_token, by_time = fig.subplots(1, 2, sharey=True)
+    for i, name in enumerate(result["recipes"]):
+        color = f"C{i % 10}"
+        runs = [r["evals"] for r in result["runs"] if r["recipe"] == name]
+        for run in runs:
+            by_token.plot([e["tokens"] for e in run], [e["val_loss"] for e in run], color=color, alpha=0.25)
+            by_time.plot([e["seconds"] for e in run], [e["val_loss"] for e in run], color=color, alpha=0.25)
+        mean = [sum(run[j]["val_loss"] for run in runs) / len(runs) for j in range(len(runs[0]))]
+        seconds = [sum(run[j]["seconds"] for run in runs) / len(runs) for j in range(len(runs[0]))]
+        by_token.plot([e["tokens"] for e in runs[0]], mean, color=color, linewidth=2, marker="o", markersize=3,
+                      label=name)
+        by_time.plot(seconds, mean, color=color, linewidth=2, marker="o", markersize=3, label=name)
+    for ax in (by_token, by_time):
+        ax.axhline(result["target"], color="grey", linestyle="--", linewidth=1,
+                   label=f"{result['reference']}'s final val loss")
+        ax.grid(True, alpha=0.3)
+    by_token.set_xlabel("training tokens")
+    by_token.xaxis.set_major_formatter(EngFormatter(sep=""))
+    by_token.set_ylabel("val loss (nats per token)")
+    by_time.set_xlabel("training wall time (s, evaluations not counted)")
+    by_time.legend(fontsize=8, loc="upper right")
+    shape = result["shape"]
+    fig.suptitle(f"recipes on {Path(result['data']).name}: {shape['n_layer']} x {shape['n_embd']}, "
+                 f"{result['seeds']} seeds, {result['machine']['processor']}")
+    return _save(fig, out)
+
+
 # ---------------------------------------------------------------------------------------------
 # Probes (tinygpt.lab.probes): induction and previous-token heads, copying, in-context learning
 
