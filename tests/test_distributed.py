@@ -209,7 +209,7 @@ def test_finetune_in_two_processes_matches_one_process_with_twice_the_batch(runs
                  tmp_path / "merged", *flags)
     assert r.stdout.startswith("max_iters: 6 steps on 2 processes"), r.stdout
     assert r.stdout.count("fine-tuned from") == 1 and r.stdout.count("merged: ") == 1, r.stdout
-    one, two = (load_file(tmp_path / run / "adapter.safetensors") for run in ("one", "two"))
+    one, two = (load_file(tmp_path / run / "adapter_model.safetensors") for run in ("one", "two"))
     assert one.keys() == two.keys() and len(one) == 16  # A and B on 2 blocks x 4 layers
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-4
     reports = [json.loads((tmp_path / run / "finetune_report.json").read_text()) for run in ("one", "two")]

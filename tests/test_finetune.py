@@ -109,8 +109,8 @@ def test_lora_trains_the_adapters_alone_and_merges(world, tmp_path):
     assert result.report["params"]["trainable"] == figure
     assert file_hash(base / "model.safetensors") == before  # the base is untouched
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == sorted([
-        "adapter.safetensors", "adapter_config.json", "config.json", "finetune_report.json", "metrics.jsonl",
-        "tokenizer.json", "train_config.json", "train_state.pt"])
+        "adapter_config.json", "adapter_model.safetensors", "config.json", "finetune_report.json", "metrics.jsonl",
+        "tinygpt_adapter.json", "tokenizer.json", "train_config.json", "train_state.pt"])
     adapted = checkpoint.load(tmp_path / "lora")  # adapters kept apart, the context cropped to 16
     merged = checkpoint.load(tmp_path / "merged")
     assert adapted.config.block_size == merged.config.block_size == 16
@@ -176,7 +176,7 @@ def test_keep_best_keeps_the_lowest_validation_loss(world, tmp_path):
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_resume_is_bitwise(world, tmp_path, method):
     cfg = FinetuneConfig(method=method, dropout=0.1, lora_dropout=0.1 if method == "lora" else 0.0, block_size=24)
-    name = "adapter.safetensors" if method == "lora" else "model.safetensors"
+    name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
     whole = tmp_path / "whole"
     tinygpt.finetune(world / "base", world / "data-b", whole, cfg, quick(eval_interval=5))
     cut = tmp_path / "cut"

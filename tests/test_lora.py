@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from conftest import make_text
 
 import tinygpt
@@ -304,14 +305,20 @@ def test_adapter_run_round_trip(base_run, tmp_path):
     with torch.no_grad():
         want = model(idx)
     run = save_adapter_run(model, Path("runs") / "lora", base_run, step=7)
-    assert sorted(p.name for p in run.iterdir()) == ["adapter.safetensors", "adapter_config.json", "config.json",
-                                                     "tokenizer.json"]
-    saved = json.loads((run / "adapter_config.json").read_text())
+    assert sorted(p.name for p in run.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "config.json",
+                                                     "tinygpt_adapter.json", "tokenizer.json"]
+    saved = json.loads((run / "tinygpt_adapter.json").read_text())
     assert saved["base"]["path"] == "../base"  # relative to the adapter run: the two move together
-    assert saved["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"],
-                             "dropout": 0.0}
     assert saved["base"]["checksum"] == weights_checksum(tinygpt.load(base_run))
-    assert (run / "adapter.safetensors").stat().st_size < (base_run / "model.safetensors").stat().st_size / 3
+    peft = json.loads((run / "adapter_config.json").read_text())  # PEFT's: Hugging Face's module names
+    assert {k: peft[k] for k in ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "fan_in_fan_out",
+                                 "base_model_name_or_path")} == {
+        "peft_type": "LORA", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "fan_in_fan_out": True,
+        "target_modules": ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"], "base_model_name_or_path": "runs/base"}
+    keys = set(load_file(run / "adapter_model.safetensors"))
+    assert "base_model.model.transformer.h.1.mlp.c_proj.lora_B.weight" in keys and len(keys) == 2 * 2 * 4
+    assert tinygpt.checkpoint.weights_step(run) == 7
+    assert (run / "adapter_model.safetensors").stat().st_size < (base_run / "model.safetensors").stat().st_size / 3
     assert (run / "tokenizer.json").read_text() == (base_run / "tokenizer.json").read_text()
     info = read_adapter_config(run)
     assert info.base == run / "../base" and info.lora == model.lora_config
@@ -330,9 +337,32 @@ def test_adapter_run_round_trip(base_run, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(tinygpt.load(tmp_path / "moved" / "lora")(idx), want, atol=0, rtol=0)
     absolute = save_adapter_run(model, tmp_path / "elsewhere" / "lora", base_run.resolve())
-    assert json.loads((absolute / "adapter_config.json").read_text())["base"]["path"] == str(base_run.resolve())
+    assert json.loads((absolute / "tinygpt_adapter.json").read_text())["base"]["path"] == str(base_run.resolve())
     with torch.no_grad():
         torch.testing.assert_close(tinygpt.load(absolute)(idx), want, atol=0, rtol=0)
+
+
+def test_an_adapter_run_of_the_first_format_still_loads_and_is_rewritten_in_peft_format(base_run):
+    model = adapted(base_run)
+    idx = torch.randint(0, model.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        want = model(idx)
+    run = Path("runs") / "old"  # as tinygpt wrote adapter runs before PEFT's format: its own names and config
+    run.mkdir()
+    save_file({k: v.contiguous() for k, v in adapter_state_dict(model).items()}, run / "adapter.safetensors",
+              metadata={"format": "pt", "step": "3"})
+    (run / "adapter_config.json").write_text(json.dumps({
+        "format": "tinygpt-lora", "version": 1, "lora": model.lora_config.to_dict(),
+        "base": {"path": "../base", "checksum": weights_checksum(model)}}))
+    (run / "config.json").write_text(json.dumps(model.config.to_dict()))
+    assert read_adapter_config(run).lora == model.lora_config and tinygpt.checkpoint.weights_step(run) == 3
+    with torch.no_grad():
+        torch.testing.assert_close(tinygpt.load(run)(idx), want, atol=0, rtol=0)
+    save_adapter_run(tinygpt.load(run), run, base_run)  # its next save is in PEFT's format
+    assert sorted(p.name for p in run.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", "config.json",
+                                                     "tinygpt_adapter.json", "tokenizer.json"]
+    with torch.no_grad():
+        torch.testing.assert_close(tinygpt.load(run)(idx), want, atol=0, rtol=0)
 
 
 def test_a_missing_or_changed_base_is_refused_by_path(base_run, tmp_path):
@@ -370,22 +400,25 @@ def test_adapter_run_refusals(base_run, tmp_path):
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         save_adapter_run(tinygpt.load(base_run), tmp_path / "lora5", base_run)
 
-    # a damaged adapter_config.json or adapter file is a one-line CheckpointError
+    # a damaged adapter_config.json, tinygpt_adapter.json or adapter file is a one-line CheckpointError
     config = json.loads((run / "adapter_config.json").read_text())
-    for broken, message in [
-        ({**config, "format": "peft"}, "not a tinygpt adapter config"),
-        ({**config, "version": 9}, "version 9"),
-        ({**config, "lora": {**config["lora"], "rank": 0}}, "rank"),
-        ({**config, "base": {"path": config["base"]["path"]}}, "checksum"),
+    bookkeeping = json.loads((run / "tinygpt_adapter.json").read_text())
+    for file, broken, message in [
+        ("tinygpt_adapter.json", {**bookkeeping, "format": "peft"}, "not tinygpt's adapter bookkeeping"),
+        ("tinygpt_adapter.json", {**bookkeeping, "version": 9}, "version 9"),
+        ("tinygpt_adapter.json", {**bookkeeping, "base": {"path": bookkeeping["base"]["path"]}}, "checksum"),
+        ("adapter_config.json", {**config, "r": 0}, "rank"),
+        ("adapter_config.json", {**config, "peft_type": "IA3"}, "IA3 adapter"),
+        ("adapter_config.json", {**config, "use_dora": True}, "use_dora"),
+        ("adapter_config.json", {**config, "r": 5}, "shape"),
     ]:
-        (run / "adapter_config.json").write_text(json.dumps(broken))
-        with pytest.raises(CheckpointError, match=message):
+        (run / file).write_text(json.dumps(broken))
+        with pytest.raises(CheckpointError, match=message) as e:
             tinygpt.load(run)
-    (run / "adapter_config.json").write_text(json.dumps({**config, "lora": {**config["lora"], "rank": 5}}))
-    with pytest.raises(CheckpointError, match="shape"):
-        tinygpt.load(run)
-    (run / "adapter_config.json").write_text(json.dumps(config))
-    (run / "adapter.safetensors").write_bytes((run / "adapter.safetensors").read_bytes()[:-10])
+        assert "\n" not in str(e.value)
+        (run / "adapter_config.json").write_text(json.dumps(config))
+        (run / "tinygpt_adapter.json").write_text(json.dumps(bookkeeping))
+    (run / "adapter_model.safetensors").write_bytes((run / "adapter_model.safetensors").read_bytes()[:-10])
     with pytest.raises(CheckpointError, match="truncated"):
         tinygpt.load(run)
 

@@ -106,6 +106,7 @@ SKIP = {
     "echo=True, logprobs=3, max_tokens=0": "needs a running `tinygpt serve`; tests/test_server.py scores a prompt the same way",
     "save_adapter_run(model, \"runs/demo-lora\"": "trains on make demo's run and data; tests/test_lora.py makes the same calls",
     "emergence.run_emergence(": "trains for a minute; tests/test_emergence.py runs the lab and probes its heads",
+    "PeftModel.from_pretrained(": "needs make demo's runs; tests/test_peft.py loads an adapter run in PEFT the same way",
     'tinygpt.finetune("hf/gpt2"': "needs GPT-2 downloaded; tests/test_finetune.py makes the same calls on a tiny model",
 }
 

@@ -5,19 +5,27 @@
     RUN/tokenizer.json      the tokenizer, when there is one
     RUN/train_state.pt      optimizer, schedule, RNG states, data position, step (training runs)
 
-An adapter run holds LoRA adapters (tinygpt.lora) instead of model.safetensors and names the base
-model they belong to:
+An adapter run holds LoRA adapters (tinygpt.lora) instead of model.safetensors, in Hugging Face
+PEFT's format (tinygpt.interop.peft: PeftModel.from_pretrained loads the folder onto the base's
+Hugging Face export), and names the base model they belong to:
 
-    RUN/adapter_config.json   the LoRA settings, the base's path and a checksum of its weights
-    RUN/adapter.safetensors   the adapters (a few MB where the base is hundreds)
-    RUN/config.json           the base's GPTConfig, so load_config and `tinygpt params` read the run
-    RUN/tokenizer.json        the base's tokenizer, copied, so sample, eval and serve need nothing else
+    RUN/adapter_config.json        PEFT's: the LoRA settings, target_modules in Hugging Face's names
+    RUN/adapter_model.safetensors  PEFT's: the adapters under PEFT's keys (a few MB where the base is hundreds)
+    RUN/tinygpt_adapter.json       tinygpt's: the base's path and a checksum of its weights
+    RUN/config.json                the base's GPTConfig, so load_config and `tinygpt params` read the run
+    RUN/tokenizer.json             the base's tokenizer, copied, so sample, eval and serve need nothing else
 
 The base's path is kept as given when absolute; a relative one is stored relative to the adapter
 run's folder (so the two folders can move together) and resolved against it. The checksum is
 tinygpt.lora.weights_checksum, the same whether the base is a tinygpt run or a Hugging Face folder.
-`load` reads every kind of folder: a run, an adapter run (its base, checked against the checksum,
-with the adapters applied) and a Hugging Face GPT-2 folder (tinygpt.interop.hf_gpt2).
+A PEFT adapter trained elsewhere (adapter_config.json and adapter_model.safetensors alone) is an
+adapter run too, given its base (or found at its base_model_name_or_path, when that is a folder);
+nothing checks its base's checksum then, which it does not carry. An adapter run of tinygpt's
+first format (adapter_config.json of "format" "tinygpt-lora" version 1, adapter.safetensors under
+tinygpt's names) reads as before, and its next save (a resumed fine-tune, save_adapter_run) rewrites
+it in PEFT's format. `load` reads every kind of folder: a run, an adapter run (its base, checked
+against the checksum, with the adapters applied) and a Hugging Face folder of GPT-2 or the Llama family
+(tinygpt.interop.hf).
 
 Every file is written atomically: to a temporary file in the same folder, fsync, rename. The
 weights and the training state are two files, so a save renames the weights first and the state
@@ -43,8 +51,9 @@ from .config import GPTConfig, LoraConfig
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, TokenizerError
 from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, read_json, write_json
-from .interop.hf import is_hf_folder, load_hf
+from .interop.hf import config_from_hf, is_hf_folder, load_hf
 from .interop.hf_tokenizer import load_hf_tokenizer
+from .interop.peft import lora_from_peft, peft_config, to_peft_state_dict
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
 from .lora import merge as merge_lora
 from .model import GPT
@@ -55,10 +64,12 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 TOKENIZER = "tokenizer.json"
 STATE = "train_state.pt"
-ADAPTER_CONFIG = "adapter_config.json"  # what makes a folder an adapter run
-ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's; what makes a folder an adapter run
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's
+ADAPTER_BASE = "tinygpt_adapter.json"  # tinygpt's own: the base's path and checksum
 ADAPTER_FORMAT = "tinygpt-lora"
-ADAPTER_VERSION = 1
+ADAPTER_VERSION = 2
+V1_WEIGHTS = "adapter.safetensors"  # version 1: tinygpt's names, its settings in adapter_config.json
 
 
 def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -114,8 +125,11 @@ def load_config(path: str | Path) -> GPTConfig:
 
 
 def weights_file(path: str | Path) -> Path:
-    """The file holding what a run trains: adapter.safetensors in an adapter run, else model.safetensors."""
-    return Path(path) / (ADAPTER_WEIGHTS if is_adapter_run(path) else WEIGHTS)
+    """The file holding what a run trains: adapter_model.safetensors in an adapter run (adapter.safetensors
+    in one of the first format), else model.safetensors."""
+    if not is_adapter_run(path):
+        return Path(path) / WEIGHTS
+    return Path(path) / (V1_WEIGHTS if _is_v1(path) else ADAPTER_WEIGHTS)
 
 
 def has_weights(path: str | Path) -> bool:
@@ -127,15 +141,24 @@ def weights_step(path: str | Path) -> int:
     """The training step stored with a run's weights, or an adapter run's adapters (-1 when saved
     outside training)."""
     file = weights_file(path)
-    step = read_header(file)["__metadata__"].get("step", "-1")
+    step = read_header(file).get("__metadata__", {}).get("step", "-1")
     if not re.fullmatch(r"-1|[0-9]+", step):
         raise CheckpointError(f"{file}: the step in its metadata is {step!r}, not a number")
     return int(step)
 
 
 def is_adapter_run(path: str | Path) -> bool:
-    """True for an adapter run: a folder holding adapter_config.json (written by save_adapter_run)."""
+    """True for an adapter run: a folder holding adapter_config.json (save_adapter_run's, or a PEFT adapter's)."""
     return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def _is_v1(run: str | Path) -> bool:
+    """An adapter run of tinygpt's first format: its adapter_config.json is tinygpt's own."""
+    try:
+        info = read_json(Path(run) / ADAPTER_CONFIG, CheckpointError)
+    except CheckpointError:
+        return False
+    return isinstance(info, dict) and info.get("format") == ADAPTER_FORMAT
 
 
 def load(
@@ -144,6 +167,7 @@ def load(
     device: str | torch.device = "cpu",
     allow_nonfinite: bool = False,
     merge: bool = False,
+    base: str | Path | None = None,
 ) -> GPT:
     """Load a run folder's model, in eval mode.
 
@@ -155,6 +179,8 @@ def load(
         allow_nonfinite: accept NaN or infinite weights (refused by default).
         merge: for an adapter run, fold the adapters into the weights (a plain GPT, faster for
             inference); by default they stay separate layers, ready to train on.
+        base: for an adapter run, its base model's folder where it is not the one the run names (a
+            PEFT adapter trained elsewhere names none tinygpt reads).
 
     Raises:
         CheckpointError: not a run, a corrupt file, a config.json that disagrees with the weights,
@@ -162,7 +188,7 @@ def load(
     """
     path = Path(path)
     if is_adapter_run(path):
-        return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge)
+        return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge, base=base)
     if is_hf_folder(path):
         return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
     config = load_config(path)
@@ -191,10 +217,7 @@ def load_run(
     if not isinstance(device, torch.device):
         device = resolve_device(device)
     model = load(path, device=device, allow_nonfinite=allow_nonfinite, merge=True)
-    if is_hf_folder(path):
-        tokenizer = load_hf_tokenizer(path)
-    else:
-        tokenizer = load_tokenizer(path) if (Path(path) / TOKENIZER).exists() else None
+    tokenizer = folder_tokenizer(path)
     if tokenizer is None:
         if tokenizer_required:
             wanted = "tokenizer.json, or GPT-2's vocab.json + merges.txt" if is_hf_folder(path) else TOKENIZER
@@ -240,12 +263,23 @@ def _stored_base(base: Path, out: Path) -> str:
     return os.path.relpath(os.path.abspath(base), os.path.abspath(out))
 
 
-def folder_tokenizer(base: Path) -> Tokenizer | None:
-    """The tokenizer a model folder carries (a run's tokenizer.json, a Hugging Face folder's own files), or None."""
-    base = Path(base)
-    if is_hf_folder(base):
-        return load_hf_tokenizer(base)
-    return load_tokenizer(base) if (base / TOKENIZER).exists() else None
+def folder_tokenizer(path: str | Path, base: str | Path | None = None) -> Tokenizer | None:
+    """The tokenizer a model folder carries (a run's tokenizer.json, a Hugging Face folder's own files; a
+    PEFT adapter's, which has none of its own, is its base's), or None.
+
+    Args:
+        path: the folder.
+        base: an adapter run's base, where it is not the one the run names.
+    """
+    path = Path(path)
+    if is_hf_folder(path):
+        return load_hf_tokenizer(path)
+    if (path / TOKENIZER).exists():
+        return load_tokenizer(path)
+    if is_adapter_run(path):
+        base = read_adapter_config(path, base).base
+        return None if is_adapter_run(base) else folder_tokenizer(base)
+    return None
 
 
 def save_adapter_run(
@@ -257,13 +291,16 @@ def save_adapter_run(
     base_checksum: str | None = None,
     step: int | None = None,
 ) -> Path:
-    """Write an adapter run: adapter.safetensors, adapter_config.json, config.json, tokenizer.json.
+    """Write an adapter run: PEFT's adapter_config.json and adapter_model.safetensors, tinygpt_adapter.json
+    (the base's path and checksum), config.json and tokenizer.json.
 
     Args:
         model: the adapted model (apply_lora), whose frozen weights are the base's.
-        out: the run folder; created if needed. Files already there are replaced atomically.
+        out: the run folder; created if needed. Files already there are replaced atomically (an
+            adapter run of the first format is rewritten in PEFT's).
         base: the base model's folder (a tinygpt run or a Hugging Face GPT-2 folder); kept as given
-            when absolute, else stored relative to `out`.
+            when absolute, else stored relative to `out` (adapter_config.json's
+            base_model_name_or_path, which PEFT resolves itself, is the path as given).
         tokenizer: written as tokenizer.json; None copies the base's (when it has one).
         base_checksum: weights_checksum of the base, when the caller has it (a training loop saving
             every few hundred steps computes it once); default: computed from the model's frozen weights.
@@ -273,7 +310,7 @@ def save_adapter_run(
         The folder.
 
     Raises:
-        ConfigError: the model has no adapters.
+        ConfigError: the model has no adapters, or its architecture has no PEFT naming.
         CheckpointError: the base is missing or is itself an adapter run, or `out` holds a full model.
     """
     config = lora_config_of(model)
@@ -285,37 +322,44 @@ def save_adapter_run(
         raise CheckpointError(f"{base} is an adapter run: the base of adapters must be a full model (merge it first)")
     if (out / WEIGHTS).exists():
         raise CheckpointError(f"{out} holds a full model ({WEIGHTS}); write the adapters to another folder")
+    settings = peft_config(config, model.config, str(base))
     out.mkdir(parents=True, exist_ok=True)
-    info = {
+    bookkeeping = {
         "format": ADAPTER_FORMAT,
         "version": ADAPTER_VERSION,
-        "lora": config.to_dict(),
         "base": {"path": _stored_base(base, out), "checksum": base_checksum or weights_checksum(model)},
     }
     metadata = {"format": "pt", "step": str(step if step is not None else -1)}
-    state = {k: v.contiguous().cpu() for k, v in tensors.items()}
+    state = {k: v.contiguous().cpu() for k, v in to_peft_state_dict(tensors, model.config).items()}
     atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=metadata))
     tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(base)
     if tokenizer is not None:
         tokenizer.save(out / TOKENIZER)
     write_json(out / CONFIG, model.config.to_dict())
-    write_json(out / ADAPTER_CONFIG, info)  # last: it is what makes the folder an adapter run
+    write_json(out / ADAPTER_BASE, bookkeeping)
+    write_json(out / ADAPTER_CONFIG, settings)  # last: it is what makes the folder an adapter run
+    (out / V1_WEIGHTS).unlink(missing_ok=True)  # a first-format run's adapters, rewritten above
     return out
 
 
 @dataclasses.dataclass(frozen=True)
 class AdapterRun:
-    """What an adapter run's adapter_config.json says.
+    """What an adapter run's files say.
 
     Args:
         lora: the LoRA settings the adapters were trained with.
         base: the base model's folder, resolved (a relative path is relative to the adapter run).
-        checksum: weights_checksum of the base the adapters were trained on.
+        checksum: weights_checksum of the base the adapters were trained on; None for a PEFT
+            adapter trained elsewhere, which carries none.
+        weights: the adapters' file.
+        names: each tensor's key in that file -> its tinygpt name (h.0.attn.c_attn.lora_A, ...).
     """
 
     lora: LoraConfig
     base: Path
-    checksum: str
+    checksum: str | None
+    weights: Path
+    names: dict[str, str]
 
     @property
     def shown_base(self) -> str:
@@ -324,28 +368,88 @@ class AdapterRun:
         return os.path.normpath(self.base)
 
 
-def read_adapter_config(run: str | Path) -> AdapterRun:
-    """The settings and the base of an adapter run (its adapter_config.json, checked).
-
-    Raises:
-        CheckpointError: the file is missing, not JSON, or not a tinygpt adapter config.
-    """
-    run = Path(run)
-    file = run / ADAPTER_CONFIG
-    info = read_json(file, CheckpointError)
-    if not isinstance(info, dict) or info.get("format") != ADAPTER_FORMAT:
-        raise CheckpointError(f"{file}: not a tinygpt adapter config (no \"format\": \"{ADAPTER_FORMAT}\")")
-    if info.get("version") != ADAPTER_VERSION:
-        raise CheckpointError(f"{file}: version {info.get('version')!r}; this tinygpt reads version {ADAPTER_VERSION}")
-    base = info.get("base")
+def _stored_base_info(file: Path, info: Any) -> tuple[str, str]:
+    """The base's stored path and checksum from tinygpt's bookkeeping (either format's), checked."""
+    base = info.get("base") if isinstance(info, dict) else None
     if not (isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
             and isinstance(base.get("checksum"), str)):
         raise CheckpointError(f"{file}: \"base\" must hold the base model's \"path\" and \"checksum\"")
+    return base["path"], base["checksum"]
+
+
+def _read_v1(run: Path, info: dict[str, Any]) -> AdapterRun:
+    file = run / ADAPTER_CONFIG
+    if info.get("version") != 1:
+        raise CheckpointError(f"{file}: version {info.get('version')!r}; this tinygpt reads version 1 of that "
+                              f"format, and version {ADAPTER_VERSION} as PEFT's adapter_config.json")
+    path, checksum = _stored_base_info(file, info)
     try:
         lora = LoraConfig.from_dict(info.get("lora"))
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
-    return AdapterRun(lora=lora, base=run / base["path"], checksum=base["checksum"])  # an absolute path wins
+    weights = run / V1_WEIGHTS
+    names = {k: k for k in read_header(weights) if k != "__metadata__"}
+    return AdapterRun(lora=lora, base=run / path, checksum=checksum, weights=weights, names=names)
+
+
+def _folder_config(path: Path) -> GPTConfig:
+    """The architecture of a model folder: a run's config.json, or a Hugging Face folder's."""
+    if is_hf_folder(path):
+        return config_from_hf(read_json(path / CONFIG, CheckpointError), str(path))
+    return load_config(path)
+
+
+def read_adapter_config(run: str | Path, base: str | Path | None = None) -> AdapterRun:
+    """The settings and the base of an adapter run: a tinygpt one (PEFT's files and tinygpt_adapter.json,
+    or the first format), or a PEFT adapter trained elsewhere, whose base is `base` or else its
+    base_model_name_or_path when that is a folder.
+
+    Args:
+        run: the adapter run's folder.
+        base: the base model's folder, where it is not the one the run names.
+
+    Raises:
+        CheckpointError: a file missing, not JSON, or holding what tinygpt's LoRA does not compute; a
+            PEFT adapter whose base is not given and not found.
+    """
+    run = Path(run)
+    file = run / ADAPTER_CONFIG
+    info = read_json(file, CheckpointError)
+    if isinstance(info, dict) and info.get("format") == ADAPTER_FORMAT:
+        found = _read_v1(run, info)
+        return found if base is None else dataclasses.replace(found, base=Path(base))
+    checksum = None
+    if (run / ADAPTER_BASE).exists():
+        bookkeeping = read_json(run / ADAPTER_BASE, CheckpointError)
+        if not isinstance(bookkeeping, dict) or bookkeeping.get("format") != ADAPTER_FORMAT:
+            raise CheckpointError(f"{run / ADAPTER_BASE}: not tinygpt's adapter bookkeeping "
+                                  f"(no \"format\": \"{ADAPTER_FORMAT}\")")
+        if bookkeeping.get("version") != ADAPTER_VERSION:
+            raise CheckpointError(f"{run / ADAPTER_BASE}: version {bookkeeping.get('version')!r}; this tinygpt "
+                                  f"reads version {ADAPTER_VERSION}")
+        stored, checksum = _stored_base_info(run / ADAPTER_BASE, bookkeeping)
+        base = run / stored if base is None else Path(base)  # an absolute stored path wins over run /
+    elif base is None:  # a PEFT adapter trained elsewhere: its base where PEFT would look for it
+        named = info.get("base_model_name_or_path") if isinstance(info, dict) else None
+        if not (isinstance(named, str) and named and Path(named).is_dir()):
+            raise CheckpointError(
+                f"{run}: a PEFT adapter with no {ADAPTER_BASE} naming its base, and its base_model_name_or_path "
+                f"{named!r} is not a folder here; give its base: tinygpt import {run} --base BASE --out RUN")
+        base = Path(named)
+    base = Path(base)
+    weights = run / ADAPTER_WEIGHTS
+    keys = [k for k in read_header(weights) if k != "__metadata__"]
+    if (run / CONFIG).exists():  # tinygpt's: the base's architecture, kept beside the adapters
+        config = load_config(run)
+    elif base.is_dir() and not is_adapter_run(base):
+        config = _folder_config(base)
+    else:
+        raise CheckpointError(f"{run}: its base model {os.path.normpath(base)} is missing or is not a full model")
+    try:
+        lora, names = lora_from_peft(info, keys, config, str(run))
+    except ConfigError as e:
+        raise CheckpointError(f"{run}: {e}") from None
+    return AdapterRun(lora=lora, base=base, checksum=checksum, weights=weights, names=names)
 
 
 def _check_same_architecture(run: Path, base: str, model: GPT) -> GPTConfig:
@@ -378,7 +482,7 @@ def load_adapter_run(
     """The model of an adapter run, in eval mode: its base, checked, with the adapters applied.
 
     Args:
-        run: the adapter run folder.
+        run: the adapter run folder (or a PEFT adapter trained elsewhere: see read_adapter_config).
         device: where to put the weights.
         allow_nonfinite: accept NaN or infinite weights (base or adapters).
         merge_adapters: fold the adapters into the weights (a plain GPT, as fast as the base).
@@ -390,24 +494,27 @@ def load_adapter_run(
             whose weights are not the ones the adapters were trained on (the message names its path).
     """
     run = Path(run)
-    info = read_adapter_config(run)
-    config = info.lora
-    base, shown = (info.base, info.shown_base) if base is None else (Path(base), str(base))
-    if not base.is_dir():
-        raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_CONFIG} names it); "
+    shown = None if base is None else str(base)
+    if base is not None and not Path(base).is_dir():
+        raise CheckpointError(f"{run}: its base model {shown} is missing")
+    info = read_adapter_config(run, base)
+    config, shown = info.lora, shown or info.shown_base
+    if not info.base.is_dir():
+        raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_BASE} names it); "
                               "put the base back there or edit base.path")
-    if is_adapter_run(base):
+    if is_adapter_run(info.base):
         raise CheckpointError(f"{run}: its base model {shown} is itself an adapter run; the base must be a full model")
-    model = load(base, device="cpu", allow_nonfinite=allow_nonfinite)
+    model = load(info.base, device="cpu", allow_nonfinite=allow_nonfinite)
     checksum = weights_checksum(model)
-    if checksum != info.checksum:
+    if info.checksum is not None and checksum != info.checksum:
         raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
-                              f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_CONFIG} expects "
+                              f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_BASE} expects "
                               f"{info.checksum[:19]}...)")
     model = reconfigured(model, _check_same_architecture(run, shown, model), shown)  # a cropped context
-    tensors, _ = read_weights(run / ADAPTER_WEIGHTS)
+    tensors, _ = read_weights(info.weights)
+    tensors = {info.names.get(k, k): t for k, t in tensors.items()}
     apply_lora(model, config.rank, config.alpha, config.targets, config.dropout)
-    load_adapter_state_dict(model, tensors, str(run / ADAPTER_WEIGHTS), allow_nonfinite=allow_nonfinite)
+    load_adapter_state_dict(model, tensors, str(info.weights), allow_nonfinite=allow_nonfinite)
     if merge_adapters:
         merge_lora(model)
     return model.to(device).eval()
@@ -435,13 +542,14 @@ def _check_new_run(out: Path, job: str) -> None:
     check_folder_path(out, CheckpointError)
 
 
-def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
+def merge_run(run: str | Path, out: str | Path, base: str | Path | None = None) -> tuple[GPT, Tokenizer | None]:
     """Write an adapter run's model, adapters folded in, as a plain run (model.safetensors, config.json,
     tokenizer.json): what `tinygpt merge` does.
 
     Args:
-        run: the adapter run.
+        run: the adapter run (or a PEFT adapter trained elsewhere).
         out: the plain run folder to create; it must not exist yet or be empty.
+        base: the base model's folder, where it is not the one the run names.
 
     Returns:
         (the merged model, its tokenizer or None).
@@ -453,9 +561,38 @@ def merge_run(run: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     if not is_adapter_run(run):
         raise CheckpointError(f"{run}: not an adapter run (no {ADAPTER_CONFIG}), so there is nothing to merge")
     check_merge_target(out)
-    model = load_adapter_run(run, merge_adapters=True)
-    tokenizer = load_tokenizer(run) if (run / TOKENIZER).exists() else None
+    model = load_adapter_run(run, merge_adapters=True, base=base)
+    tokenizer = folder_tokenizer(run, base)
     save(model, out, tokenizer)
+    return model, tokenizer
+
+
+def import_peft(src: str | Path, out: str | Path, base: str | Path | None = None) -> tuple[GPT, Tokenizer | None]:
+    """Turn a PEFT LoRA adapter trained elsewhere (adapter_config.json + adapter_model.safetensors) into a
+    tinygpt adapter run on `base`: the same adapters, and tinygpt_adapter.json naming the base and its
+    checksum, config.json and the tokenizer, so every command takes it as it takes a run.
+
+    Args:
+        src: the PEFT adapter's folder.
+        out: the adapter run to create; it must not exist yet or be empty.
+        base: the base model's folder (a tinygpt run or a Hugging Face folder); default: the
+            adapter's base_model_name_or_path, when that is a folder.
+
+    Returns:
+        (the adapted model, its tokenizer or None), as saved in `out`.
+
+    Raises:
+        CheckpointError: `src` is not a LoRA adapter tinygpt computes, the base does not fit it, or
+            `out` is taken.
+    """
+    src, out = Path(src), Path(out)
+    if not is_adapter_run(src):
+        raise CheckpointError(f"{src}: not a PEFT adapter (no {ADAPTER_CONFIG})")
+    _check_new_run(out, "import")
+    info = read_adapter_config(src, base)
+    model = load_adapter_run(src, base=info.base)
+    tokenizer = folder_tokenizer(src, info.base)
+    save_adapter_run(model, out, base if base is not None else info.base, tokenizer, base_checksum=info.checksum)
     return model, tokenizer
 
 

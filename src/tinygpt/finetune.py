@@ -129,8 +129,8 @@ def finetune(
             the assistant's tokens only (the loss mask), and the run's tokenizer carries the
             template, so `serve`, `chat` and `export` of the run use it. Growing needs the
             embeddings to train: method lora and freeze_embeddings are refused then.
-        out: the run folder: a plain run for method full, an adapter run (adapter.safetensors and
-            adapter_config.json naming the base, beside train_state.pt) for lora.
+        out: the run folder: a plain run for method full, an adapter run (PEFT's adapter_config.json and
+            adapter_model.safetensors, tinygpt_adapter.json naming the base, beside train_state.pt) for lora.
         config: what trains and how (FinetuneConfig()).
         train_config: the optimization (default: DEFAULT_TRAIN's recipe). Its lr left None is the
             method's fine-tuning rate (FinetuneConfig.default_lr), far below pretraining's.

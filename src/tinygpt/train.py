@@ -78,7 +78,7 @@ class Start:
         load: the model of a saved checkpoint in the run folder, prepared the same way (resume).
         lr: the learning rate when the TrainConfig leaves it to choose.
         adapter_base: for LoRA, the base model's folder: checkpoints are adapter runs naming it
-            (adapter.safetensors beside train_state.pt) instead of full weights.
+            (adapter_model.safetensors beside train_state.pt) instead of full weights.
         base_checksum: the base's weights_checksum, computed once.
         keep: "last", or "best": an evaluation saves only when its validation loss is the lowest yet.
         record: JSON-ready settings kept in train_config.json beside the training's.

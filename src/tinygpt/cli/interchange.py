@@ -1,5 +1,6 @@
 """Models in and out of tinygpt: `tinygpt export` (a Hugging Face folder or a GGUF file), `import` (a Hugging
-Face folder, GPT-2 or the Llama family, into a run) and `merge` (an adapter run's LoRA adapters into plain weights)."""
+Face folder, GPT-2 or the Llama family, into a run; a PEFT adapter into an adapter run) and `merge` (an adapter
+run's LoRA adapters into plain weights)."""
 
 from __future__ import annotations
 
@@ -72,10 +73,23 @@ def cmd_import(args: argparse.Namespace) -> int:
     tokenizer.json (a Llama-family model's with its special tokens, chat template and
     generation_config.json's eos ids). A folder with only pytorch_model.bin is refused: it is a
     pickle, and tinygpt never unpickles a file.
+
+    A PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors, trained with Hugging Face
+    PEFT) becomes an adapter run on --base (default: its base_model_name_or_path, when that is a
+    folder): the adapters, the base's path and checksum, its config and tokenizer.
     """
     from ..calc import format_count
-    from ..checkpoint import import_hf
+    from ..checkpoint import import_hf, import_peft, is_adapter_run
 
+    if is_adapter_run(args.dir):
+        model, tokenizer = import_peft(args.dir, args.out, args.base)
+        lora = model.lora_config
+        print(f"imported the PEFT adapter {args.dir} to {args.out}: LoRA r={lora.rank}, alpha {lora.alpha:g} on "
+              f"{', '.join(lora.targets)} ({format_count(sum(p.numel() for p in model.parameters() if p.requires_grad))} "
+              f"adapter parameters), {_tokenizer_words(tokenizer)}")
+        return 0
+    if args.base is not None:
+        raise ConfigError(f"--base is for a PEFT adapter, and {args.dir} is a model folder (no adapter_config.json)")
     model, tokenizer = import_hf(args.dir, args.out)
     run, c = args.out, model.config
     tok = _tokenizer_words(tokenizer)
@@ -92,15 +106,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
     """Fold an adapter run's LoRA adapters into its base model's weights and write a plain run.
 
     Args (flags):
-        RUN: an adapter run (adapter_config.json + adapter.safetensors, naming its base model).
+        RUN: an adapter run (PEFT's adapter_config.json + adapter_model.safetensors, and
+            tinygpt_adapter.json naming its base model), or a PEFT adapter trained elsewhere.
         --out MERGED: the run folder to create (model.safetensors, config.json, tokenizer.json):
             a model like any other, which needs neither the adapters nor the base any more.
+        --base: the base model's folder, where it is not the one the run names (a PEFT adapter's
+            base_model_name_or_path is used when it is a folder).
     """
     from ..calc import format_count
     from ..checkpoint import merge_run, read_adapter_config
 
-    model, tokenizer = merge_run(args.run, args.out)
-    info = read_adapter_config(args.run)
+    model, tokenizer = merge_run(args.run, args.out, args.base)
+    info = read_adapter_config(args.run, args.base)
     lora = info.lora
     print(f"merged {args.run} (LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}) into the "
           f"weights of {info.shown_base}: wrote {args.out} ({format_count(model.num_params())} parameters"
@@ -126,10 +143,15 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 def add_import(sub: argparse._SubParsersAction) -> None:
     """`tinygpt import` and its flags."""
-    p = sub.add_parser("import", help="turn a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) into a run",
-                       description=cmd_import.__doc__)
-    p.add_argument("dir", metavar="DIR", help="a Hugging Face folder (config.json + model.safetensors)")
+    p = sub.add_parser("import", help="turn a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) into a run, "
+                       "or a PEFT adapter into an adapter run",
+                       description=cmd_import.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n  tinygpt import hf/gpt2 --out runs/gpt2\n"
+                              "  tinygpt import peft/my-adapter --base hf/gpt2 --out runs/my-adapter")
+    p.add_argument("dir", metavar="DIR", help="a Hugging Face folder (config.json + model.safetensors), "
+                   "or a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
+    p.add_argument("--base", metavar="DIR", help="a PEFT adapter's base model (a run or a Hugging Face folder)")
     p.set_defaults(func=cmd_import)
 
 
@@ -139,6 +161,7 @@ def add_merge(sub: argparse._SubParsersAction) -> None:
                        description=cmd_merge.__doc__.split("\n\n")[0],
                        epilog="example:\n  tinygpt merge runs/lora --out runs/merged",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run", metavar="RUN", help="an adapter run (it names its base model)")
+    p.add_argument("run", metavar="RUN", help="an adapter run (it names its base model), or a PEFT adapter")
     p.add_argument("--out", required=True, metavar="MERGED", help="the plain run folder to create")
+    p.add_argument("--base", metavar="DIR", help="the base model, where it is not the one RUN names")
     p.set_defaults(func=cmd_merge)
