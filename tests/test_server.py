@@ -91,6 +91,20 @@ def test_n_seed_stop_and_echo(client, model, tok):
     assert [c.text for c in r.choices] == ["abc" + greedy[:5], "xyz" + reference(model, tok, "xyz", 5)]
 
 
+def test_more_than_four_stop_strings(client, model, tok):
+    """lm-evaluation-harness sends a task's `until` strings and the tokenizer's EOS, uncapped: five once
+    ended its run with a 400 (OpenAI's cap of 4). Up to 64 are taken, and the last one cuts as the first."""
+    greedy = reference(model, tok, "abc", 20)
+    stop = greedy[8:10]
+    unused = [f"zz{i}z" for i in range(63)]
+    for stops in ([*unused[:4], stop], [*unused, stop]):
+        r = client.completions.create(model=NAME, prompt="abc", max_tokens=20, temperature=0, stop=stops)
+        assert r.choices[0].text == greedy[: greedy.index(stop)] and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="abc", max_tokens=5, stop=[*unused, stop, "zzzz"])
+    assert "at most 64 stop strings, got 65" in str(e.value) and e.value.body["param"] == "stop"
+
+
 def test_logprobs_end_where_a_stop_string_cuts_the_text(client, model, tok):
     greedy = reference(model, tok, "abc", 20)
     # a character held back (it may begin the first stop), then the next one, a stop of its own: the
@@ -201,7 +215,7 @@ BAD = [
     (C, comp(frequency_penalty=-3), 400, "frequency_penalty"),
     (C, comp(repetition_penalty=0), 400, "repetition_penalty"),
     (C, comp(repetition_penalty=-1), 400, "repetition_penalty"),
-    (C, comp(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (C, comp(stop=[f"s{i}" for i in range(65)]), 400, "stop"),
     (C, comp(stop=""), 400, "stop"),
     (C, comp(stop=["ok", ""]), 400, "stop"),
     (C, comp(stop=5), 400, "stop"),
@@ -714,6 +728,8 @@ def test_echo_logprobs_and_max_tokens_0_score_the_prompt_as_eval_does(scoring_ur
         expected = evaluate(model, ids)
         assert -sum(lp.token_logprobs[1:]) == pytest.approx(expected["nll"], abs=1e-4)
         assert expected["tokens"] == len(text) - 1
+        # every token was read: none truncated (a 130-token prompt once reported 98 of 130)
+        assert "prompt_tokens_truncated" not in r.usage.model_dump()
         with torch.no_grad():  # the alternatives at a position inside the first window
             first = torch.log_softmax(model(torch.tensor([ids[:5].tolist()]))[0, -1], -1)
         top = torch.topk(first, 3)

@@ -468,13 +468,16 @@ class _Server:
                 seed = None if req.seed is None else (req.seed + index) % 2**64  # each choice its own stream
                 # prompts longer than the context are cut to their last block_size tokens
                 seqs.append(Sequence(prompt=ids[-self.block_size :], emit=emit, index=index, seed=seed, **settings))
-        if settings["max_tokens"] == 0:  # nothing to generate (a prompt scored with echo): every choice ends now
+        generating = settings["max_tokens"] > 0
+        if not generating:  # nothing to generate (a prompt scored with echo): every choice ends now
             for s in seqs:
                 queue.put_nowait(Event(s.index, finish_reason="length"))
         else:
             with _scheduler_errors():
                 self.scheduler.submit(seqs)
-        dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts)
+        # the prompt tokens generation did not see; with nothing to generate there are none (a prompt
+        # scored with echo and logprobs is read whole)
+        dropped = sum(max(0, len(ids) - self.block_size) for ids in prompts) if generating else 0
         reply = _Reply(self, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), dropped=dropped,
                        echo=echo, n=n, scored=scored)
 

@@ -11,7 +11,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-MAX_STOP = 4
+# OpenAI takes 4 stop strings; evaluation harnesses send a task's own and the tokenizer's EOS
+# uncapped (lm-evaluation-harness often 5), and local servers take more. This bounds the work each
+# generated token costs the server.
+MAX_STOP = 64
 MAX_CHOICES = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
