@@ -132,8 +132,22 @@ def test_ratios_against_llama_cpp_pair_each_format_with_tinygpt_s_best():
     got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
     assert got["decode baby b1: tinygpt fp32 / llama.cpp f32"] == (1.0, True)
     assert got["decode baby b1: tinygpt bf16 / llama.cpp f16"] == (0.75, False)  # fp16 not measured: not named
+    result["generation"].append({**row, "impl": "tinygpt", "format": "fp16", "decode_tokens_per_s": 180.0})
+    got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
+    # both 16-bit formats measured: the ratio says which one it read
+    assert got["decode baby b1: tinygpt fp16 (the faster of bf16, fp16) / llama.cpp f16"] == (0.9, False)
     assert got["decode baby b1: tinygpt int8 / llama.cpp q8_0"] == (2.0, True)
     assert not any("q4_0" in name for name in got)  # no tinygpt int4 row to compare with
+
+
+def test_decode_speed_is_the_whole_call_s_wall_clock_as_a_user_times_it():
+    # issue 40: the median step hid what a user's clock sees (the prompt, a cache zeroed at every call, stalls)
+    clock = bench_module._Clock()
+    clock.times = [0.5, 0.6, 0.7, 2.0]  # the first token after the prompt, then a step that stalled
+    r = clock.result(16, 1, [1, 2, 3, 4])
+    assert r["decode_tokens_per_s"] == 4 / 2.0 and r["wall_s"] == 2.0 and r["ttft_s"] == 0.5
+    assert clock.result(16, 8, [1, 2, 3, 4])["decode_tokens_per_s"] == 8 * 4 / 2.0  # every row's tokens
+    assert bench_module.FULL.prompt == bench_module.QUICK.prompt == 16  # the issue's harness's prompt
 
 
 def test_cpu_flags_and_torch_s_view_of_them_head_every_report():

@@ -12,7 +12,8 @@ memory read bandwidth) turn speeds into MFU and bandwidth use.
     training     tokens/s and MFU of real `tinygpt.train` steps (AdamW, clipping, logging) and of a
                  transformers loop with fused AdamW, float32 and bfloat16 autocast (on a GPU: GPT-2
                  at 16 x 1024 in bfloat16, eager and with --compile)
-    generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8, with and
+    generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8 (the new tokens
+                 over the whole call's wall clock, a 16-token prompt included, as a user decodes), with and
                  without the KV cache, for each weight format (on a GPU also through torch.compile,
                  CUDA graphs); decode bandwidth use (bytes of weights and cache read per token / time /
                  bandwidth); and, at batch 1 on a CPU, llama.cpp decoding tinygpt's own GGUF export of
@@ -99,13 +100,13 @@ class Plan:
 FULL = Plan(
     matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3, repeats_train=2,
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4)),
-    prompt=64, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
+    prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
     peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k"),
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
-    prompt=32, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
+    prompt=16, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"),
 )
 # A GPU: matrices and a copy big enough to reach its limits (a 4 GiB copy is 70 times an H200's L2);
@@ -389,12 +390,12 @@ class _Clock:
         self.times.append(time.perf_counter() - self.start)
 
     def result(self, prompt_tokens: int, batch: int, tokens: list[int]) -> dict[str, Any]:
-        ttft = self.times[0]
-        # the median step, not the mean: a busy moment on a shared machine stalls a few steps, not the rate
-        steps = [b - a for a, b in zip(self.times, self.times[1:])]
-        decode = 1 / statistics.median(steps) if steps else float("nan")
-        return {"ttft_s": ttft, "prefill_tokens_per_s": prompt_tokens * batch / ttft, "decode_tokens_per_s": decode * batch,
-                "tokens": tokens}
+        ttft, wall = self.times[0], self.times[-1]
+        # decode: the tokens over the whole call, as a user's wall clock sees it (the prompt, the cache's
+        # allocation and every step's stall included), not the median step, which hid a block_size cache
+        # zeroed at every call and the steps a busy machine stalls
+        return {"ttft_s": ttft, "prefill_tokens_per_s": prompt_tokens * batch / ttft,
+                "decode_tokens_per_s": len(self.times) * batch / wall, "wall_s": wall, "tokens": tokens}
 
 
 def generate_tinygpt(model, idx: torch.Tensor, new_tokens: int, *, use_cache: bool, compile: bool = False) -> dict[str, Any]:
@@ -805,9 +806,10 @@ def _llama_ratios(decode: list[dict[str, Any]]) -> list[dict[str, Any]]:
             b = _best(decode, "decode_tokens_per_s", model, "llama.cpp", [fmt], "format")
             if not ours or b is None:
                 continue
-            a = _best(decode, "decode_tokens_per_s", model, "tinygpt", ours, "format")
-            out.append({"name": f"decode {model} b1: tinygpt {'/'.join(ours)} / llama.cpp {fmt}", "ratio": a / b,
-                        "target": 1.0, "met": a / b >= 1.0})
+            a, used = max((_best(decode, "decode_tokens_per_s", model, "tinygpt", [f], "format"), f) for f in ours)
+            which = f" (the faster of {', '.join(ours)})" if len(ours) > 1 else ""
+            out.append({"name": f"decode {model} b1: tinygpt {used}{which} / llama.cpp {fmt}", "ratio": a / b,
+                        "target": 1.0, "met": a / b >= 1.0, "format": used})
     return out
 
 
