@@ -503,3 +503,35 @@ def test_cli_merge_and_sample_refusals(base_run, tmp_path, cli):
     clean_error(cli("eval", run, "--text", run / "config.json", "--device", "cpu"), "missing", base)
     clean_error(cli("export", run, "--format", "hf", "--out", tmp_path / "hf"), "missing", base)
     assert not (tmp_path / "m").exists() and not (tmp_path / "hf").exists()
+
+
+KILLED_MERGE = """
+import os, signal, sys
+import tinygpt.checkpoint as c
+real = c.save_file
+def killed(tensors, path, metadata=None):  # half the weights on disk, then the kill a user gives
+    real(tensors, path, metadata=metadata)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+c.save_file = killed
+c.merge_run(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_merge_killed_while_writing_leaves_nothing_that_blocks_the_rerun(base_run, tmp_path, cli):
+    import subprocess
+    import sys
+
+    run = save_adapter_run(adapted(base_run), tmp_path / "lora", base_run)
+    out = tmp_path / "merged"
+    killed = subprocess.run([sys.executable, "-c", KILLED_MERGE, str(run), str(out)], capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr
+    assert not out.exists()  # not a folder with config.json that is "not a tinygpt run" and "already exists"
+    r = cli("merge", run, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the killed one's temp folder went
+    idx = torch.randint(0, 20, (2, 16))
+    with torch.no_grad():
+        assert (tinygpt.load(out)(idx) - tinygpt.load(run)(idx)).abs().max() < 1e-5

@@ -50,7 +50,7 @@ from safetensors.torch import save_file
 from .config import GPTConfig, LoraConfig
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, TokenizerError
-from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, read_json, write_json
+from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, new_folder, read_json, write_json
 from .interop.hf import config_from_hf, is_hf_folder, load_hf
 from .interop.hf_tokenizer import load_hf_tokenizer
 from .interop.peft import lora_from_peft, peft_config, to_peft_state_dict
@@ -235,7 +235,7 @@ def load_run(
 
 def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     """Turn a Hugging Face GPT-2 folder into a tinygpt run folder (config.json, model.safetensors,
-    tokenizer.json when the folder has a tokenizer).
+    tokenizer.json when the folder has a tokenizer), written whole or not at all (fileio.new_folder).
 
     Args:
         src: the Hugging Face folder (safetensors; pickles are refused).
@@ -252,7 +252,8 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
         raise TokenizerError(
             f"{src}: the tokenizer has {tokenizer.vocab_size:,} tokens but the model only {model.config.vocab_size:,}"
         )
-    save(model, out, tokenizer)
+    with new_folder(out) as tmp:  # a kill leaves no half-written run to block the rerun
+        save(model, tmp, tokenizer)
     return model, tokenizer
 
 
@@ -544,7 +545,8 @@ def _check_new_run(out: Path, job: str) -> None:
 
 def merge_run(run: str | Path, out: str | Path, base: str | Path | None = None) -> tuple[GPT, Tokenizer | None]:
     """Write an adapter run's model, adapters folded in, as a plain run (model.safetensors, config.json,
-    tokenizer.json): what `tinygpt merge` does.
+    tokenizer.json): what `tinygpt merge` does. The run is written in a temporary folder beside
+    `out` and renamed into place, so a kill leaves no partial `out` (fileio.new_folder).
 
     Args:
         run: the adapter run (or a PEFT adapter trained elsewhere).
@@ -563,7 +565,8 @@ def merge_run(run: str | Path, out: str | Path, base: str | Path | None = None) 
     check_merge_target(out)
     model = load_adapter_run(run, merge_adapters=True, base=base)
     tokenizer = folder_tokenizer(run, base)
-    save(model, out, tokenizer)
+    with new_folder(out) as tmp:  # a kill leaves no half-written run to block the rerun
+        save(model, tmp, tokenizer)
     return model, tokenizer
 
 

@@ -38,7 +38,6 @@ How text is read:
 from __future__ import annotations
 
 import codecs
-import glob
 import math
 import os
 import re
@@ -54,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import check_folder_path, parse_json, printable_path, read_json, write_json
+from .fileio import check_folder_path, parse_json, printable_path, read_json, temp_folder, write_json
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     EOT,
@@ -566,7 +565,7 @@ def prepare(
     tok, scan = _first_pass(srcs, reader, tok_or_kind, bpe_vocab)
     replacements = reader.replaced  # the second pass reads the same bytes again
     split_at = _split_point(sum(scan.chars), val_fraction)
-    tmp = _temp_folder(out)  # renamed into place once complete
+    tmp = temp_folder(out)  # renamed into place once complete
     try:
         counts = _second_pass(reader, tok, split_at, tmp)
         meta = {
@@ -590,31 +589,6 @@ def prepare(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
-
-
-def _temp_folder(out: Path) -> Path:
-    """A fresh folder beside `out` to write a data folder in before it is renamed into place. Those
-    that a killed prepare left (their process is gone) are removed first."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{out.name}.tmp-"
-    for old in out.parent.glob(glob.escape(prefix) + "*"):
-        pid = old.name[len(prefix):]
-        if pid.isdigit() and old.is_dir() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = out.parent / f"{prefix}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # another user's process, or not a pid at all
-        return True
-    return True
 
 
 def _check_prepare_args(val_fraction: float, errors: str) -> None:
@@ -917,7 +891,7 @@ def prepare_chat(
         raise DataError(f"{src}: no conversations" + (f" ({len(convs.malformed)} malformed lines)" if convs.malformed else ""))
     tok = _chat_tokenizer(tokenizer, tokenizer_file, convs, vocab_size, template)
     n_val = len(convs.messages) - _split_point(len(convs.messages), val_fraction)
-    tmp = _temp_folder(out)
+    tmp = temp_folder(out)
     try:
         counts = {}
         for split, part, lines in (

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,51 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def temp_folder(out: str | os.PathLike) -> Path:
+    """A fresh hidden folder beside `out` (`.NAME.tmp-PID`) to write a folder of outputs in before it
+    is renamed into place. Those a killed writer left (their process is gone) are removed first."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{out.name}.tmp-"
+    for old in out.parent.glob(glob.escape(prefix) + "*"):
+        pid = old.name[len(prefix):]
+        if pid.isdigit() and old.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = out.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process, or not a pid at all
+        return True
+    return True
+
+
+@contextmanager
+def new_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """Write a new folder whole or not at all: yields a temp folder beside `out` (temp_folder) to
+    write in, and renames it to `out` when the block ends; on an error (or a kill) `out` never
+    appears, and what was written is removed (a killed writer's, by the next one). `out` must not
+    exist, or be an empty folder (replaced)."""
+    out = Path(out)
+    tmp = temp_folder(out)
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if out.is_dir() and not out.is_symlink():
+            out.rmdir()  # empty, as the caller checked; rmdir refuses otherwise, and nothing is lost
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(out.parent)
 
 
 def check_output_file(path: str | os.PathLike, error: type[Exception]) -> None:
