@@ -334,6 +334,37 @@ def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, messag
     assert not (tmp_path / "r").exists()
 
 
+REPORT_EDITS = [
+    (lambda r: r.pop("after"), "after is missing"),
+    (lambda r: r["before"]["data"].pop("bits_per_char"), "before.data.bits_per_* is missing"),
+    (lambda r: r["after"]["samples"][0].pop("text"), "after.samples[0].text is missing"),
+    (lambda r: r["after"]["data"].update(loss="low"), "after.data.loss is not a number"),
+    (lambda r: r["params"].update(total=None), "params.total is not a whole number"),
+    (lambda r: r["after"].pop("reference"), "after.reference is missing"),
+    (lambda r: r["after"]["reference"].update(bits_per_byte=r["after"]["reference"].pop("bits_per_char")),
+     "count bits in different units"),
+    (lambda r: r.update(memory=[]), "memory is not an object"),
+]
+
+
+def test_cli_report_of_an_incomplete_or_edited_report_is_one_line(world, tmp_path, capsys):
+    from tinygpt import cli
+
+    run = tmp_path / "ft"
+    tinygpt.finetune(world / "base", world / "data-b", run, FinetuneConfig(report_tokens=64),
+                     quick(max_iters=1, eval_interval=1, eval_iters=1, batch_size=2))
+    assert cli.main(["report", str(run)]) == 0
+    capsys.readouterr()
+    whole = (run / "finetune_report.json").read_text()
+    for edit, message in REPORT_EDITS:
+        report = json.loads(whole)
+        edit(report)
+        (run / "finetune_report.json").write_text(json.dumps(report))
+        assert cli.main(["report", str(run)]) == 2, message
+        err = capsys.readouterr().err
+        assert "incomplete or edited" in err and message in err and err.count("\n") == 1, err
+
+
 def test_cli_report_and_prepare_refusals(world, tmp_path, capsys):
     from tinygpt import cli
 

@@ -20,6 +20,7 @@ tinygpt.lora; adapter runs are written and read by tinygpt.checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import resource
 import shlex
@@ -228,7 +229,64 @@ def read_report(run: str | Path) -> dict[str, Any]:
     report = read_json(file, CheckpointError)
     if not isinstance(report, dict) or not isinstance(report.get("before"), dict):
         raise CheckpointError(f"{file}: not a fine-tuning report")
+    wrong = _report_error(report) or _report_mismatch(report)
+    if wrong is not None:
+        raise CheckpointError(f"{file}: an incomplete or edited fine-tuning report: {wrong}")
     return report
+
+
+# What a report holds, as read_report checks it: a key ending "?" may be absent; "bits_per_*" is
+# one key of that prefix (bits_per_char or bits_per_byte); a list is a list of its one item's shape.
+_NUMBER, _COUNT = (int, float), int
+_SCORE = {"loss": _NUMBER, "bits_per_*": _NUMBER, "tokens": _COUNT, "text": str}
+_MEASURED = {"data": _SCORE, "reference?": _SCORE, "samples": [{"prompt": str, "text": str}]}
+_REPORT_SHAPE = {
+    "from": str, "method": str, "keep": str, "steps": _COUNT, "tokens": _COUNT, "before": _MEASURED,
+    "after": _MEASURED, "params": {"trainable": _COUNT, "total": _COUNT}, "memory": {"peak_rss_bytes": _COUNT},
+    "seconds": _NUMBER, "train_seconds": _NUMBER,
+}
+
+
+def _report_mismatch(report: dict[str, Any]) -> str | None:
+    """What before and after measure differently (a text one has and the other not, another unit), or None."""
+    before, after = report["before"], report["after"]
+    if ("reference" in before) != ("reference" in after):
+        return f"{'after' if 'reference' in before else 'before'}.reference is missing"
+    for name in before.keys() & {"data", "reference"}:
+        if [k for k in before[name] if k.startswith("bits_per_")] != [k for k in after[name] if k.startswith("bits_per_")]:
+            return f"before.{name} and after.{name} count bits in different units"
+    return None
+
+
+def _report_error(value: Any, shape: Any = None, where: str = "") -> str | None:
+    """What in a report does not have its shape (_REPORT_SHAPE), in words, or None."""
+    shape = _REPORT_SHAPE if shape is None else shape
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            return f"{where} is not an object"
+        for key, inner in shape.items():
+            name, optional = key.rstrip("?"), key.endswith("?")
+            if name.endswith("*"):  # one key of this prefix
+                found = [k for k in value if k.startswith(name[:-1])]
+                if len(found) != 1:
+                    return f"{where}.{name} is {'missing' if not found else 'given twice'}"
+                name = found[0]
+            if name not in value:
+                if optional:
+                    continue
+                return f"{(where + '.' if where else '') + name} is missing"
+            wrong = _report_error(value[name], inner, (where + "." if where else "") + name)
+            if wrong is not None:
+                return wrong
+        return None
+    if isinstance(shape, list):
+        if not isinstance(value, list):
+            return f"{where} is not a list"
+        return next((w for i, v in enumerate(value) if (w := _report_error(v, shape[0], f"{where}[{i}]"))), None)
+    if isinstance(value, bool) or not isinstance(value, shape):
+        kind = "a string" if shape is str else "a whole number" if shape is int else "a number"
+        return f"{where} is not {kind} ({json.dumps(value)[:40]})"
+    return None
 
 
 def prepare_command(dataset: DataSet, from_: Path) -> str:
