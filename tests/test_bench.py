@@ -253,3 +253,29 @@ def test_a_plan_s_compiled_rows_are_measured_beside_the_eager_ones(monkeypatch):
     assert set(compiled) == {("fp32", 1), ("int8", 2)}  # bf16 is not among the plan's formats
     assert all(r["same_tokens_as_eager"] and r["bandwidth_use"] > 0 for r in compiled.values())
     assert "tinygpt compiled" in render(result)
+
+
+def test_the_smollm2_rows_are_its_shape_and_its_cache_holds_the_key_value_heads():
+    cfg = bench_config("smollm2", training=False)
+    assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.block_size) == ("llama", 30, 576, 9, 3, 1024)
+    assert bench_config("smollm2", training=True).vocab_size == 77
+    torch.manual_seed(0)
+    small = GPTConfig(arch="llama", vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=1, n_embd=32)
+    model = quantize(GPT(small), "fp32", pack=False)
+    # a position adds one key and one value per layer for each of the n_kv_head heads, not n_head
+    assert bytes_per_token(model, 1, 10) - bytes_per_token(model, 1, 0) == 2 * 2 * 1 * 8 * 10 * 4
+
+
+@needs_transformers
+def test_a_llama_layout_row_measures_against_transformers_llama(monkeypatch):
+    tiny = GPTConfig(arch="llama", vocab_size=77, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    monkeypatch.setattr(bench_module, "bench_config", lambda name, **kwargs: GPTConfig(**tiny.to_dict()))
+    plan = Plan(matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("smollm2", 2, 1),),
+                prompt=4, new_tokens=3, no_cache_tokens=2, gen_models=("smollm2",), gen_batches=(1,),
+                peer_formats=("fp32",), formats=("fp32", "int8"))
+    result = run(plan=plan, log=lambda line: None)
+    assert {r["impl"] for r in result["training"]} == {"tinygpt", "transformers"}
+    peer = next(r for r in result["generation"] if r["impl"] == "transformers" and r["kv_cache"])
+    assert peer["same_tokens_as_tinygpt"]  # LlamaForCausalLM on the same weights decodes the same tokens
+    assert {r["name"] for r in result["ratios"]} >= {"decode smollm2 b1: tinygpt fp32 / transformers fp32",
+                                                      "train smollm2 4x256: tinygpt best / transformers best"}

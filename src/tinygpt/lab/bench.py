@@ -1,6 +1,7 @@
 """The benchmark behind `tinygpt bench`: this machine's limits, then training and generation speed,
-each beside Hugging Face transformers' GPT-2 on the same sizes (and, for generation, the same
-weights), measured in the same run.
+each beside Hugging Face transformers on the same sizes (and, for generation, the same weights):
+GPT2LMHeadModel for GPT-2's layout, LlamaForCausalLM for the SmolLM2-135M-shaped rows (the Llama
+family), measured in the same run.
 
 A shared machine's figures move 10-30% from one minute to the next, so what to read are the
 ratios between rows measured in the same run; the limits measured at the start (matmul FLOP/s,
@@ -57,7 +58,7 @@ from ..calc.hardware import gpu_peaks
 from ..config import GPTConfig, TrainConfig
 from ..device import allow_fast_float32, cpu_flag_set, cpu_has_native_bf16, resolve_device
 from ..generate import generate_stream
-from ..interop.hf_gpt2 import to_transformers
+from ..interop.hf import to_transformers
 from ..interop.quantize import FORMATS, quantize
 from ..model import GPT
 
@@ -67,6 +68,8 @@ CHAR_VOCAB = 77  # training rows use a character vocabulary, as the issue's refe
 PEER_CHAR = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False, activation="gelu")
 PEER_CHAR_TOKENS_PER_S = 16_000  # its float32 speed on this machine kind (issue 4)
 LLAMA_WIDE = "gpt2-4k"
+SMOLLM = "smollm2"  # SmolLM2-135M's shape (30 x 576, 9 heads, 3 for keys and values, SwiGLU, tied), random weights
+SMOLLM_CONTEXT = 1024  # generation rows of it crop the preset's 8,192 positions (the cache is sized by them)
 TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequences (gpt2 at 4 x 256)
 
 
@@ -99,9 +102,9 @@ class Plan:
 
 FULL = Plan(
     matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3, repeats_train=2,
-    train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4)),
-    prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2"), gen_batches=(1, 8),
-    peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k"),
+    train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4), (SMOLLM, 4, 4)),
+    prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2", SMOLLM), gen_batches=(1, 8),
+    peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k", SMOLLM),
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
@@ -278,10 +281,17 @@ def bench_config(name: str, *, training: bool, vocab: int | None = CHAR_VOCAB, c
     """The model a row measures: a preset, or "char" (the peer's 4-layer, 128-wide model). Training
     rows use a `vocab`-symbol vocabulary (None: the preset's own) and at most `context` positions;
     generation rows keep the preset's vocabulary (GPT-2's 50,257) and context. "gpt2-4k" is GPT-2
-    small's 12 x 768 with a 4,096-token vocabulary (the llama.cpp comparison's larger model)."""
+    small's 12 x 768 with a 4,096-token vocabulary (the llama.cpp comparison's larger model); "smollm2"
+    is SmolLM2-135M's shape (the Llama family: rotary positions, RMSNorm, SwiGLU, grouped-query
+    attention), its generation rows at SMOLLM_CONTEXT positions."""
     if name == "char":
         return GPTConfig(vocab_size=(vocab or CHAR_VOCAB) if training else 65, **PEER_CHAR)
-    cfg = GPTConfig.from_preset("gpt2", vocab_size=4096) if name == LLAMA_WIDE else GPTConfig.from_preset(name)
+    if name == SMOLLM:
+        cfg = GPTConfig.from_preset("smollm2-135m", block_size=SMOLLM_CONTEXT)
+    elif name == LLAMA_WIDE:
+        cfg = GPTConfig.from_preset("gpt2", vocab_size=4096)
+    else:
+        cfg = GPTConfig.from_preset(name)
     if training:
         cfg.vocab_size = vocab or cfg.vocab_size
         cfg.block_size = min(cfg.block_size, context)
@@ -351,7 +361,8 @@ def train_tinygpt(
 def train_transformers(
     cfg: GPTConfig, batch: int, steps: int, dtype: str, device: torch.device, *, warmup: int = 2
 ) -> dict[str, Any]:
-    """Tokens/s of a plain transformers GPT2LMHeadModel loop: autocast, fused AdamW, clipping."""
+    """Tokens/s of a plain transformers loop (GPT2LMHeadModel, or LlamaForCausalLM for the Llama family):
+    autocast, fused AdamW, clipping."""
     from ..device import DTYPES, autocast
 
     torch.manual_seed(0)
@@ -408,7 +419,8 @@ def generate_tinygpt(model, idx: torch.Tensor, new_tokens: int, *, use_cache: bo
 
 
 def generate_transformers(hf, idx: torch.Tensor, new_tokens: int, *, use_cache: bool) -> dict[str, Any]:
-    """Greedy GPT2LMHeadModel.generate, timed through a streamer: the same figures as generate_tinygpt."""
+    """Greedy transformers generate (GPT2LMHeadModel, LlamaForCausalLM), timed through a streamer: the same
+    figures as generate_tinygpt."""
     from transformers.generation.streamers import BaseStreamer
 
     class Streamer(BaseStreamer):
@@ -530,10 +542,11 @@ def bytes_per_token(model, batch: int, context: float) -> float:
     for m in model.modules():
         if hasattr(m, "nbytes"):  # tinygpt.quantize's layers say what their forward reads
             weights += m.nbytes
-        elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm)):
+        elif isinstance(m, (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.RMSNorm)):
             weights += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     cfg = model.config
-    cache = 2 * cfg.n_layer * cfg.n_embd * context * model.wte.weight.element_size() * batch
+    # the cache holds n_kv_head heads (grouped-query attention: fewer than the queries' n_head)
+    cache = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_dim * context * model.wte.weight.element_size() * batch
     return weights + cache
 
 
@@ -737,6 +750,10 @@ DECODE_TARGETS = [
     ("decode baby b1: tinygpt fp32 / transformers fp32", 2.0, ("baby", "tinygpt", ["fp32"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt int8 / transformers fp32", 5.0, ("baby", "tinygpt", ["int8"]), ("baby", "transformers", ["fp32"])),
     ("decode baby b1: tinygpt bf16 / transformers bf16", None, ("baby", "tinygpt", ["bf16"]), ("baby", "transformers", ["bf16"])),
+    ("decode smollm2 b1: tinygpt fp32 / transformers fp32", None, (SMOLLM, "tinygpt", ["fp32"]),
+     (SMOLLM, "transformers", ["fp32"])),
+    ("decode smollm2 b1: tinygpt int8 / transformers fp32", None, (SMOLLM, "tinygpt", ["int8"]),
+     (SMOLLM, "transformers", ["fp32"])),
 ]
 TRAIN_TARGETS = [
     ("train gpt2 4x256: tinygpt best / transformers best", 1.3, ("gpt2", "tinygpt", ["float32", "bfloat16"]),
@@ -747,6 +764,10 @@ TRAIN_TARGETS = [
      ("gpt2", "transformers", ["float32"])),
     ("train char 12x64: tinygpt best / transformers best", None, ("char", "tinygpt", ["float32", "bfloat16"]),
      ("char", "transformers", ["float32", "bfloat16"])),
+    ("train smollm2 4x256: tinygpt fp32 / transformers fp32 (LlamaForCausalLM)", None, (SMOLLM, "tinygpt", ["float32"]),
+     (SMOLLM, "transformers", ["float32"])),
+    ("train smollm2 4x256: tinygpt best / transformers best", None, (SMOLLM, "tinygpt", ["float32", "bfloat16"]),
+     (SMOLLM, "transformers", ["float32", "bfloat16"])),
 ]
 
 
