@@ -873,7 +873,9 @@ def render(result: dict[str, Any]) -> str:
         for r in result["ratios"]:
             percent = r.get("unit") == "%"
             value = f"{r['ratio']:>7.0%} " if percent else f"{r['ratio']:>7.2f}x"
-            goal = f"{r['target']:.0%}" if percent else f"{r['target']:g}"
-            target = f"target >= {goal}: {'met' if r['met'] else 'NOT met'}" if r["target"] is not None else ""
+            target = ""  # a ratio without a target is shown for itself
+            if r["target"] is not None:
+                goal = f"{r['target']:.0%}" if percent else f"{r['target']:g}"
+                target = f"target >= {goal}: {'met' if r['met'] else 'NOT met'}"
             lines.append(f"  {r['name']:<64}{value}  {target}")
     return "\n".join(lines)
