@@ -206,3 +206,22 @@ def test_llama_cpp_loads_the_gguf_and_generates_transformers_greedy_tokens(folde
         if len(got) == len(want):
             break
     assert got == want
+
+
+@pytest.mark.parametrize("settings, named", [
+    (dict(positions="learned"), "positions is 'learned'"),
+    (dict(mlp="gelu"), "mlp is 'gelu'"),
+    (dict(norm="layernorm"), "norm is 'layernorm'"),
+    (dict(qk_norm=True, qkv_bias=True), "qk-norm and q/k/v biases alone"),
+])
+def test_a_llama_layout_no_hugging_face_class_or_llama_cpp_architecture_has_is_refused_in_one_line(
+        settings, named, tmp_path, cli):
+    from tinygpt import GPT, GPTConfig
+    from tinygpt.tokenizer import CharTokenizer
+
+    model = GPT(GPTConfig(arch="llama", vocab_size=30, block_size=16, n_layer=1, n_head=2, n_embd=16, **settings))
+    tinygpt.save(model, tmp_path / "run", CharTokenizer([chr(97 + i) for i in range(26)]))
+    for fmt, out in (("hf", tmp_path / "hf"), ("gguf", tmp_path / "m.gguf")):
+        r = cli("export", tmp_path / "run", "--format", fmt, "--out", out)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and named in r.stderr, r.stderr
+        assert not out.exists()
