@@ -268,3 +268,59 @@ def test_params_of_the_folder_count_what_transformers_built(world, cli):
     trainable, _ = adapted.get_nb_trainable_parameters()
     r = cli("params", world["folder"], "--json", "--lora-rank", 4, "--lora-targets", "q_proj,v_proj,down_proj")
     assert json.loads(r.stdout)["trainable"]["trainable"] == trainable
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty huggingface_hub cache of the test's own, offline (no test may download)."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def test_a_hub_id_offline_is_one_line_with_the_download_command_and_nothing_written(world, hub_cache, tmp_path, cli):
+    repo = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    written = [tmp_path / "ft", tmp_path / "data", tmp_path / "m.gguf", tmp_path / "imported", tmp_path / "a.png"]
+    for args in (("finetune", repo, "--data", world["data"], "--out", written[0]), ("sample", repo),
+                 ("prepare", world["root"] / "text.txt", "--tokenizer-file", repo, "--out", written[1]),
+                 ("export", repo, "--format", "gguf", "--out", written[2]), ("import", repo, "--out", written[3]),
+                 ("chat", repo, "--prompt", "Hi"), ("serve", repo), ("eval", repo, "--data", world["data"]),
+                 ("attention", repo, "--prompt", "Hi", "--out", written[4]), ("params", repo),
+                 ("fewshot", repo, "--task", "synthetic")):
+        r = cli(*args)
+        assert r.returncode != 0 and r.stderr.count("\n") == 1, (args[0], r.stderr)
+        assert "offline, and it is not in the cache" in r.stderr, (args[0], r.stderr)
+        assert f"hf download {repo} --include '*.safetensors' '*.json' '*.jinja' --local-dir hf/SmolLM2-135M-Instruct" in r.stderr
+    assert not any(path.exists() for path in written)
+    # a missing run is a missing run, never a repository
+    r = cli("sample", tmp_path / "runs" / "mine")
+    assert r.returncode != 0 and "hf download" not in r.stderr
+
+
+def test_a_hub_id_in_the_cache_is_used_offline_as_its_folder(world, base, hub_cache, cli):
+    import shutil
+
+    repo, commit = "tinygpt-tests/tiny-smollm", "0" * 40
+    snapshot = hub_cache / "models--tinygpt-tests--tiny-smollm" / "snapshots" / commit
+    shutil.copytree(world["folder"], snapshot)  # the layout huggingface_hub keeps a download in
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text(commit)
+    model, tok = base
+    r = cli("sample", repo, "--prompt", "The quick", "--max-new-tokens", 5, "--greedy")
+    assert r.returncode == 0, r.stderr
+    ids = torch.tensor([tok.encode("The quick")])
+    assert r.stdout.rstrip("\n") == tok.decode(generate(model, ids, 5, greedy=True, vocab_size=tok.vocab_size)[0].tolist())
+
+
+def test_what_counts_as_a_hub_id(tmp_path, monkeypatch):
+    from tinygpt.interop.hub import download_command, looks_like_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert looks_like_hub_id("HuggingFaceTB/SmolLM2-135M-Instruct") and looks_like_hub_id("Qwen/Qwen2.5-0.5B")
+    # a path here, or under a folder here, is never a repository; nor is what the Hub cannot name
+    for text in ("runs/mine", "runs", "gpt2", "a/b/c", str(tmp_path / "x" / "y"), "../up", "owner/name.", "a/..b"):
+        assert not looks_like_hub_id(text), text
+    assert download_command("Qwen/Qwen3-0.6B") == \
+        "hf download Qwen/Qwen3-0.6B --include '*.safetensors' '*.json' '*.jinja' --local-dir hf/Qwen3-0.6B"

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tinygpt: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     try:
+        _resolve_hub_ids(args)
         return args.func(args) or 0
     except BrokenPipeError:  # the reader went away (`tinygpt sample ... | head`): nothing to report
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
@@ -109,6 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         return _report(message)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _resolve_hub_ids(args: argparse.Namespace) -> None:
+    """A command's FROM (the arguments its parser lists in hub_args) given as a Hugging Face Hub id becomes
+    the model's folder in huggingface_hub's cache, fetched when online (tinygpt.interop.hub)."""
+    for name in getattr(args, "hub_args", ()):
+        value = getattr(args, name, None)
+        if value is not None:
+            from ..interop.hub import looks_like_hub_id, resolve
+
+            if looks_like_hub_id(value):
+                setattr(args, name, str(resolve(value)))
 
 
 def command() -> NoReturn:

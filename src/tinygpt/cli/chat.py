@@ -156,4 +156,4 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=seed_type(), help="makes sampling reproducible")
     add_device_flag(p)
     add_quantize_flag(p)
-    p.set_defaults(func=cmd_chat)
+    p.set_defaults(func=cmd_chat, hub_args=("run",))

@@ -182,7 +182,7 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--prompt", action="append", help="a prompt sampled before and after (repeatable; default: the "
                    "start of the validation text)")
     add_training_flags(p.add_argument_group("training"), FINETUNE_DEFAULTS)
-    p.set_defaults(func=cmd_finetune)
+    p.set_defaults(func=cmd_finetune, hub_args=("base",))
 
 
 def add_report(sub: argparse._SubParsersAction) -> None:

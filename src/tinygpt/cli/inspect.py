@@ -281,7 +281,7 @@ def add_attention(sub: argparse._SubParsersAction) -> None:
     heads.add_argument("--all-heads", action="store_true", help="every head of the layer, in a grid")
     p.add_argument("--out", required=True, metavar="FILE", help="the picture to write (.png, .svg, .pdf)")
     add_device_flag(p)
-    p.set_defaults(func=cmd_attention)
+    p.set_defaults(func=cmd_attention, hub_args=("run",))
 
 
 def add_plot(sub: argparse._SubParsersAction) -> None:
@@ -361,7 +361,7 @@ def add_fewshot(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_device_flag(p)
-    p.set_defaults(func=cmd_fewshot)
+    p.set_defaults(func=cmd_fewshot, hub_args=("run",))
 
 
 def add_fewshot_data(sub: argparse._SubParsersAction) -> None:

@@ -138,7 +138,7 @@ def add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="PATH", help="the folder (hf) or .gguf file (gguf) to write")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16"),
                    help="gguf only: the matrices' dtype (norms and biases stay float32)")
-    p.set_defaults(func=cmd_export)
+    p.set_defaults(func=cmd_export, hub_args=("run",))
 
 
 def add_import(sub: argparse._SubParsersAction) -> None:
@@ -152,7 +152,7 @@ def add_import(sub: argparse._SubParsersAction) -> None:
                    "or a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--out", required=True, metavar="RUN", help="the run folder to create")
     p.add_argument("--base", metavar="DIR", help="a PEFT adapter's base model (a run or a Hugging Face folder)")
-    p.set_defaults(func=cmd_import)
+    p.set_defaults(func=cmd_import, hub_args=("dir", "base"))
 
 
 def add_merge(sub: argparse._SubParsersAction) -> None:

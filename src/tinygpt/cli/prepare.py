@@ -161,4 +161,4 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
              "tokenizer.json, or GPT-2's vocab.json + merges.txt or .tiktoken file",
     )
     p.add_argument("--progress", action="store_true", help="show progress bars")
-    p.set_defaults(func=cmd_prepare)
+    p.set_defaults(func=cmd_prepare, hub_args=("tokenizer_file",))

@@ -311,7 +311,7 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
     add_device_flag(p)
     add_quantize_flag(p)
     add_nonfinite_flag(p)
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=cmd_sample, hub_args=("run",))
 
 
 def add_eval(sub: argparse._SubParsersAction) -> None:
@@ -330,4 +330,4 @@ def add_eval(sub: argparse._SubParsersAction) -> None:
     add_device_flag(p)
     add_quantize_flag(p)
     add_nonfinite_flag(p)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, hub_args=("run",))

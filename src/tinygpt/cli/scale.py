@@ -209,7 +209,7 @@ def add_params(sub: argparse._SubParsersAction) -> None:
                    help="activations recomputed block by block in backward (finetune --grad-checkpoint)")
     p.add_argument("--family", action="store_true", help="print the GPT-2 family table")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_params)
+    p.set_defaults(func=cmd_params, hub_args=("run",))
 
 
 def add_chinchilla(sub: argparse._SubParsersAction) -> None:

@@ -109,4 +109,4 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=Number("int", 1, MAX_THREADS), metavar="N", help="torch's CPU threads (default: torch's choice)")
     add_device_flag(p, help="auto, cpu, cuda, cuda:N, mps")
     add_quantize_flag(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, hub_args=("run",))
