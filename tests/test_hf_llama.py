@@ -163,6 +163,10 @@ def test_config_fields_tinygpt_does_not_compute_are_refused(folders, tmp_path, c
     r = cli("import", folder, "--out", tmp_path / "run")
     _assert_one_line(r, named)
     assert not (tmp_path / "run").exists()
+    # the same line wherever the folder is FROM
+    _assert_one_line(cli("export", folder, "--format", "gguf", "--out", tmp_path / "m.gguf"), named)
+    _assert_one_line(cli("sample", folder, "--max-new-tokens", 2), named)
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_a_missing_shard_a_vocabulary_too_big_and_a_raising_template_are_refused(tmp_path, cli):
@@ -170,6 +174,7 @@ def test_a_missing_shard_a_vocabulary_too_big_and_a_raising_template_are_refused
     shards = sorted(folder.glob("model-*.safetensors"))
     shards[-1].unlink()
     _assert_one_line(cli("import", folder, "--out", tmp_path / "a"), "not in the folder", shards[-1].name)
+    assert not (tmp_path / "a").exists()
     with pytest.raises(CheckpointError, match="not in the folder"):
         load_run(folder, "cpu")
 
