@@ -1,10 +1,12 @@
 """Speed and peak memory of fine-tuning a GPT-2-size model (12 layers, 768 wide, vocabulary 50,257;
-random weights: the cost does not depend on their values) by each method, at batch 4 x 256 tokens.
+random weights: the cost does not depend on their values) by each method, at batch 4 x 256 tokens;
+with --model smollm2-135m, a SmolLM2-135M-shaped one (the Llama family: 30 layers, 576 wide, 9 heads and
+3 for keys and values, SwiGLU, vocabulary 49,152).
 
-    .venv/bin/python benchmarks/finetune.py [--steps 3] [--dtype float32] [--methods full,lora,frozen]
+    .venv/bin/python benchmarks/finetune.py [--model gpt2|smollm2-135m] [--steps 3] [--dtype float32] [--methods full,lora,frozen]
 
-Methods: full (every weight trains), lora (r=8 on c_attn, PEFT's default for GPT-2), frozen (the
-embeddings and the first 10 blocks frozen: the last 2 blocks and ln_f train), checkpoint and
+Methods: full (every weight trains), lora (r=8 on PEFT's default targets: c_attn for GPT-2, q_proj and
+v_proj for the family), frozen (the embeddings and all blocks but the last 2 frozen), checkpoint and
 lora-checkpoint (full or LoRA with activation checkpointing per block). --live runs each with
 MALLOC_MMAP_THRESHOLD_=65536, so glibc returns freed blocks at once and the peak is of live tensors. Each runs in its own process, so its peak resident memory
 (getrusage's ru_maxrss, which includes torch itself: the import alone is printed as the reference)
@@ -22,12 +24,14 @@ import subprocess
 import sys
 import time
 
-CONFIG = dict(vocab_size=50257, block_size=256, n_layer=12, n_head=12, n_embd=768)
 BATCH, SEQ = 4, 256
+MODELS = {"gpt2": "gpt2-size model (12 x 768, vocab 50,257)",
+          "smollm2-135m": "smollm2-135m-shaped model (30 x 576, 9 heads, 3 kv heads, SwiGLU 1,536, vocab 49,152)"}
+FROZEN = -2  # frozen: every block but the last two
 METHODS = {
     "full": {},
     "lora": {"lora": {"rank": 8}},
-    "frozen": {"freeze_embeddings": True, "freeze_layers": 10},
+    "frozen": {"freeze_embeddings": True, "freeze_layers": FROZEN},
     "checkpoint": {"grad_checkpoint": True},
     "lora-checkpoint": {"lora": {"rank": 8}, "grad_checkpoint": True},
 }
@@ -40,7 +44,13 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def child(method: str, steps: int, dtype: str) -> dict:
+def model_config(name: str):
+    from tinygpt import GPTConfig
+
+    return GPTConfig.from_preset(name, block_size=SEQ, dropout=0.0)
+
+
+def child(method: str, steps: int, dtype: str, name: str = "gpt2") -> dict:
     """One method, in this process: the numbers as a dict."""
     import torch
 
@@ -54,7 +64,9 @@ def child(method: str, steps: int, dtype: str) -> dict:
     settings = dict(METHODS[method])
     recompute = settings.pop("grad_checkpoint", False)
     lora = LoraConfig(**settings.pop("lora")) if "lora" in settings else None
-    config = GPTConfig(**CONFIG)
+    config = model_config(name)
+    if settings.get("freeze_layers", 0) < 0:
+        settings["freeze_layers"] += config.n_layer
     device = torch.device("cpu")
     compute = resolve_dtype(dtype, device)
     torch.manual_seed(0)
@@ -95,6 +107,7 @@ def run(args: list[str], live: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt2", choices=list(MODELS), help="the model's shape (gpt2)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per method, after one warm-up step")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (autocast), or auto")
     parser.add_argument("--methods", default="full,lora,frozen", help=f"of {', '.join(METHODS)}")
@@ -102,7 +115,7 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.steps, args.dtype)))
+        print(json.dumps(child(args.child, args.steps, args.dtype, args.model)))
         return
     import platform
 
@@ -111,12 +124,12 @@ def main() -> None:
          "print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))"],
         capture_output=True, text=True, check=True).stdout)
     live = ", live-tensor peaks (MALLOC_MMAP_THRESHOLD_=65536)" if args.live else ""
-    print(f"gpt2-size model (12 x 768, vocab 50,257), batch {BATCH} x {SEQ} tokens, {args.dtype}, "
+    print(f"{MODELS[args.model]}, batch {BATCH} x {SEQ} tokens, {args.dtype}, "
           f"{args.steps} timed steps{live}; {platform.processor() or platform.machine()}")
     print(f"reference: a process that only imports torch and tinygpt peaks at {reference / 2**20:,.0f} MiB")
     results = {}
     for method in args.methods.split(","):
-        r = results[method] = run(["--child", method, "--steps", str(args.steps), "--dtype", args.dtype], args.live)
+        r = results[method] = run(["--child", method, "--model", args.model, "--steps", str(args.steps), "--dtype", args.dtype], args.live)
         estimate = f"{r['estimate_peak'] / 2**30:5.2f} GiB" if r["estimate_peak"] is not None else "    -    "
         print(f"{method:<15} {r['tokens_per_s']:>8,.0f} tokens/s  peak {r['peak_rss'] / 2**30:6.2f} GiB "
               f"(estimate {estimate} + the import)  trainable {r['trainable']:>11,}", flush=True)
