@@ -24,7 +24,7 @@ LAYERS = (
      ("fileio", "device", "tokenizer", "kv_cache", "sampling", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
     ("workflows", "generation, data, training and fine-tuning, run folders, interchange, the lesson's tools",
-     ("generate", "data", "optim", "sizing", "train", "distributed", "checkpoint", "lora", "finetune", "fastpath",
+     ("generate", "data", "datasources", "shards", "optim", "sizing", "train", "distributed", "checkpoint", "lora", "finetune", "fastpath",
       "interop.*", "lab.*")),
     ("front ends", "the HTTP server and the command line", ("server.*", "cli.*", "__main__")),
 )

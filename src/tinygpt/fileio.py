@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import shutil
@@ -16,6 +17,17 @@ from typing import Any
 # The largest JSON file tinygpt reads (refused unread): twice the largest tokenizer.json it writes (a
 # BPE of 2^20 tokens). JSON is parsed whole, and parsed it can take many times its size in memory.
 MAX_JSON_BYTES = 128 * 1024 * 1024
+HASH_CHUNK = 1 << 24  # bytes read at a time when a file is hashed
+
+
+def hash_file(path: str | os.PathLike, digest: Any = None) -> Any:
+    """A hashlib object (sha256 unless `digest` is given, which is updated) fed a file's bytes, a chunk
+    at a time: memory stays one chunk whatever the file's size."""
+    digest = hashlib.sha256() if digest is None else digest
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest
 
 
 def fsync_dir(folder: Path) -> None:

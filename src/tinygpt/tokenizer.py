@@ -78,6 +78,8 @@ class Tokenizer(Protocol):
 
     def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray: ...
 
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
     def decode(self, ids: Iterable[int]) -> str: ...
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes: ...
@@ -129,6 +131,13 @@ class _TokenizerBase:
             texts = [texts]
         lists = self.encode_batch(texts)
         return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.uint32, count=sum(map(len, lists)))
+
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Each text's ids as its own uint32 array, computed in the calling thread alone (no thread
+        pool of the tokenizer's own; for BPE, with TOKENIZERS_PARALLELISM=false, as
+        tinygpt.shards.Encoder sets it): prepare's workers each run one such call at a time, in parallel,
+        since every kind's encoder releases the GIL while it works."""
+        return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -264,6 +273,9 @@ class CharTokenizer(_TokenizerBase):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.encode_to_array(t).tolist() for t in texts]
+
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [self.encode_to_array(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(map(self._pieces.__getitem__, self._check_ids(ids)))
@@ -688,6 +700,10 @@ class GPT2Tokenizer(_TokenizerBase):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(list(texts))
+
+    def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
+        # one text at a time: encode_ordinary_batch would start a thread pool of its own
+        return [np.asarray(self._enc.encode_ordinary(t), dtype=np.uint32) for t in texts]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self._enc.decode_bytes(self._check_ids(ids))

@@ -1,0 +1,375 @@
+"""Datasets as `tinygpt prepare` sources: a Hugging Face dataset (`hf:NAME[:CONFIG][/SPLIT]`) or local
+parquet, JSONL and CSV files and folders of them, one document a row of a text column.
+
+- Parquet is read with pyarrow, a row group at a time (a file's schema and row count come from its
+  footer, so a missing or non-text column is refused before anything is written); JSONL and CSV
+  with the `datasets` library's streaming builders; a Hub dataset with `datasets.load_dataset(...,
+  streaming=True)`, so nothing is downloaded whole. Rows whose text is empty or null are skipped
+  and counted.
+- Files are read in sorted path order, a folder's too. A folder is a dataset when it holds data
+  files and nothing else but documentation (README, LICENSE, *.md, dataset_info.json), as a Hub
+  snapshot does; a folder with other text files is text, read as it always was.
+- A position in a source is (file, row): `rows(start)` begins there, which is how an interrupted
+  prepare resumes.
+- Offline (HF_HUB_OFFLINE set, or the Hub unreachable) a Hub name is one line that prints the
+  download command; with HF_HUB_OFFLINE=1 a copy in the `datasets` cache is used when there is one.
+
+Needs the `data` extra (`pip install 'tinygpt[data]'`): datasets and pyarrow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from .errors import DataError, MissingDependencyError
+from .fileio import printable_path
+
+HUB_PREFIX = "hf:"
+# suffix -> the reader (a `datasets` builder name, or parquet through pyarrow)
+DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv",
+                 ".jsonl.gz": "json", ".json.gz": "json", ".csv.gz": "csv"}
+_DOC_FILE = re.compile(r"(readme|license|licence|copying|notice)(\..*)?|.*\.md|dataset_infos?\.json|dataset_dict\.json",
+                       re.IGNORECASE)
+BATCH_ROWS = 1024  # rows per batch read from a file
+HUB_TIMEOUT_S = 5.0  # seconds to wait for the Hub's address to answer
+
+
+def data_kind(path: Path) -> str | None:
+    """"parquet", "json" or "csv" for a data file (by its suffix), else None."""
+    name = path.name.lower()
+    return next((kind for suffix, kind in DATA_SUFFIXES.items() if name.endswith(suffix)), None)
+
+
+def is_dataset_folder(files: list[Path]) -> bool:
+    """Whether a folder's files are a dataset: data files, and nothing else but documentation."""
+    data = [f for f in files if data_kind(f)]
+    return bool(data) and all(data_kind(f) or _DOC_FILE.fullmatch(f.name) for f in files)
+
+
+def is_hub_name(source: str) -> bool:
+    return str(source).startswith(HUB_PREFIX)
+
+
+@dataclass(frozen=True)
+class HubName:
+    """A Hub dataset as `hf:NAME[:CONFIG][/SPLIT]` names it."""
+
+    name: str
+    config: str | None = None
+    split: str = "train"
+
+    @classmethod
+    def parse(cls, source: str) -> HubName:
+        """`hf:org/name`, `hf:org/name/split`, `hf:org/name:config`, `hf:org/name:config/split`; a name
+        without an organization (`hf:wikitext`) takes a split only after a config."""
+        spec = source[len(HUB_PREFIX):]
+        name, _, rest = spec.partition(":")
+        config, split = None, "train"
+        if rest:
+            config, _, split = rest.partition("/")
+            split = split or "train"
+        elif name.count("/") == 2:
+            name, _, split = name.rpartition("/")
+        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) or (config is not None and not config) or not split:
+            raise DataError(f"{source}: not a Hugging Face dataset name; write hf:NAME[:CONFIG][/SPLIT], "
+                            "e.g. hf:HuggingFaceFW/fineweb-edu:sample-10BT/train")
+        return cls(name, config, split)
+
+    def __str__(self) -> str:
+        return HUB_PREFIX + self.name + (f":{self.config}" if self.config else "") + f"/{self.split}"
+
+
+@dataclass
+class DatasetSource:
+    """A dataset SOURCE: its files (or Hub name), the column read, and what reading it found."""
+
+    name: str
+    column: str
+    files: list[Path] = field(default_factory=list)
+    hub: HubName | None = None
+    path: Path | None = None
+    documents: int = 0  # rows read with text, counted as they are read
+    empty: int = 0  # rows whose text is empty or null, skipped
+    text_bytes: int = 0  # UTF-8 bytes of the documents read
+
+    @property
+    def size(self) -> int:
+        """Bytes of its files (a Hub dataset: of the text read)."""
+        return sum(f.stat().st_size for f in self.files) if self.hub is None else self.text_bytes
+
+    @property
+    def parts(self) -> int:
+        return len(self.files) if self.hub is None else 1
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = {"name": printable_path(self.name), "kind": "dataset", "column": self.column,
+                "files": len(self.files), "bytes": self.size, "documents": self.documents, "skipped": self.empty}
+        if self.hub is not None:
+            meta.update(dataset=self.hub.name, config=self.hub.config, split=self.hub.split)
+        else:
+            meta["path"] = printable_path(self.path)
+        return meta
+
+    def describe_files(self) -> list[list[Any]]:
+        """(path, size, mtime) of each file, or the Hub name: what a resumed prepare must find unchanged."""
+        if self.hub is not None:
+            return [[str(self.hub)]]
+        return [[str(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in self.files]
+
+    def check(self) -> None:
+        """Refuse a missing or non-text column, or an empty dataset, before anything is written: from
+        the parquet footers (no data read), else the first rows."""
+        _require()
+        if self.hub is not None:
+            self._hub_dataset()  # opens it: a name that is not there, offline, a bad config or split
+            return
+        rows = 0
+        for f in self.files:
+            if data_kind(f) == "parquet":
+                pf = _parquet_file(f)
+                _check_arrow_column(pf.schema_arrow, self.column, f)
+                rows += pf.metadata.num_rows
+            else:
+                rows += 1  # read lazily: checked on its first batch
+        if not rows:
+            raise DataError(f"{self.name} holds no rows: an empty dataset")
+
+    def rows(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, int, list[Any]]]:
+        """(part, first row, texts) batches from position `start` (part, row) on, in order; each value
+        is the row's text, or None where it has none."""
+        _require()
+        part0, row0 = start
+        with _quiet_datasets():
+            if self.hub is not None:
+                yield from ((0, r, texts) for r, texts in self._read_hub(row0))
+                return
+            for part in range(part0, len(self.files)):
+                f = self.files[part]
+                first = row0 if part == part0 else 0
+                read = _read_parquet if data_kind(f) == "parquet" else _read_builder
+                for r, texts in read(f, self.column, first):
+                    yield part, r, texts
+
+    # -- the Hub
+
+    def _hub_dataset(self) -> Any:
+        """The dataset, streamed from the Hub (or from the datasets cache in offline mode)."""
+        import datasets
+
+        hub = self.hub
+        offline = _env_offline()
+        if not offline and not _hub_reachable():
+            offline = True
+        if offline and not datasets.config.HF_HUB_OFFLINE:
+            # datasets would try the network (and retry for half a minute): it reads offline mode at import
+            raise DataError(_offline_message(hub))
+        try:
+            with _quiet_datasets():
+                ds = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=not offline)
+        except (ConnectionError, TimeoutError) as e:
+            if offline or "OfflineModeIsEnabled" in str(e) or "Couldn't reach" in str(e):
+                raise DataError(_offline_message(hub)) from None
+            raise DataError(f"{hub}: {_first_line(e)}") from None
+        except datasets.exceptions.DatasetNotFoundError:
+            raise DataError(f"{hub}: no such dataset on the Hugging Face Hub (a gated or private one needs "
+                            "`hf auth login`)") from None
+        except Exception as e:  # a config or split it does not have, a dataset script, ...
+            raise DataError(f"{hub}: {_first_line(e)}") from None
+        features = getattr(ds, "features", None)
+        if features is not None:
+            _check_features(features, self.column, str(hub))
+        return ds
+
+    def _read_hub(self, first: int) -> Iterator[tuple[int, list[Any]]]:
+        ds = self._hub_dataset()
+        if first:
+            ds = ds.skip(first)
+        row = first
+        try:
+            for batch in ds.iter(batch_size=BATCH_ROWS):
+                texts = _column_of(batch, self.column, str(self.hub))
+                yield row, texts
+                row += len(texts)
+        except DataError:
+            raise
+        except Exception as e:
+            raise DataError(f"{self.hub}: reading row {row:,} failed: {_first_line(e)}") from None
+
+
+def dataset_source(name: str, path: Path | None, files: list[Path], column: str) -> DatasetSource:
+    """A local dataset (its data files, in order) or a Hub one (`path` None, `name` hf:...)."""
+    if not isinstance(column, str) or not column:
+        raise DataError("--text-column must name a column")
+    if path is None:
+        return DatasetSource(name, column, hub=HubName.parse(name))
+    return DatasetSource(name, column, files=files, path=path)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _require() -> None:
+    try:
+        import datasets  # noqa: F401
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError("reading datasets needs the datasets and pyarrow packages: "
+                                     "pip install 'tinygpt[data]'") from None
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """datasets logs a failed file at ERROR level before raising: the caller's one-line error says it."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def _is_text_type(t: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _no_column(where: str, column: str, columns: list[str]) -> DataError:
+    shown = ", ".join(columns) if columns else "none"
+    return DataError(f"{where} has no column {column!r} (its columns: {shown}); name the text with --text-column")
+
+
+def _not_text(where: str, column: str, kind: str, text_columns: list[str]) -> DataError:
+    hint = f" (its text columns: {', '.join(text_columns)})" if text_columns else " (it has no text column)"
+    return DataError(f"column {column!r} of {where} holds {kind}, not text; choose another with --text-column{hint}")
+
+
+def _check_arrow_column(schema: Any, column: str, where: Path | str) -> None:
+    names = list(schema.names)
+    if column not in names:
+        raise _no_column(str(where), column, names)
+    t = schema.field(column).type
+    if not _is_text_type(t):
+        raise _not_text(str(where), column, str(t), [n for n in names if _is_text_type(schema.field(n).type)])
+
+
+def _check_features(features: Any, column: str, where: str) -> None:
+    names = list(features)
+    if column not in names:
+        raise _no_column(where, column, names)
+
+    def dtype(f: Any) -> str:
+        return getattr(f, "dtype", None) or type(f).__name__
+
+    if dtype(features[column]) not in ("string", "large_string"):
+        texts = [n for n in names if dtype(features[n]) in ("string", "large_string")]
+        raise _not_text(where, column, dtype(features[column]), texts)
+
+
+def _column_of(batch: dict[str, list[Any]], column: str, where: str) -> list[Any]:
+    """A batch's texts, each a str or None; anything else is a non-text column."""
+    if column not in batch:
+        raise _no_column(where, column, list(batch))
+    texts = batch[column]
+    bad = next((v for v in texts if v is not None and not isinstance(v, str)), None)
+    if bad is not None:
+        others = [k for k, vs in batch.items() if vs and all(isinstance(v, str) or v is None for v in vs)]
+        raise _not_text(where, column, type(bad).__name__, others)
+    return texts
+
+
+def _parquet_file(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+
+
+def _read_parquet(path: Path, column: str, first: int) -> Iterator[tuple[int, list[Any]]]:
+    """A parquet file's texts from row `first` on, a row group at a time."""
+    import pyarrow as pa
+
+    pf = _parquet_file(path)
+    _check_arrow_column(pf.schema_arrow, column, path)
+    meta = pf.metadata
+    group, before = 0, 0  # the row group holding row `first`, and the rows before it
+    while group < meta.num_row_groups and before + meta.row_group(group).num_rows <= first:
+        before += meta.row_group(group).num_rows
+        group += 1
+    row, drop = before, first - before
+    try:
+        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=[column],
+                                     row_groups=range(group, meta.num_row_groups), use_threads=False):
+            texts = batch.column(0).to_pylist()
+            row += len(texts)
+            if drop:
+                texts, drop = texts[drop:], max(0, drop - len(texts))
+            if texts:
+                yield row - len(texts), texts
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
+
+
+def _read_builder(path: Path, column: str, first: int) -> Iterator[tuple[int, list[Any]]]:
+    """A JSONL or CSV file's texts from row `first` on, through datasets' streaming builder."""
+    import datasets
+
+    kind = data_kind(path)
+    label = {"json": "JSON lines", "csv": "CSV"}[kind]
+    row = first
+    try:
+        ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
+        if first:
+            ds = ds.skip(first)
+        for batch in ds.iter(batch_size=BATCH_ROWS):
+            texts = _column_of(batch, column, str(path))
+            yield row, texts
+            row += len(texts)
+    except DataError:
+        raise
+    except Exception as e:  # pyarrow's parse errors, datasets' own, a file that vanished
+        raise DataError(f"{path}: not readable as {label} near row {row + 1:,} ({_first_line(e)})") from None
+
+
+def _env_offline() -> bool:
+    return any(os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
+    """Whether the Hub's host answers on its port: a machine without a network fails here in
+    milliseconds, where huggingface_hub would retry for half a minute."""
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((endpoint.hostname or "huggingface.co", port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def _offline_message(hub: HubName) -> str:
+    folder = f"data/hf/{hub.name.rsplit('/', 1)[-1]}"
+    return (f"{hub}: the Hugging Face Hub cannot be reached (offline); on a machine online, download it with "
+            f"`hf download {hub.name} --repo-type dataset --local-dir {folder}` and prepare the folder of its "
+            "parquet or JSONL files from there (or, with HF_HUB_OFFLINE=1, a copy in the datasets cache is read)")
