@@ -33,12 +33,27 @@ How text is read:
 - Everything is written into a hidden temporary folder next to `out_dir` and renamed into place at
   the end: an interrupted prepare leaves no half-written data folder, and a folder that is not a
   tinygpt data folder is never overwritten.
+
+Datasets (tinygpt.datasources: `hf:NAME[:CONFIG][/SPLIT]`, parquet, JSONL and CSV files or folders
+of them) are streamed in one pass, a row a document, and never held whole:
+
+- Documents are encoded on `workers` threads (tinygpt.shards.Encoder) in order, so the ids are those
+  of one worker; each split's documents are separated by `<|endoftext|>` as files are.
+- The validation split is every document k with (k * val_fraction) mod 1 < val_fraction: the
+  first, then one in 1/val_fraction, spread over the whole dataset (a stream has no known end to
+  hold out the last share of). `max_tokens` stops at that many ids (train and val together).
+- With `shard_tokens` each split is written as train_00000.bin, ... val_00000.bin, ... of that many
+  ids (meta.json's "shards" index: file, tokens, documents and sha256 of each); without it as
+  train.bin and val.bin. The work folder (`.NAME.prepare` beside `out_dir`) records after each full
+  shard where in the dataset it was, so `resume` continues from the last complete shard and writes
+  the same files an uninterrupted run writes.
 """
 
 from __future__ import annotations
 
 import codecs
 import math
+from fractions import Fraction
 import os
 import re
 import shutil
@@ -53,7 +68,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import ChatError, DataError, TokenizerError
-from .fileio import check_folder_path, parse_json, printable_path, read_json, temp_folder, write_json
+from .datasources import DatasetSource, data_kind, dataset_source, is_dataset_folder, is_hub_name
+from .fileio import check_folder_path, check_regular_file, parse_json, printable_path, read_json, temp_folder, write_json
+from .shards import SHARD_FILE, Encoder, ShardedTokens, ShardWriter, default_workers
 from .tokenizer import (
     DEFAULT_BPE_VOCAB,
     EOT,
@@ -536,11 +553,18 @@ def prepare(
     errors: str = "strict",
     tokenizer_file: str | os.PathLike | None = None,
     progress: ProgressFn | None = None,
+    text_column: str = "text",
+    max_tokens: int | None = None,
+    shard_tokens: int | None = None,
+    workers: int | None = None,
+    resume: bool = False,
 ) -> dict[str, Any]:
     """Tokenize text sources into a data folder for training. Returns the meta.json contents.
 
     Args:
-        sources: text files, folders, or built-in corpora ("python-stdlib", "shakespeare").
+        sources: text files, folders, or built-in corpora ("python-stdlib", "shakespeare"); or
+            datasets: `hf:NAME[:CONFIG][/SPLIT]`, parquet / JSONL / CSV files or folders of them
+            (not mixed with text sources).
         out_dir: the data folder to write; an existing one is replaced only if it is a tinygpt data folder.
         tokenizer: "char" (learned from the corpus), "bpe" (byte-level BPE trained on the corpus),
             "gpt2" (GPT-2's BPE), a ready Tokenizer, or None to take the kind from `tokenizer_file`.
@@ -552,12 +576,31 @@ def prepare(
             tokenizer.json / data or run folder to reuse its tokenizer (char, bpe), or a Hugging
             Face GPT-2 folder (its tokenizer, as `tinygpt.load` reads the folder).
         progress: called as progress(phase, bytes_done, bytes_total) while files are read.
+        text_column: a dataset's column of text.
+        max_tokens: a dataset: stop after this many ids (a prefix of it).
+        shard_tokens: a dataset: write each split as shards of this many ids.
+        workers: a dataset: threads encoding (default: this machine's cores).
+        resume: a dataset written as shards: continue an interrupted prepare from its last full shard.
     """
     _check_prepare_args(val_fraction, errors)
     out = Path(out_dir).expanduser().resolve()
     _check_out_dir(out)
     _check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
-    srcs = resolve_sources(sources, exclude=[out])
+    names = [str(sources)] if isinstance(sources, (str, os.PathLike)) else [str(s) for s in sources]
+    datasets = [is_dataset(n) for n in names]
+    if any(datasets):
+        if not all(datasets):
+            text = names[datasets.index(False)]
+            raise DataError(f"{text} is text and {names[datasets.index(True)]} a dataset: prepare them apart")
+        if errors != "strict":
+            raise DataError("--errors replace applies to text files; a dataset's text is decoded by its reader")
+        return _prepare_dataset(names, out, tokenizer, vocab_size, val_fraction, tokenizer_file, progress,
+                                _DatasetArgs(text_column, max_tokens, shard_tokens, workers, resume))
+    for flag, value in (("--max-tokens", max_tokens), ("--shard-tokens", shard_tokens), ("--workers", workers),
+                        ("--resume", resume or None)):
+        if value is not None:
+            raise DataError(f"{flag} applies to datasets (hf:NAME, parquet, JSONL or CSV files); {names[0]} is text")
+    srcs = resolve_sources(names, exclude=[out])
     tok_or_kind = _make_tokenizer(tokenizer, tokenizer_file)
     reader = _Reader([d for s in srcs for d in s.documents], errors, progress)
     _check_separator(tok_or_kind, tokenizer_file, len(reader.docs))
@@ -732,7 +775,7 @@ def _check_out_dir(out: Path) -> None:
     entries = set(os.listdir(out))
     if not entries:
         return
-    if "meta.json" in entries and entries <= set(DATA_FILES + CHAT_FILES):
+    if "meta.json" in entries and all(e in DATA_FILES + CHAT_FILES or SHARD_FILE.fullmatch(e) for e in entries):
         try:
             if read_json(out / "meta.json", DataError).get("format") == FORMAT:
                 return
@@ -761,6 +804,220 @@ def _replace_folder(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(new, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# prepare from datasets (see the module docstring)
+
+STATE_FILE = "prepare-state.json"  # in the work folder: where an interrupted prepare got to
+
+
+@dataclass(frozen=True)
+class _DatasetArgs:
+    column: str
+    max_tokens: int | None
+    shard_tokens: int | None
+    workers: int | None
+    resume: bool
+
+    def check(self) -> None:
+        for flag, value in (("--max-tokens", self.max_tokens), ("--shard-tokens", self.shard_tokens),
+                            ("--workers", self.workers)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise DataError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.resume and self.shard_tokens is None:
+            raise DataError("--resume continues from the last complete shard: give --shard-tokens")
+
+
+def is_dataset(source: str) -> bool:
+    """Whether a SOURCE is a dataset: hf:NAME, a parquet / JSONL / CSV file, or a folder of them."""
+    if is_hub_name(source):
+        return True
+    path = Path(source).expanduser()
+    if path.is_file():
+        return data_kind(path) is not None
+    return path.is_dir() and is_dataset_folder(_walk_files(path.resolve(), []))
+
+
+def _dataset_sources(names: list[str], out: Path, column: str) -> list[DatasetSource]:
+    srcs = []
+    for name in names:
+        if is_hub_name(name):
+            srcs.append(dataset_source(name, None, [], column))
+            continue
+        path = Path(name).expanduser().resolve()
+        if out in (path, *path.parents):
+            raise DataError(f"source {name} is the output folder {out} or inside it: give another --out")
+        files = [path] if path.is_file() else [f for f in _walk_files(path, [out]) if data_kind(f)]
+        srcs.append(dataset_source(name, path, files, column))
+    for src in srcs:
+        src.check()
+    return srcs
+
+
+def _dataset_texts(srcs: list[DatasetSource]) -> Iterator[str]:
+    for src in srcs:
+        for _, _, texts in src.rows():
+            yield from (t for t in texts if t)
+
+
+def _dataset_tokenizer(srcs: list[DatasetSource], tok_or_kind: Tokenizer | str, bpe_vocab: int,
+                       progress: ProgressFn | None) -> Tokenizer:
+    """A ready tokenizer, or one learned in a first pass over the dataset (char: its alphabet; bpe)."""
+    if tok_or_kind == "bpe":
+        return BPETokenizer.train(_dataset_texts(srcs), bpe_vocab, show_progress=progress is not None)
+    if tok_or_kind == "char":
+        seen = np.zeros(0x110000, dtype=bool)
+        for text in _dataset_texts(srcs):
+            seen[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)] = True
+        return CharTokenizer(map(chr, np.flatnonzero(seen).tolist()))
+    return tok_or_kind
+
+
+def _work_folder(out: Path) -> Path:
+    return out.parent / f".{out.name}.prepare"
+
+
+def _prepare_dataset(names: list[str], out: Path, tokenizer: str | Tokenizer | None, vocab_size: int | None,
+                     val_fraction: float, tokenizer_file: str | os.PathLike | None, progress: ProgressFn | None,
+                     args: _DatasetArgs) -> dict[str, Any]:
+    """prepare() for datasets: one streaming pass (after a first one that learns a char or BPE vocabulary)."""
+    args.check()
+    srcs = _dataset_sources(names, out, args.column)
+    work = _work_folder(out)
+    settings = {"sources": [s.describe_files() for s in srcs], "column": args.column, "tokenizer": str(tokenizer),
+                "vocab_size": vocab_size, "tokenizer_file": None if tokenizer_file is None else str(tokenizer_file),
+                "val_fraction": val_fraction, "max_tokens": args.max_tokens, "shard_tokens": args.shard_tokens}
+    state = None
+    if args.resume and (work / STATE_FILE).is_file():
+        state = read_json(work / STATE_FILE, DataError)
+        if not isinstance(state, dict) or state.get("settings") != json_round_trip(settings):
+            raise DataError(f"{work} holds an interrupted prepare of other sources or settings: run it with those, "
+                            "or without --resume to start over")
+        tok = load_tokenizer(work / "tokenizer.json")
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+        tok_or_kind = _make_tokenizer(tokenizer, tokenizer_file)
+        _check_separator(tok_or_kind, tokenizer_file, 2)
+        tok = _dataset_tokenizer(srcs, tok_or_kind, vocab_size or DEFAULT_BPE_VOCAB, progress)
+        work.mkdir()
+        tok.save(work / "tokenizer.json")
+    try:
+        counts = _DatasetPass(srcs, tok, work, val_fraction, args, settings, state).run(progress)
+    except BaseException:
+        if not (work / STATE_FILE).is_file():  # no shard to resume from: nothing worth keeping
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    meta = {
+        "format": FORMAT, "version": VERSION, "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(),
+        "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name, **counts,
+        "val_fraction": val_fraction, "eot_id": tok.eot_id, "sources": [s.to_meta() for s in srcs],
+    }
+    if tokenizer == "bpe" and tokenizer_file is None:
+        meta["requested_vocab_size"] = vocab_size or DEFAULT_BPE_VOCAB
+    (work / STATE_FILE).unlink(missing_ok=True)
+    _check_out_dir(out)  # again: something may have appeared there while the dataset was read
+    _publish(work, out, tok, meta, tokenizer_file)
+    return meta
+
+
+def json_round_trip(obj: Any) -> Any:
+    """`obj` as it reads back from JSON (tuples become lists), to compare with what a file holds."""
+    import json
+
+    return json.loads(json.dumps(obj))
+
+
+class _DatasetPass:
+    """The encoding pass over a dataset: documents in order, to their split's shards, with the
+    counters an interrupted pass is resumed from (recorded after each full shard)."""
+
+    def __init__(self, srcs: list[DatasetSource], tok: Tokenizer, work: Path, val_fraction: float,
+                 args: _DatasetArgs, settings: dict[str, Any], state: dict[str, Any] | None) -> None:
+        self.srcs, self.tok, self.work, self.args, self.settings = srcs, tok, work, args, settings
+        frac = Fraction(val_fraction).limit_denominator(1_000_000)
+        self.val_num, self.val_den = frac.numerator, frac.denominator
+        self.at: dict[str, Any] = state["at"] if state else {
+            "position": [0, 0, 0], "emitted": 0, "documents": 0, "tokens": 0,
+            **{f"{split}_{k}": 0 for split in ("train", "val") for k in ("documents", "chars", "bytes")},
+            "read": [[0, 0, 0] for _ in srcs],  # per source: documents, empty rows, text bytes
+        }
+        self.snapshot = dict(self.at)
+        self.writer = ShardWriter(work, token_dtype(tok.vocab_size), args.shard_tokens, on_shard=self._record,
+                                  resume=state["writer"] if state else None)
+        self.writer.emitted = self.at["emitted"]
+        self.writer.skip = state["emitted"] - self.at["emitted"] if state else 0
+
+    def _record(self) -> None:
+        """After a full shard: where the batch being written began, and what the files hold now."""
+        write_json(self.work / STATE_FILE, {"settings": self.settings, "at": self.snapshot,
+                                            "emitted": self.writer.emitted, "writer": self.writer.state()})
+
+    def _batches(self) -> Iterator[tuple[int, int, int, list[Any]]]:
+        s0, p0, r0 = self.at["position"]
+        for i in range(s0, len(self.srcs)):
+            for part, row, texts in self.srcs[i].rows((p0, r0) if i == s0 else (0, 0)):
+                yield i, part, row, texts
+
+    def run(self, progress: ProgressFn | None) -> dict[str, Any]:
+        tok, at, writer = self.tok, self.at, self.writer
+        lead = np.array(tok.added_ids[0], dtype=np.uint32)  # a pretrained model's BOS begins each document
+        eot = np.array([tok.eot_id], dtype=np.uint32) if tok.eot_id is not None else np.zeros(0, np.uint32)
+        limit = self.args.max_tokens
+        workers = self.args.workers or default_workers()
+        total = sum(s.size for s in self.srcs if s.hub is None)
+        try:
+            with Encoder(tok, workers) as encoder:
+                for (i, part, row, texts), arrays in encoder.map(self._batches(), lambda b: [t for t in b[3] if t]):
+                    at["position"] = [i, part, row]
+                    at["emitted"] = writer.emitted
+                    self.snapshot = json_round_trip(at)
+                    read = at["read"][i]
+                    read[1] += sum(1 for t in texts if not t)
+                    for text, ids in zip((t for t in texts if t), arrays):
+                        k = at["documents"]
+                        split = "val" if (k * self.val_num) % self.val_den < self.val_num else "train"
+                        ids = np.concatenate([eot if at[f"{split}_documents"] else eot[:0], lead, ids])
+                        if limit is not None:
+                            ids = ids[: limit - at["tokens"]]
+                        writer.start_document(split)
+                        writer.write(split, ids)
+                        size = len(text.encode("utf-8"))
+                        at["documents"] += 1
+                        at["tokens"] += len(ids)
+                        at[f"{split}_documents"] += 1
+                        at[f"{split}_chars"] += len(text)
+                        at[f"{split}_bytes"] += size
+                        read[0] += 1
+                        read[2] += size
+                        if limit is not None and at["tokens"] >= limit:
+                            break
+                    if progress is not None and total:
+                        progress("encode", sum(r[2] for r in at["read"]), total)
+                    if limit is not None and at["tokens"] >= limit:
+                        break
+        except TokenizerError as e:  # text a reused tokenizer cannot take (a char vocabulary without it)
+            writer.abort()
+            raise DataError(f"the tokenizer cannot encode this dataset: {e}") from None
+        except BaseException:
+            writer.abort()
+            raise
+        if not at["documents"]:
+            writer.abort()
+            raise DataError(f"{', '.join(s.name for s in self.srcs)} holds no text: every {self.args.column!r} "
+                            "is empty")
+        index = writer.close()
+        for src, (docs, empty, size) in zip(self.srcs, at["read"]):
+            src.documents, src.empty, src.text_bytes = docs, empty, size
+        counts = {f"{split}_{k}": at[f"{split}_{k}"] for split in ("train", "val") for k in ("chars", "bytes")}
+        counts.update({f"{split}_tokens": sum(s["tokens"] for s in index[split]) for split in ("train", "val")})
+        counts.update(documents=at["documents"], train_documents=at["train_documents"],
+                      val_documents=at["val_documents"], max_tokens=limit,
+                      truncated=limit is not None and at["tokens"] >= limit)
+        if self.args.shard_tokens is not None:
+            counts.update(shard_tokens=self.args.shard_tokens, shards=index)
+        return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1059,10 +1316,13 @@ def load_data(path: str | os.PathLike) -> DataSet:
             f"{p}: tokenizer.json ({tok.kind}, {tok.vocab_size:,} tokens) disagrees with meta.json "
             f"({meta.get('tokenizer')}, {meta['vocab_size']:,} tokens)"
         )
-    arrays = {
-        split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"])
-        for split in ("train", "val")
-    }
+    if "shards" in meta:
+        arrays = {split: _open_shards(p, meta, split, dtype) for split in ("train", "val")}
+    else:
+        arrays = {
+            split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"])
+            for split in ("train", "val")
+        }
     if meta.get("content") != "chat":
         return DataSet(p, meta, arrays["train"], arrays["val"], tok)
     masks, starts = _open_chat(p, meta, tok)
@@ -1088,6 +1348,32 @@ def _open_chat(p: Path, meta: dict[str, Any], tok: Tokenizer) -> tuple[dict[str,
         if n_conv and (s[0] != 0 or (np.diff(s) <= 0).any() or s[-1] >= n_tokens):
             raise DataError(f"{p / f'{split}.starts'}: conversation starts are not increasing offsets from 0")
     return masks, starts
+
+
+def _open_shards(p: Path, meta: dict[str, Any], split: str, dtype: np.dtype) -> ShardedTokens:
+    """A split written as shards (meta.json's "shards" index), each checked for its size; ids past the
+    vocabulary are refused as they are read (reading every shard here would take minutes at scale)."""
+    index = meta["shards"].get(split) if isinstance(meta["shards"], dict) else None
+    where = p / "meta.json"
+    if not isinstance(index, list):
+        raise DataError(f"{where}: shards must map train and val to lists of shards")
+    paths, counts = [], []
+    for entry in index:
+        name, n = (entry.get("file"), entry.get("tokens")) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(name, str) and SHARD_FILE.fullmatch(name) and name.startswith(split + "_")):
+            raise DataError(f"{where}: {name!r} is not a {split} shard's file name")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DataError(f"{where}: the tokens of {name} must be a non-negative integer, got {n!r}")
+        size = check_regular_file(p / name, DataError)
+        if size != n * dtype.itemsize:
+            raise DataError(f"{p / name} holds {size:,} bytes but meta.json says {n:,} {dtype.name} tokens "
+                            f"({n * dtype.itemsize:,} bytes)")
+        paths.append(p / name)
+        counts.append(n)
+    if sum(counts) != meta[f"{split}_tokens"]:
+        raise DataError(f"{where}: the {split} shards hold {sum(counts):,} tokens, not the {meta[f'{split}_tokens']:,} "
+                        f"{split}_tokens says")
+    return ShardedTokens(paths, counts, dtype, meta["vocab_size"])
 
 
 def _open_tokens(path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> np.ndarray:
@@ -1135,8 +1421,10 @@ def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int) -> tup
         )
     if offs.size and (offs.min() < 0 or offs.max() > n - block_size - 1):
         raise DataError(f"batch offsets must lie in [0, {n - block_size - 1}], got {offs.min()}..{offs.max()}")
-    # Row o of the window view is tokens[o:o+T+1]; indexing it copies just the B rows.
-    windows = np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[offs]  # (B, T+1)
+    if isinstance(tokens, ShardedTokens):  # rows that cross a shard's end are joined, as in one file
+        windows = tokens.windows(offs, block_size + 1)  # (B, T+1)
+    else:  # row o of the window view is tokens[o:o+T+1]; indexing it copies just the B rows
+        windows = np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[offs]  # (B, T+1)
     chunk = torch.from_numpy(windows.astype(np.int64))  # (B, T+1)
     return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 

@@ -18,6 +18,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     (downloaded once). Files are read as UTF-8; line endings are kept as they are. Without --out
     the folder is data/NAME after the first source: data/python-stdlib, data/shakespeare, data/notes.
 
+    SOURCE may instead be a dataset, a document a row of its --text-column: hf:NAME[:CONFIG][/SPLIT]
+    (a Hugging Face dataset, streamed), or parquet, JSONL or CSV files or folders of them. A dataset
+    is read in one pass and encoded on --workers threads; --shard-tokens writes train_00000.bin, ...
+    and val shards, indexed in meta.json, and --resume continues an interrupted prepare from its last
+    complete shard; --max-tokens takes the first N tokens.
+
     With --format chat, SOURCE is one JSONL file of conversations; each is written with the
     tokenizer's chat template and a loss mask (train.mask, val.mask) so training learns the
     assistant's turns only.
@@ -44,6 +50,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             errors=args.errors,
             tokenizer_file=args.tokenizer_file,
             progress=progress,
+            text_column=args.text_column,
+            max_tokens=args.max_tokens,
+            shard_tokens=args.shard_tokens,
+            workers=args.workers,
+            resume=args.resume,
         )
     finally:
         close()
@@ -63,9 +74,18 @@ def cmd_prepare(args: argparse.Namespace) -> int:
             f"  {meta[f'{split}_bytes']:>12,} bytes"
         )
     skipped = sum(s["skipped"] for s in meta["sources"])
-    if skipped:
+    datasets = any(s.get("kind") == "dataset" for s in meta["sources"])
+    if datasets:
+        docs = f"  documents  {meta['train_documents']:,} train, {meta['val_documents']:,} val"
+        if skipped:
+            docs += f" ({skipped:,} rows without text skipped)"
+        print(docs + (f"; stopped at --max-tokens {meta['max_tokens']:,}" if meta["truncated"] else ""))
+        if "shards" in meta:
+            print(f"  shards     {len(meta['shards']['train']):,} train, {len(meta['shards']['val']):,} val "
+                  f"of {meta['shard_tokens']:,} tokens")
+    elif skipped:
         print(f"  skipped {skipped:,} files (binary, or not decodable as Python source)")
-    if meta["errors"] == "replace":
+    if meta.get("errors") == "replace":
         print(f"  replaced {meta['replacements']:,} invalid byte sequences with U+FFFD")
     return 0
 
@@ -160,5 +180,15 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
         help="reuse a tokenizer: a run, data or Hugging Face GPT-2 folder's (what `finetune FROM` needs), a tinygpt "
              "tokenizer.json, or GPT-2's vocab.json + merges.txt or .tiktoken file",
     )
+    p.add_argument("--text-column", default="text", metavar="NAME",
+                   help="a dataset's column of text, a document a row (text)")
+    p.add_argument("--max-tokens", type=Number("int", 1, grouped=True), metavar="N",
+                   help="a dataset: stop after N tokens, train and val together (a prefix of it)")
+    p.add_argument("--shard-tokens", type=Number("int", 1, grouped=True), metavar="N",
+                   help="a dataset: write each split as shards of N tokens (train_00000.bin, ...; val_00000.bin, ...)")
+    p.add_argument("--workers", type=Number("int", 1, 1024), metavar="N",
+                   help="a dataset: threads tokenizing (default: this machine's cores); the tokens are those of one")
+    p.add_argument("--resume", action="store_true",
+                   help="a dataset with --shard-tokens: continue an interrupted prepare from its last complete shard")
     p.add_argument("--progress", action="store_true", help="show progress bars")
     p.set_defaults(func=cmd_prepare, hub_args=("tokenizer_file",))
