@@ -15,10 +15,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tinygpt.checkpoint import load, load_training
+from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.data import get_batch, load_data, prepare
-from tinygpt.errors import DataError
+from tinygpt.errors import DataError, TrainingError
 from tinygpt.fileio import hash_file
-from tinygpt.shards import ShardedTokens
+from tinygpt.shards import OPEN_SHARDS, ShardedTokens
+from tinygpt.train import Stream, TrainCallback, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing é 日本 songs".split()
 SHARD = 1_000  # tokens per shard: several shards of each split from a small dataset
@@ -205,3 +208,110 @@ def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli):
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--text-column", "body", "--out", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "its columns: text, id" in r.stderr
     assert load_data(out).meta["shard_tokens"] == 4000  # the folder that was there is untouched
+
+
+# ---------------------------------------------------------------------------------------------
+# Training on shards: streamed in order, as one file, across processes, resumed where it stopped
+
+TINY = GPTConfig(vocab_size=400, block_size=16, n_layer=1, n_head=2, n_embd=32)
+
+
+def tiny_train(steps: int, **kw) -> TrainConfig:
+    settings = dict(batch_size=4, max_iters=steps, eval_interval=4, eval_iters=2, warmup=0, lr=1e-3, min_lr=1e-3,
+                    device="cpu", dtype="float32")
+    return TrainConfig(**{**settings, **kw})
+
+
+class Offsets(TrainCallback):
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+
+    def on_batch(self, offsets: torch.Tensor) -> None:
+        self.seen.append(offsets.tolist())
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def one_file(dataset):
+    """The sharded fixture's tokens in one train.bin and one val.bin."""
+    out = dataset["root"] / "one-file"
+    prepare([str(dataset["jsonl"])], out, tokenizer=None, tokenizer_file=dataset["tok"], workers=1)
+    return out
+
+
+def test_a_sharded_folder_streams_in_order_and_trains_as_one_file(sharded, one_file, tmp_path):
+    """Shards stream by default: consecutive windows from the split's start, crossing shard ends; the
+    same tokens in one file with --data-order sequential train the same loss, bit for bit (random
+    order draws the same batches from both: test_shard_boundaries_are_invisible_to_batches)."""
+    seen = Offsets()
+    a = train(sharded[0], tmp_path / "shards", TINY, tiny_train(16), callbacks=[seen])
+    b = train(one_file, tmp_path / "file", TINY, tiny_train(16, data_order="sequential"))
+    assert seen.seen == [list(range(k * 64, (k + 1) * 64, 16)) for k in range(16)]  # 64 = 4 rows x 16 tokens
+    assert losses(tmp_path / "shards") == losses(tmp_path / "file") and a.val_loss == b.val_loss
+    state = load_training(tmp_path / "shards")["data"]
+    assert state == {"order": "sequential", "position": 1024, "epoch": 0, "shard": 1, "offset": 24}  # past shard 0
+    assert load_training(tmp_path / "file")["data"]["shard"] == 0  # one file: one shard
+
+
+def test_resume_continues_from_the_saved_data_position(sharded, tmp_path):
+    """Stopped at step 20 (shard 1) and resumed to 36, a run ends bitwise as a straight 36-step one, the
+    resumed part reading the tokens after the saved (shard, offset)."""
+    straight, seen = tmp_path / "straight", Offsets()
+    train(sharded[0], straight, TINY, tiny_train(36), callbacks=[seen])
+    cut = tmp_path / "cut"
+    train(sharded[0], cut, TINY, tiny_train(20))
+    assert load_training(cut)["data"] == {"order": "sequential", "position": 1280, "epoch": 0, "shard": 1,
+                                          "offset": 280}
+    later = Offsets()
+    train(sharded[0], cut, None, tiny_train(36), resume=True, callbacks=[later])
+    assert later.seen == seen.seen[20:] and later.seen[0][0] == 1280
+    assert losses(cut) == losses(straight)
+    for name, tensor in load(straight).state_dict().items():
+        assert torch.equal(tensor, load(cut).state_dict()[name]), name
+    with pytest.raises(TrainingError, match="trained with --data-order sequential"):
+        train(sharded[0], cut, None, tiny_train(40, data_order="random"), resume=True)
+
+
+def test_the_stream_wraps_round_and_keeps_a_few_shards_mapped(sharded):
+    """Streaming reads every token of the split once per epoch, the shards one after another, never
+    more than OPEN_SHARDS of them mapped (the memory a run holds, whatever the split's size)."""
+    tokens = load_data(sharded[0]).train
+    assert len(tokens.paths) > 2 * OPEN_SHARDS
+    stream, block, rows, covered = Stream(tokens, 16), 16, 5, []
+    per_epoch = (len(tokens) - 1) // (rows * block)
+    for _ in range(per_epoch):
+        offsets = stream.draw(rows)
+        x, y = get_batch(tokens, offsets, block)
+        covered.append(x.reshape(-1))
+        assert len(tokens.open_shards) <= OPEN_SHARDS
+    assert stream.epoch == 1 and stream.position == 0  # the next draw would not fit: back to the start
+    whole = np.asarray(tokens)
+    np.testing.assert_array_equal(torch.cat(covered).numpy(), whole[: per_epoch * rows * block])
+    assert torch.equal(stream.draw(rows), torch.arange(rows) * block)
+
+
+def test_two_processes_stream_their_own_rows_as_one_process_and_resume_in_one(sharded, tmp_path):
+    """torchrun, 2 processes x batch 4 on shards: every micro-step each reads its own half of the next
+    global batch (rank 0 the first 4 rows), the losses are one process's with batch 8; the checkpoint
+    it leaves resumes in one process with batch 8 at the next unseen tokens."""
+    from test_distributed import FLAT, single, torchrun, trace
+
+    data = ["--data", sharded[0]]
+    single("train", *data, "--out", tmp_path / "one", "--batch-size", 8, "--max-iters", 6, *FLAT,
+           trace=tmp_path / "one-debug")
+    torchrun("train", *data, "--out", tmp_path / "two", "--batch-size", 4, "--max-iters", 6, *FLAT,
+             trace=tmp_path / "two-debug")
+    whole, *ranks = ([r["offsets"] for r in trace(tmp_path / d, k) if "offsets" in r]
+                     for d, k in (("one-debug", 0), ("two-debug", 0), ("two-debug", 1)))
+    micro = 8 * 16  # a global micro-batch: 8 rows of 16 tokens; --grad-accum 2
+    assert whole == [[list(range((2 * s + m) * micro, (2 * s + m + 1) * micro, 16)) for m in (0, 1)] for s in range(6)]
+    assert [[m[:4] for m in s] for s in whole] == ranks[0] and [[m[4:] for m in s] for s in whole] == ranks[1]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), abs=1e-4)
+    assert load_training(tmp_path / "two")["data"]["position"] == 6 * 2 * micro
+    later = Offsets()
+    train(sharded[0], tmp_path / "two", None, tiny_train(8, batch_size=8, grad_accum=2), resume=True,
+          callbacks=[later])
+    assert later.seen[0] == list(range(6 * 2 * micro, 6 * 2 * micro + micro, 16))

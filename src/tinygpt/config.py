@@ -512,6 +512,7 @@ MUON_MOMENTUM = 0.95  # Keller Jordan's and torch.optim.Muon's
 # what follows the warmup: cosine decay to min_lr over the run, the rate held, lr x sqrt(warmup / step),
 # or warmup-stable-decay (the rate held, then a linear decay to min_lr over the run's last steps)
 LR_SCHEDULES = ("cosine", "constant", "inverse-sqrt", "wsd")
+DATA_ORDERS = ("random", "sequential")  # TrainConfig.data_order
 LENGTHLESS_SCHEDULES = ("constant", "inverse-sqrt")  # those that need no known length
 DECAY_FRACTION = 0.2  # WSD's decay: the last fifth of the steps (Hagele et al. 2024 found 20% matches cosine)
 
@@ -559,6 +560,12 @@ class TrainConfig:
             (FSDP2) instead of replicating them (DDP); one process has nothing to shard. Not with
             muon, which orthogonalizes each matrix whole (refused).
         dist_timeout: seconds a process waits for the others in a collective before the job fails.
+        data_order: DATA_ORDERS: how the training batches go through the train split. "random":
+            windows at random offsets (nanoGPT's sampling); "sequential": consecutive windows from
+            the start, each global batch the next batch_size x processes x block_size tokens (the
+            llm.c / nanochat stream), every process reading only its own rows of it, wrapping round
+            at the end; the checkpoint keeps the position, so a resume goes on with the next unseen
+            tokens. None (the default): sequential for a data folder of shards, random for one file.
     """
 
     batch_size: int = 12
@@ -586,6 +593,7 @@ class TrainConfig:
     compile: bool = False
     fsdp: bool = False
     dist_timeout: float = 600.0
+    data_order: str | None = None
 
     def __post_init__(self) -> None:
         _finite(self, ("lr", "min_lr", "max_time", "weight_decay", "beta1", "beta2", "grad_clip", "dist_timeout",
@@ -626,6 +634,8 @@ class TrainConfig:
             _check(self.muon_lr > 0, "muon_lr", f"must be > 0, got {self.muon_lr!r}")
         _check(self.muon_weight_decay >= 0, "muon_weight_decay", f"must be >= 0, got {self.muon_weight_decay!r}")
         _check(0 <= self.muon_momentum < 1, "muon_momentum", f"must be in [0, 1), got {self.muon_momentum!r}")
+        _check(self.data_order in (None, *DATA_ORDERS), "data_order",
+               f"must be one of {', '.join(DATA_ORDERS)}, got {self.data_order!r}")
         if self.fsdp and self.optimizer == "muon":
             raise ConfigError("fsdp: FSDP2 shards each weight matrix across the processes and Muon orthogonalizes "
                               "whole matrices: train muon under DDP (no --fsdp), or fsdp with --optimizer adamw")

@@ -1221,6 +1221,11 @@ class DataSet:
         return self.masks is not None
 
     @property
+    def is_sharded(self) -> bool:
+        """Its splits are shards (prepare --shard-tokens), read through ShardedTokens."""
+        return "shards" in self.meta
+
+    @property
     def vocab_size(self) -> int:
         return self.meta["vocab_size"]
 

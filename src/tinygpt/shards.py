@@ -35,6 +35,7 @@ from .tokenizer import Tokenizer
 
 SPLITS = ("train", "val")
 PART = ".part"
+OPEN_SHARDS = 4  # shards a reader keeps mapped: a window crosses at most two
 SHARD_FILE = re.compile(r"(train|val)_(\d{5,})\.bin")
 
 T = TypeVar("T")
@@ -261,8 +262,9 @@ class ShardWriter:
 
 class ShardedTokens:
     """A split written as shards, read as one array of token ids (each shard a read-only memmap,
-    opened when first touched). Supports len(), [i], [a:b], np.asarray() and windows(); ids past
-    the vocabulary are refused as they are read.
+    opened when first touched, and at most OPEN_SHARDS of them mapped at once: streaming through
+    the split keeps the pages of a few shards in memory, not the split's). Supports len(), [i],
+    [a:b], np.asarray() and windows(); ids past the vocabulary are refused as they are read.
 
     Args:
         paths: the shard files, in order.
@@ -274,7 +276,7 @@ class ShardedTokens:
     def __init__(self, paths: list[Path], counts: list[int], dtype: np.dtype, vocab_size: int) -> None:
         self.paths, self.counts, self.dtype, self.vocab_size = list(paths), list(counts), np.dtype(dtype), vocab_size
         self.starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])  # (S+1,)
-        self._maps: dict[int, np.ndarray] = {}
+        self._maps: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # least recent first
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -285,9 +287,18 @@ class ShardedTokens:
 
     def shard(self, i: int) -> np.ndarray:
         """Shard i's ids (a memmap)."""
-        if i not in self._maps:
-            self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r", shape=(self.counts[i],))
+        if i in self._maps:
+            self._maps.move_to_end(i)
+            return self._maps[i]
+        while len(self._maps) >= OPEN_SHARDS:  # unmapped once the last view of it goes (reads copy)
+            self._maps.popitem(last=False)
+        self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r", shape=(self.counts[i],))
         return self._maps[i]
+
+    @property
+    def open_shards(self) -> list[int]:
+        """The shards mapped now, least recently read first."""
+        return list(self._maps)
 
     def locate(self, offset: int) -> tuple[int, int]:
         """(shard, offset inside it) of the id at `offset`."""

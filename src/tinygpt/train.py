@@ -30,8 +30,9 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed, kernels
-from .config import DEFAULT_LR, OPTIMIZERS, GPTConfig, TrainConfig
+from .config import DATA_ORDERS, DEFAULT_LR, OPTIMIZERS, GPTConfig, TrainConfig
 from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
+from .shards import ShardedTokens
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,
@@ -249,6 +250,62 @@ class Batches:
         if self.rows is None:
             return get_batch(self.tokens, positions, self.block)
         return get_chat_batch(self.tokens, self.mask, self.rows, positions, self.block)
+
+
+class Stream:
+    """The sequential data order (TrainConfig.data_order): global batches of consecutive windows, each
+    drawn `rows` windows of block_size + 1 tokens starting block_size apart from `position` (a row's
+    last target is the next row's first input, as llm.c's loader cuts them), so every token of the
+    split is trained on once per pass; the next draw starts where this one's rows end, and back at
+    the start (the next epoch) when a whole draw no longer fits. The same tokens in one file or in
+    shards give the same windows: shard boundaries are invisible. Every process draws the same global
+    offsets and reads only its own rows (share), from the shard(s) holding them.
+
+    `state()` is what a checkpoint keeps: the position as (shard, offset) too, checked on resume
+    against the data folder's shards."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int) -> None:
+        self.tokens, self.block = tokens, block_size
+        self.position, self.epoch = 0, 0
+
+    def draw(self, rows: int) -> torch.Tensor:
+        """The start offsets of the next `rows` windows (the global batch of one micro-step)."""
+        self._wrap(rows)
+        offsets = self.position + torch.arange(rows, dtype=torch.int64) * self.block
+        self.position += rows * self.block
+        self._wrap(rows)  # the position saved is where the next unseen tokens begin
+        return offsets
+
+    def _wrap(self, rows: int) -> None:
+        if self.position + rows * self.block + 1 > len(self.tokens):
+            self.position, self.epoch = 0, self.epoch + 1
+
+    def _locate(self, position: int) -> tuple[int, int]:
+        if isinstance(self.tokens, ShardedTokens):
+            return self.tokens.locate(position)
+        return 0, position
+
+    def state(self) -> dict[str, Any]:
+        shard, offset = self._locate(self.position)
+        return {"order": "sequential", "position": self.position, "epoch": self.epoch, "shard": shard,
+                "offset": offset}
+
+    def restore(self, saved: dict[str, Any], where: Path) -> None:
+        position = saved["position"]
+        if not 0 <= position < len(self.tokens) or self._locate(position) != (saved["shard"], saved["offset"]):
+            raise TrainingError(f"{where}: the run stopped at token {position:,} of the train split (shard "
+                                f"{saved['shard']}, offset {saved['offset']:,}), which this data folder's shards do "
+                                "not hold there: resume with the data it trained on")
+        self.position, self.epoch = position, saved["epoch"]
+
+
+def data_order(cfg: TrainConfig, dataset: DataSet) -> str:
+    """The run's data order: cfg.data_order, or by default sequential for shards and random for one file."""
+    order = cfg.data_order or ("sequential" if dataset.is_sharded else "random")
+    if order == "sequential" and dataset.is_chat:
+        raise TrainingError(f"{dataset.path} is chat data, trained on packed conversations in random order: "
+                            "drop --data-order sequential")
+    return order
 
 
 def batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], device) -> torch.Tensor:
@@ -503,6 +560,11 @@ def _settings(
             lr = start.lr
         cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
     _check_fits(model_config, dataset)
+    if data_order(cfg, dataset) == "sequential":
+        rows, n = cfg.batch_size * ctx.world_size, len(dataset.train)
+        if n < rows * model_config.block_size + 1:
+            raise TrainingError(f"the train split has {n:,} tokens, fewer than one sequential batch of {rows} x "
+                                f"{model_config.block_size} + 1; use more text, a smaller batch or --data-order random")
     return _Setup(dataset, model_config, cfg, state, notes, start)
 
 
@@ -562,6 +624,8 @@ class _Run:
         self.data_rng = torch.Generator().manual_seed(cfg.seed)
         self.block = setup.model_config.block_size
         self.batches = {s: Batches.of(self.dataset, s, self.block) for s in ("train", "val")}
+        self.order = data_order(cfg, self.dataset)
+        self.stream = Stream(self.dataset.train, self.block) if self.order == "sequential" else None
         self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.block * ctx.world_size
         self.step, self.tokens, self.horizon = 0, 0, cfg.max_iters
         self.keep_best = setup.start is not None and setup.start.keep == "best"
@@ -595,6 +659,11 @@ class _Run:
                 self.scaler.load_state_dict(state["scaler"])
             _restore_rng(state["rng"], ctx, self.device, cfg.seed + ctx.rank + 1_000_003 * self.step)
             self.data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
+            saved = state.get("data") or {"order": "random"}  # a state saved before data orders existed: random
+            if saved["order"] != self.order:
+                raise TrainingError(f"{run} trained with --data-order {saved['order']}: resume it with that order")
+            if self.stream is not None:
+                self.stream.restore(saved, run / checkpoint.STATE)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             raise CheckpointError(f"{run / checkpoint.STATE}: does not fit this run ({why})") from None
@@ -635,8 +704,10 @@ class _Run:
             group["lr"] = lr * scale
         loss_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
-            # every process draws the whole global batch from the same generator and takes its slice
-            offsets = self.batches["train"].sample(cfg.batch_size * ctx.world_size, self.data_rng)
+            # every process draws the whole global batch (from the same generator, or the next in the
+            # stream) and takes its slice
+            rows = cfg.batch_size * ctx.world_size
+            offsets = self.stream.draw(rows) if self.stream else self.batches["train"].sample(rows, self.data_rng)
             offsets = share(offsets, ctx.rank, cfg.batch_size)
             hooks.on_batch(offsets)
             batch = self.batches["train"].get(offsets)
@@ -703,6 +774,7 @@ class _Run:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
             "schedule": schedule or (self.schedule.state() if self.schedule is not None else None),
             "optimizer_kind": self.cfg.optimizer,
+            "data": self.stream.state() if self.stream is not None else {"order": "random"},
         }
         if self.keep_best:
             train_state["best_val"] = self.best
@@ -891,7 +963,7 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
     def fraction(v: Any) -> bool:
         return type(v) is float and 0.0 <= v <= 1.0
 
-    rng, opt, schedule = state.get("rng"), state.get("optimizer"), state.get("schedule")
+    rng, opt, schedule, data = state.get("rng"), state.get("optimizer"), state.get("schedule"), state.get("data")
     checks = {
         "tokens": count(state.get("tokens")),
         "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
@@ -903,6 +975,8 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
         "schedule": schedule is None or isinstance(schedule, dict) and fraction(schedule.get("warm"))
         and fraction(schedule.get("progress")),
         "optimizer_kind": state.get("optimizer_kind") in (None, *OPTIMIZERS),
+        "data": data is None or isinstance(data, dict) and data.get("order") in DATA_ORDERS
+        and (data["order"] == "random" or all(count(data.get(k)) for k in ("position", "epoch", "shard", "offset"))),
     }
     bad = [name for name, ok in checks.items() if not ok]
     if bad:

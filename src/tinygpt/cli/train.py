@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..calc.units import plural
-from ..config import ARCHS, MLPS
+from ..config import ARCHS, DATA_ORDERS, MLPS
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
                      kept_checkpoint, seed_type)
@@ -283,6 +283,10 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="torch.compile the model")
     t.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=None,
                    help="under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP")
+    t.add_argument("--data-order", choices=DATA_ORDERS,
+                   help="random windows (nanoGPT's sampling), or sequential: consecutive windows streamed through "
+                        "the train split, each process reading its own rows, the position kept in the checkpoint "
+                        "(default: sequential for a folder of shards, random for one file)")
     t.add_argument("--probe-interval", type=POSITIVE, metavar="N",
                    help="every N steps, log each head's induction and previous-token scores, the loss on repeated "
                         "random sequences' second copy and an in-context learning score to metrics.jsonl (off)")
