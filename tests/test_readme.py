@@ -270,8 +270,13 @@ def test_readme_params_and_chinchilla_output_is_the_commands(command, capsys):
 
 
 def readme_commands() -> list[str]:
-    """Every tinygpt command line of the README's bash and console blocks (continuations joined)."""
+    """Every tinygpt command line of the README's bash and console blocks (continuations joined), and
+    every whole command (`.venv/bin/...`) in a table's cell."""
     commands = [c for _, c, _ in console_commands()]
+    for page in pages():
+        for row in page.read_text(encoding="utf-8").splitlines():
+            if row.startswith("|"):
+                commands += re.findall(r"`(\.venv/bin/(?:tinygpt|torchrun) [^`]+)`", row)
     for block in readme_blocks("bash"):
         for line in block.text.replace("\\\n", " ").splitlines():
             if re.search(r"(^|/|-m )tinygpt ", line.split("#")[0]):
@@ -363,7 +368,7 @@ def test_readme_task_file_runs_as_shown(tmp_path, capsys):
     task_file.write_text(block.text, encoding="utf-8")
     task = fewshot.read_task(task_file)
     shots = re.search(r"`tinygpt fewshot RUN --task FILE\.jsonl --shots ([\d,]+)", readme_section(
-        "### Few-shot prompting, measured")).group(1)
+        "## Few-shot prompting, measured")).group(1)
     tokenizer = CharTokenizer.from_text(block.text + "\n" + task.template + task.separator)
     torch.manual_seed(0)
     model = tinygpt.GPT(GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16))
@@ -400,7 +405,7 @@ def test_readme_quotes_the_lessons_figures(pitfalls):
                     f"{cpu} kernels{'' if kernels.lowbit() else ' and its GELU'}, whose float32 results differ in the "
                     "last bits, and 300 Adam steps make that visible")
     pit, samples = pitfalls
-    prose = readme_section("### The lesson's pitfalls")
+    prose = readme_section("## The lesson's pitfalls")
     assert f"on an {LESSON_CPU} CPU" in prose
 
     def quoted(pattern: str) -> tuple[str, ...]:
@@ -424,7 +429,7 @@ def test_readme_quotes_the_lessons_figures(pitfalls):
 
 
 def test_readme_lesson_intro_counts_the_lessons_model():
-    intro = readme_section("## The lesson, step by step")
+    intro = readme_section("## The lesson's worked examples")
     assert f"TinyGPT's {lesson.lesson_model().num_params():,} parameters" in intro
 
 
