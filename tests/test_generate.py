@@ -241,11 +241,27 @@ def _whole_step_in_one_call(fmt) -> bool:
     return kernels.lowbit() is not None and (fmt is None or activation_dtype(fmt, "cpu") is torch.float32)
 
 
+# GPT-2's block, and the llama family's as SmolLM2 (grouped-query), Llama 3 (rope scaling, untied), Qwen2 (q/k/v
+# biases), Qwen3 (qk-norm, heads wider than n_embd / n_head) and the modern block's ReLU squared have it
+LAYOUTS = [
+    dict(), dict(bias=False, activation="gelu", tie_weights=False, scale_embeddings=True),
+    dict(arch="llama", n_head=4, n_kv_head=2),
+    dict(arch="llama", n_head=4, n_kv_head=1, tie_weights=False, rope_theta=5e5, rope_scaling="llama3", rope_factor=8.0,
+         rope_original_context=4),
+    dict(arch="llama", n_kv_head=1, qkv_bias=True, intermediate_size=96),
+    dict(arch="llama", n_head=4, n_kv_head=2, head_size=32, qk_norm=True),
+    dict(arch="llama", mlp="relu2", qk_norm=True, layer_norm_eps=1e-6),
+]
+
+
 @pytest.mark.parametrize("fmt", [None, *FORMATS])  # None: the plain float model, as training leaves it
-@pytest.mark.parametrize("arch", [dict(), dict(bias=False, activation="gelu", tie_weights=False, scale_embeddings=True)])
+@pytest.mark.parametrize("arch", LAYOUTS)
 def test_the_fast_decode_step_equals_the_model_s_own_path(fmt, arch):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=64, init="torch", **arch)).eval()
+    model = GPT(GPTConfig(**{**dict(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=64, init="torch"), **arch}))
+    model.eval()
+    for norm in (m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, torch.nn.RMSNorm))):
+        torch.nn.init.normal_(norm.weight, 1.0, 0.2)  # not all ones, so a norm left out or misplaced shows
     if fmt is not None:
         model = quantize(model, fmt)
     one_call = _whole_step_in_one_call(fmt)

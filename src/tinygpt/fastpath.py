@@ -7,11 +7,13 @@ per row at one shared position, in fewer operators: the Linear layers (whatever 
 them) are called as they are, LayerNorm, GELU and attention are called as functions, and the new
 keys and values go straight into the cache's buffers. Where every Linear layer is one of tinygpt's
 kernels (a model `quantize` converted on a CPU where they build), the whole step is one call into
-them (tinygpt.kernels' DecodePlan: LayerNorm and attention as loops of its own). A plain float32
+them (tinygpt.kernels' DecodePlan: the norms, rotary positions and attention as loops of its own),
+for GPT-2's block and the llama family's alike. A plain float32
 model, as `tinygpt.load` or training leaves it, is one call too: its nn.Linear weights are already
 the (out, in) float32 layout tinygpt's float kernel reads, so the plan reads them where they are
 (no copy, and a weight trained in place is read as it now is). Tests hold the Python step equal to
-the model's own path bit for bit, and the one call to float32 rounding.
+the model's own path bit for bit, and the one call to float32 rounding. (Without the one call, the
+llama layout's step is the model's own forward.)
 
 `generate.decode_step` takes it when `applies` says so (eval mode, a CPU, no compiler tracing);
 everything else (training, accelerators, rows at different positions) runs the model's forward.
@@ -28,14 +30,14 @@ import torch.nn.functional as F
 from . import kernels
 from .interop import quantize
 from .kv_cache import KVCache
+from .model import rope_frequencies
 
 
 def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
-    """Whether `step` computes this decode step: a GPT-2 block, the model in eval mode and causal, on a CPU,
+    """Whether `step` computes this decode step: the model in eval mode and causal, on a CPU,
     rows that fill the cache, a position inside it, and no torch.compile tracing."""
     return (
-        model.config.arch == "gpt2"  # GPT-2's block; the llama layout decodes through the model (issue 40 tunes it)
-        and token.device.type == "cpu"
+        token.device.type == "cpu"
         and not model.training
         and getattr(model, "causal", False)
         and not torch.compiler.is_compiling()
@@ -52,6 +54,8 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
         if plan is not None:
             return plan.step(token, pos, kv_cache.k, kv_cache.v)
     cfg = model.config
+    if cfg.arch != "gpt2":  # the llama layout's step from Python is the model's own
+        return model(token.view(-1, 1), kv_cache, torch.tensor([pos]))[:, -1]
     B, C, H = token.shape[0], cfg.n_embd, cfg.n_head
     tok = model.wte.weight[token]  # (B, C)
     if cfg.scale_embeddings:
@@ -103,18 +107,31 @@ for _register in (torch.nn.modules.module.register_module_module_registration_ho
 
 def _build(model):
     ops = kernels.lowbit()
-    norms = [m for b in model.h for m in (b.ln_1, b.ln_2)] + [model.ln_f]
-    linears = [m for b in model.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)] + [model.lm_head]
-    floats = [model.wte.weight, model.wpe.weight, *(p for n in norms for p in (n.weight, n.bias) if p is not None)]
+    cfg = model.config
+    attns, mlps = [b.attn for b in model.h], [b.mlp for b in model.h]
+    norms = [model.ln_f]
+    for block in reversed(model.h):  # each block's ln_1, ln_2 (and its queries' and keys' norms), then ln_f
+        qk = (block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ()
+        norms[:0] = [block.ln_1, block.ln_2, *qk]
+    if cfg.arch == "gpt2":
+        per_block = [(a.c_attn, a.c_proj, m.c_fc, m.c_proj) for a, m in zip(attns, mlps)]
+    else:
+        gate = lambda m: (m.gate_proj,) if m.kind == "swiglu" else ()  # noqa: E731
+        per_block = [(a.q_proj, a.k_proj, a.v_proj, a.o_proj, *gate(m), m.up_proj, m.down_proj) for a, m in zip(attns, mlps)]
+    linears = [m for layers in per_block for m in layers] + [model.lm_head]
+    rope = cfg.positions == "rope"
+    inv_freq = rope_frequencies(cfg) if rope else torch.empty(0)
+    wpe = torch.empty(0) if rope else model.wpe.weight
+    floats = [model.wte.weight, wpe, *(p for n in norms for p in (n.weight, getattr(n, "bias", None)) if p is not None)]
     specs = [_kernel_spec(m) for m in linears]
     if ops is None or None in specs or any(p.dtype is not torch.float32 or p.device.type != "cpu" for p in floats):
         return None
-    cfg = model.config
+    mlp = cfg.mlp if cfg.mlp != "gelu" else ("tanh" if cfg.activation == "gelu_tanh" else "none")  # GELU's approximate
     plan = torch.classes.tinygpt_lowbit.DecodePlan(
-        model.wte.weight, model.wpe.weight, math.sqrt(cfg.n_embd) if cfg.scale_embeddings else 1.0, cfg.n_head,
-        model.h[0].mlp.gelu.approximate if len(model.h) else "none")
+        model.wte.weight, wpe, inv_freq, math.sqrt(cfg.n_embd) if cfg.scale_embeddings else 1.0, cfg.n_head,
+        cfg.kv_heads, cfg.head_dim, mlp, cfg.norm == "rmsnorm", cfg.arch == "gpt2", bool(cfg.qk_norm))
     for n in norms:
-        plan.norm(n.weight, n.bias, n.eps)
+        plan.norm(n.weight, getattr(n, "bias", None), n.eps if n.eps is not None else torch.finfo(torch.float32).eps)
     for spec in specs:
         plan.linear(*spec)
     return plan

@@ -367,12 +367,16 @@ at::Tensor int4_linear(const at::Tensor& x_in, const at::Tensor& weight, const a
   });
 }
 
-// One decode step of a whole GPT in one call (tinygpt/fastpath.py builds the plan from a model that
-// tinygpt.quantize converted). At batch 1 a small model's step is ~15 operators a layer, and from
-// Python each costs more than its arithmetic (PyTorch's attention for one query alone ~50 us).
-// Here a step is the kernels above for the Linear layers, ATen's GELU, and LayerNorm, attention
-// for the one new query, the residual adds and the cache writes as plain loops, for rows that are
-// each computed on their own (a row's logits do not depend on its batch).
+// One decode step of a whole GPT in one call (tinygpt/fastpath.py builds the plan from a model whose
+// Linear layers are tinygpt's kernels' or plain float32). At batch 1 a small model's step is ~15
+// operators a layer, and from Python each costs more than its arithmetic (PyTorch's attention for
+// one query alone ~50 us). Here a step is the kernels above for the Linear layers, ATen's GELU and
+// SiLU, and the norms, rotary positions, attention for the one new query, the residual adds and the
+// cache writes as plain loops, for rows that are each computed on their own (a row's logits do not
+// depend on its batch). Both of model.py's layouts: GPT-2's (learned positions, LayerNorm, q, k and v
+// in one matmul, a GELU MLP) and the llama family's (rotary positions, RMSNorm, q, k and v apart with
+// fewer key/value heads than query heads, an optional RMSNorm on each head's queries and keys, and a
+// SwiGLU, ReLU-squared or GELU MLP), the same loops for what the two share.
 struct Linear {
   int64_t kind;  // 0: float32, float16 or bfloat16 weights, 1: int8 (aux: scales), 2: int4 (aux: params)
   int64_t out_features;
@@ -407,24 +411,41 @@ void check_float(const at::Tensor& t, int64_t n, const char* what) {
 }
 
 struct DecodePlan : torch::CustomClassHolder {
-  at::Tensor wte, wpe;  // (vocab, C), (block_size, C)
-  double embed_scale;   // 1: GPT-2's token embeddings as they are
-  int64_t n_head;
-  std::string gelu;             // "tanh" or "none", F.gelu's approximate
-  std::vector<Norm> norms;      // ln_1, ln_2 of each block, then ln_f
-  std::vector<Linear> linears;  // c_attn, attn.c_proj, c_fc, mlp.c_proj of each block, then lm_head
+  at::Tensor wte, wpe;  // (vocab, C), (block_size, C) or empty: rotary positions
+  at::Tensor inv_freq;  // (head_dim / 2) rotary frequencies, or empty: learned positions
+  double embed_scale;   // 1: the token embeddings as they are
+  int64_t n_head, n_kv_head, head_dim;
+  std::string mlp;  // GELU's approximate ("none", "tanh"), "swiglu" or "relu2"
+  bool rms, fused, qk_norm;  // RMSNorm (else LayerNorm); q, k, v in one matmul (GPT-2); queries' and keys' norms
+  std::vector<Norm> norms;      // each block's ln_1, ln_2 (then q_norm, k_norm), then ln_f
+  std::vector<Linear> linears;  // each block's c_attn, c_proj, c_fc, c_proj (GPT-2) or q, k, v, o,
+                                // (gate,) up, down (the llama layout), then lm_head
 
-  DecodePlan(at::Tensor wte, at::Tensor wpe, double embed_scale, int64_t n_head, std::string gelu)
-      : wte(std::move(wte)), wpe(std::move(wpe)), embed_scale(embed_scale), n_head(n_head), gelu(std::move(gelu)) {
-    TORCH_CHECK(this->wte.dim() == 2 && this->wpe.dim() == 2 && this->wte.size(1) == this->wpe.size(1) &&
-                    n_head > 0 && this->wte.size(1) % n_head == 0, "embeddings (V, C) and (T, C), n_head dividing C");
+  DecodePlan(at::Tensor wte, at::Tensor wpe, at::Tensor inv_freq, double embed_scale, int64_t n_head,
+             int64_t n_kv_head, int64_t head_dim, std::string mlp, bool rms, bool fused, bool qk_norm)
+      : wte(std::move(wte)), wpe(std::move(wpe)), inv_freq(std::move(inv_freq)), embed_scale(embed_scale),
+        n_head(n_head), n_kv_head(n_kv_head), head_dim(head_dim), mlp(std::move(mlp)), rms(rms), fused(fused),
+        qk_norm(qk_norm) {
+    TORCH_CHECK(this->wte.dim() == 2 && n_kv_head > 0 && n_head % n_kv_head == 0 && head_dim % 2 == 0,
+                "embeddings (V, C), n_kv_head dividing n_head, an even head_dim");
+    TORCH_CHECK(!fused || (n_head == n_kv_head && n_head * head_dim == this->wte.size(1)),
+                "q, k and v in one matmul take n_head heads of C / n_head");
+    TORCH_CHECK((this->wpe.numel() == 0) != (this->inv_freq.numel() == 0), "learned or rotary positions, one of them");
     check_float(this->wte, this->wte.numel(), "wte");
-    check_float(this->wpe, this->wpe.numel(), "wpe");
+    if (this->wpe.numel()) {
+      TORCH_CHECK(this->wpe.dim() == 2 && this->wpe.size(1) == this->wte.size(1), "wpe must be (block_size, C)");
+      check_float(this->wpe, this->wpe.numel(), "wpe");
+    } else {
+      check_float(this->inv_freq, head_dim / 2, "inv_freq");
+    }
   }
 
   void norm(at::Tensor weight, c10::optional<at::Tensor> bias, double eps) {
-    check_float(weight, wte.size(1), "a norm's weight");
-    if (bias) check_float(*bias, wte.size(1), "a norm's bias");
+    // a block's qk-norms are over head_dim features, every other norm over C
+    const bool per_head = qk_norm && norms.size() % 4 >= 2;
+    const int64_t n = per_head ? head_dim : wte.size(1);
+    check_float(weight, n, "a norm's weight");
+    if (bias) check_float(*bias, n, "a norm's bias");
     norms.push_back({std::move(weight), std::move(bias), eps});
   }
 
@@ -433,50 +454,75 @@ struct DecodePlan : torch::CustomClassHolder {
     linears.push_back({kind, out_features, std::move(weight), std::move(aux), std::move(bias)});
   }
 
-  // Each row of x (B, C) normalized: mean and variance in double, in two passes.
-  at::Tensor layer_norm(const at::Tensor& x, const Norm& n) const {
-    const int64_t B = x.size(0), C = x.size(1);
-    at::Tensor out = at::empty_like(x);
-    const float *xp = x.data_ptr<float>(), *w = n.weight.data_ptr<float>();
-    const float* b = n.bias ? n.bias->data_ptr<float>() : nullptr;
-    float* op = out.data_ptr<float>();
-    for (int64_t r = 0; r < B; ++r) {
-      const float* row = xp + r * C;
-      double sum = 0.0, squares = 0.0;
-      for (int64_t c = 0; c < C; ++c) sum += row[c];
-      const double mean = sum / C;
-      for (int64_t c = 0; c < C; ++c) squares += (row[c] - mean) * (row[c] - mean);
-      const float m = static_cast<float>(mean), rstd = static_cast<float>(1.0 / std::sqrt(squares / C + n.eps));
-      for (int64_t c = 0; c < C; ++c) op[r * C + c] = (row[c] - m) * rstd * w[c] + (b ? b[c] : 0.0f);
+  int64_t norms_per_block() const { return qk_norm ? 4 : 2; }
+  int64_t linears_per_block() const { return fused ? 4 : (mlp == "swiglu" ? 7 : 6); }
+
+  // Each run of n values of x normalized in place into out: LayerNorm's mean and variance, or RMSNorm's
+  // mean square, in double, in two passes.
+  void normalize(const float* x, float* out, int64_t rows, int64_t n, const Norm& norm) const {
+    const float *w = norm.weight.data_ptr<float>(), *b = norm.bias ? norm.bias->data_ptr<float>() : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = x + r * n;
+      double mean = 0.0, squares = 0.0;
+      if (!rms) {
+        for (int64_t c = 0; c < n; ++c) mean += row[c];
+        mean /= n;
+      }
+      for (int64_t c = 0; c < n; ++c) squares += (row[c] - mean) * (row[c] - mean);
+      const float m = static_cast<float>(mean), rstd = static_cast<float>(1.0 / std::sqrt(squares / n + norm.eps));
+      for (int64_t c = 0; c < n; ++c) out[r * n + c] = (row[c] - m) * rstd * w[c] + (b ? b[c] : 0.0f);
     }
+  }
+
+  at::Tensor normed(const at::Tensor& x, const Norm& n) const {
+    at::Tensor out = at::empty_like(x);
+    normalize(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), n);
     return out;
   }
 
-  // qkv (B, 3C): c_attn's output, each row q, k, v with the heads side by side. Writes k and v into
-  // the cache at pos and returns (B, C) the heads' attention over positions 0 .. pos, side by side.
-  at::Tensor attend(const at::Tensor& qkv, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t pos) const {
-    const int64_t B = qkv.size(0), C = wte.size(1), H = n_head, D = C / H, T = pos + 1;
-    const float* qp = qkv.data_ptr<float>();
-    float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
-    const int64_t sb = k_buf.stride(0), sh = k_buf.stride(1), st = k_buf.stride(2);  // (B, H, max_len, D)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t h = 0; h < H; ++h) {
-        std::copy_n(qp + b * 3 * C + C + h * D, D, kp + b * sb + h * sh + pos * st);
-        std::copy_n(qp + b * 3 * C + 2 * C + h * D, D, vp + b * sb + h * sh + pos * st);
+  // Each of `heads` heads of row (head_dim values each) turned by position pos's angles, as model.rotate:
+  // dimensions i and i + head_dim / 2 as a pair.
+  void rotate(float* row, int64_t heads, int64_t pos) const {
+    const int64_t half = head_dim / 2;
+    const float* f = inv_freq.data_ptr<float>();
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(pos) * f[i], c = std::cos(angle), s = std::sin(angle);
+      for (int64_t h = 0; h < heads; ++h) {
+        float *a = row + h * head_dim + i, *b = a + half;
+        const float x1 = *a, x2 = *b;
+        *a = x1 * c - x2 * s;
+        *b = x2 * c + x1 * s;
       }
     }
-    at::Tensor out = at::empty({B, C}, qkv.options());
+  }
+
+  // q (B, n_head * head_dim), k and v (B, n_kv_head * head_dim), each row's heads side by side, at
+  // strides q_row and kv_row between rows. Writes k and v into the cache at pos and returns (B, n_head *
+  // head_dim) the heads' attention over positions 0 .. pos, side by side; query head h reads key/value
+  // head h / (n_head / n_kv_head), as model.attention.
+  at::Tensor attend(const float* qp, const float* kp_new, const float* vp_new, int64_t B, int64_t q_row,
+                    int64_t kv_row, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t pos) const {
+    const int64_t H = n_head, KV = n_kv_head, D = head_dim, T = pos + 1, group = H / KV;
+    float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
+    const int64_t sb = k_buf.stride(0), sh = k_buf.stride(1), st = k_buf.stride(2);  // (B, KV, max_len, D)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t h = 0; h < KV; ++h) {
+        std::copy_n(kp_new + b * kv_row + h * D, D, kp + b * sb + h * sh + pos * st);
+        std::copy_n(vp_new + b * kv_row + h * D, D, vp + b * sb + h * sh + pos * st);
+      }
+    }
+    at::Tensor out = at::empty({B, H * D}, wte.options());
     float* op = out.data_ptr<float>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
     at::parallel_for(0, B * H, std::max<int64_t>(1, 16384 / (T * D)), [&](int64_t i0, int64_t i1) {
       std::vector<float> p(T);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, h = i % H;
-        const float *q = qp + b * 3 * C + h * D, *keys = kp + b * sb + h * sh, *values = vp + b * sb + h * sh;
+        const int64_t b = i / H, h = i % H, g = h / group;
+        const float *q = qp + b * q_row + h * D, *keys = kp + b * sb + g * sh, *values = vp + b * sb + g * sh;
         float most = -INFINITY, total = 0.0f;
         for (int64_t t = 0; t < T; ++t) most = std::max(most, p[t] = dot(q, keys + t * st, D) * scale);
         for (int64_t t = 0; t < T; ++t) total += p[t] = std::exp(p[t] - most);
-        float* y = op + b * C + h * D;
+        float* y = op + b * H * D + h * D;
         std::fill_n(y, D, 0.0f);
         for (int64_t t = 0; t < T; ++t) {
           const float* v = values + t * st;
@@ -488,6 +534,38 @@ struct DecodePlan : torch::CustomClassHolder {
     return out;
   }
 
+  // One block's attention on h (B, C), the block's ln_1 output: its output projection's input.
+  at::Tensor attention(const at::Tensor& h, const Linear* lin, const Norm* norm, const at::Tensor& keys,
+                       const at::Tensor& values, int64_t pos) const {
+    const int64_t B = h.size(0), C = wte.size(1);
+    if (fused) {  // GPT-2's c_attn: each row q, k, v with the heads side by side
+      const at::Tensor qkv = lin[0](h);
+      const float* p = qkv.data_ptr<float>();
+      return attend(p, p + C, p + 2 * C, B, 3 * C, 3 * C, keys, values, pos);
+    }
+    at::Tensor q = lin[0](h), k = lin[1](h);
+    const at::Tensor v = lin[2](h);
+    if (qk_norm) {  // over each head's features, before the rotation (Qwen3)
+      q = normed(q.view({-1, head_dim}), norm[2]).view({B, -1});
+      k = normed(k.view({-1, head_dim}), norm[3]).view({B, -1});
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      rotate(q.data_ptr<float>() + b * n_head * head_dim, n_head, pos);
+      rotate(k.data_ptr<float>() + b * n_kv_head * head_dim, n_kv_head, pos);
+    }
+    const int64_t kv = n_kv_head * head_dim;
+    return attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, n_head * head_dim, kv, keys,
+                  values, pos);
+  }
+
+  // One block's MLP on h (B, C), the block's ln_2 output: its down projection's input.
+  at::Tensor hidden(const at::Tensor& h, const Linear* lin) const {
+    if (mlp == "swiglu") return at::silu_(lin[0](h)).mul_(lin[1](h));
+    at::Tensor up = lin[0](h);
+    if (mlp == "relu2") return at::relu_(up).square_();
+    return at::gelu_(up, mlp);
+  }
+
   static void add_into(at::Tensor& x, const at::Tensor& y) {
     float* xp = x.data_ptr<float>();
     const float* yp = y.data_ptr<float>();
@@ -495,36 +573,38 @@ struct DecodePlan : torch::CustomClassHolder {
   }
 
   // The logits (B, vocab) after token (B,) int64 at position pos; keys and values (n_layer, B,
-  // n_head, max_len, head_dim) float32 get this step's at pos.
+  // n_kv_head, max_len, head_dim) float32 get this step's at pos.
   at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& keys, const at::Tensor& values) const {
-    const int64_t layers = static_cast<int64_t>(linears.size()) / 4;
-    TORCH_CHECK(static_cast<int64_t>(linears.size()) == 4 * layers + 1 &&
-                    static_cast<int64_t>(norms.size()) == 2 * layers + 1,
-                "a decode plan needs 2 norms and 4 linears a block, then a norm and the head");
+    const int64_t per_block = linears_per_block(), layers = static_cast<int64_t>(linears.size()) / per_block;
+    TORCH_CHECK(static_cast<int64_t>(linears.size()) == per_block * layers + 1 &&
+                    static_cast<int64_t>(norms.size()) == norms_per_block() * layers + 1,
+                "a decode plan needs each block's norms and linears, then a norm and the head");
     const int64_t B = token.size(0), V = wte.size(0), C = wte.size(1);
     TORCH_CHECK(keys.dim() == 5 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
-                    keys.size(0) == layers && keys.size(2) == n_head && keys.size(4) == C / n_head &&
+                    keys.size(0) == layers && keys.size(2) == n_kv_head && keys.size(4) == head_dim &&
                     keys.stride(4) == 1 && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
-                "keys and values must be (n_layer, B, n_head, max_len, head_dim) float32");
-    TORCH_CHECK(token.dim() == 1 && keys.size(1) == B && pos >= 0 && pos < keys.size(3) && pos < wpe.size(0),
+                "keys and values must be (n_layer, B, n_kv_head, max_len, head_dim) float32");
+    TORCH_CHECK(token.dim() == 1 && keys.size(1) == B && pos >= 0 && pos < keys.size(3) &&
+                    (wpe.numel() == 0 || pos < wpe.size(0)),
                 "a token per cached row, at a position inside the cache");
     const at::Tensor ids = token.to(at::kLong).contiguous();
     at::Tensor x = at::empty({B, C}, wte.options());
     for (int64_t b = 0; b < B; ++b) {
       const int64_t id = ids.data_ptr<int64_t>()[b];
       TORCH_CHECK(id >= 0 && id < V, "token id ", id, " is outside the vocabulary of ", V);
-      const float *e = wte.data_ptr<float>() + id * C, *p = wpe.data_ptr<float>() + pos * C;
+      const float* e = wte.data_ptr<float>() + id * C;
+      const float* p = wpe.numel() ? wpe.data_ptr<float>() + pos * C : nullptr;
       float* xr = x.data_ptr<float>() + b * C;
-      for (int64_t c = 0; c < C; ++c) xr[c] = e[c] * static_cast<float>(embed_scale) + p[c];
+      for (int64_t c = 0; c < C; ++c) xr[c] = e[c] * static_cast<float>(embed_scale) + (p ? p[c] : 0.0f);
     }
+    const int64_t mlp_at = fused ? 2 : 4;  // the first MLP linear of a block
     for (int64_t l = 0; l < layers; ++l) {
-      const Linear* lin = &linears[4 * l];
-      const at::Tensor qkv = lin[0](layer_norm(x, norms[2 * l]));
-      add_into(x, lin[1](attend(qkv, keys.select(0, l), values.select(0, l), pos)));
-      at::Tensor h = lin[2](layer_norm(x, norms[2 * l + 1]));
-      add_into(x, lin[3](at::gelu_(h, gelu)));
+      const Linear* lin = &linears[per_block * l];
+      const Norm* norm = &norms[norms_per_block() * l];
+      add_into(x, lin[mlp_at - 1](attention(normed(x, norm[0]), lin, norm, keys.select(0, l), values.select(0, l), pos)));
+      add_into(x, lin[per_block - 1](hidden(normed(x, norm[1]), lin + mlp_at)));
     }
-    return linears.back()(layer_norm(x, norms.back()));
+    return linears.back()(normed(x, norms.back()));
   }
 };
 
@@ -536,7 +616,7 @@ TORCH_LIBRARY(tinygpt_lowbit, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor weight, Tensor params, Tensor? bias, int out_features) -> Tensor");
   m.class_<DecodePlan>("DecodePlan")
-      .def(torch::init<at::Tensor, at::Tensor, double, int64_t, std::string>())
+      .def(torch::init<at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::string, bool, bool, bool>())
       .def("norm", &DecodePlan::norm)
       .def("linear", &DecodePlan::linear)
       .def("step", &DecodePlan::step);
