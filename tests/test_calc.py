@@ -14,7 +14,7 @@ from tinygpt import GPT, ConfigError, GPTConfig, KVCache
 from tinygpt.calc import CHINCHILLA_FIT, compute_optimal, count_params, flops_per_token
 from tinygpt.config import PRESETS, LoraConfig
 from tinygpt.model import lm_loss
-from tinygpt.lab.throughput import measure_training_throughput
+from tinygpt.throughput import measure_training_throughput
 
 VARIANTS = [dict(tie_weights=t, bias=b) for t in (True, False) for b in (True, False)]
 # the llama layout: SwiGLU, grouped-query attention, qk-norm, q/k/v biases, a wider head, untied, learned

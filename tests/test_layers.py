@@ -23,9 +23,10 @@ LAYERS = (
     ("tensors and text", "files, devices, tokenizers, the KV cache, sampling, tinygpt's CPU kernels",
      ("fileio", "device", "tokenizer", "kv_cache", "sampling", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
-    ("workflows", "generation, data, training and fine-tuning, run folders, interchange, the lesson's tools",
-     ("generate", "data", "datasources", "shards", "optim", "sizing", "train", "distributed", "checkpoint", "lora", "finetune", "fastpath",
-      "interop.*", "lab.*")),
+    ("workflows", "generation, data, training and fine-tuning, time-budget sizing, run folders, interchange",
+     ("generate", "data", "datasources", "shards", "optim", "throughput", "sizing", "train", "distributed", "checkpoint", "lora",
+      "finetune", "fastpath", "interop.*")),
+    ("the lab", "experiments built on the workflows: the lesson's tools, probes, sweeps, benchmarks", ("lab.*",)),
     ("front ends", "the HTTP server and the command line", ("server.*", "cli.*", "__main__")),
 )
 NO_TORCH = 0  # layers up to this one import no torch
@@ -174,6 +175,7 @@ def test_the_readme_shows_the_layers():
     ("sampling", "from .tokenizer import _byte_to_unicode\n", {"private"}),
     ("interop.hf_tokenizer", "from ..tokenizer import GPT2Tokenizer\n    return GPT2Tokenizer._ranks\n", {"private"}),
     ("checkpoint", "from .train import train\n", {"cycle"}),  # one layer, but train imports checkpoint
+    ("sizing", "from .lab.fewshot import read_task\n", {"higher"}),  # the workflows never reach into the lab
 ])
 def test_the_checks_catch_what_they_are_for(module, line, caught, monkeypatch, tmp_path):
     file = tmp_path / MODULES[module].name

@@ -284,7 +284,7 @@ def sized_lr(config: GPTConfig) -> float:
 def _measure_speed(model: GPTConfig, cfg: TrainConfig) -> float:
     """Training FLOP/s of `model` here, with the run's batch size, device and dtype (a few real steps)."""
     from .device import DTYPES
-    from .lab.throughput import measure_training_throughput
+    from .throughput import measure_training_throughput
 
     device = resolve_device(cfg.device)
     dtype = {v: k for k, v in DTYPES.items()}[resolve_dtype(cfg.dtype, device)]

@@ -142,7 +142,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
         raise ConfigError("give a budget: --flops C, --params N, --tokens D or --time T (e.g. --flops 5.76e23)")
     measured = None
     if args.time is not None:
-        from ..lab.throughput import measure_training_throughput
+        from ..throughput import measure_training_throughput
 
         seconds = parse_duration(args.time, "--time")
         measured = measure_training_throughput(dtype=args.dtype or "float32", device=args.device)

@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from ..calc import count_params, dtype_name, flops_per_token
-from ..config import GPTConfig, TrainConfig
-from ..device import DTYPES, autocast, resolve_device
-from ..errors import ConfigError
-from ..model import GPT
-from ..optim import make_optimizer
+from .calc import count_params, dtype_name, flops_per_token
+from .config import GPTConfig, TrainConfig
+from .device import DTYPES, autocast, resolve_device
+from .errors import ConfigError
+from .model import GPT
+from .optim import make_optimizer
 
 # Probe models. On a CPU one the size of what a laptop trains in minutes (~1M parameters); on a GPU
 # GPT-2 small, since a tiny model there measures kernel-launch overhead rather than compute.
