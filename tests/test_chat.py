@@ -419,8 +419,8 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     monkeypatch.setattr("sys.stdin", io.StringIO("a message much too long for a 48-token context, " * 3 + "\n"))
     assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "8", "--system", "Be kind."]) == 0
     err = capsys.readouterr().err
-    assert "(the prompt is 157 tokens, more than the 40 the model's context of 48 leaves beside the reply" in err
-    assert "not the system message" in err
+    assert ("(the prompt is 157 tokens, more than the model's context of 48: the reply cannot see its first 109, "
+            "the system message first, and sees less as it grows)") in err
     # a run without a template cannot chat: one line says what to do
     tinygpt.save(tiny_model(), tmp_path / "plain", tiny_tokenizer())
     assert main(["chat", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
@@ -429,6 +429,32 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     for flag in ("--prompt", "--system"):
         assert main(["chat", str(tmp_path / "run"), flag, "hi \udcff"]) == 2
         assert capsys.readouterr().err == f"tinygpt: error: {flag}: not valid UTF-8 text (byte 0xff at character 4)\n"
+
+
+def test_cli_chat_note_on_a_long_prompt_says_what_the_reply_sees(tmp_path, capsys):
+    # a 35-token prompt fits a 64-token context but not beside a 256-token reply (once the note said
+    # the reply saw the prompt's last tokens only, not the system message: it sees all of it at first)
+    import tinygpt
+    from tinygpt.cli import main
+    from tinygpt.generate import generate_stream
+
+    tok = with_chat_template(CharTokenizer.from_text(TEXT))
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    tinygpt.save(model, tmp_path / "run", tok)
+    for system, message in ((None, "abcdefgh" * 4), ("Be brief.", "abcdefghijklmnopqrstu")):
+        flags = ["--system", system] if system else []
+        assert main(["chat", str(tmp_path / "run"), "--prompt", message, "--seed", "1", *flags]) == 0
+        err = capsys.readouterr().err
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+        prompt = render_chat_prompt(tok, messages)
+        assert len(prompt) == 35 and "sees its last tokens only" not in err
+        assert err == ("(the prompt is 35 tokens of the model's context of 64: the reply's first 30 tokens see all of "
+                       f"it, later ones lose sight of its start{', the system message first' if system else ''})\n")
+    # which is what generation does: the 30th token is chosen from the whole prompt, the 31st without its start
+    seen = []
+    steps = generate_stream(model, torch.tensor([prompt]), 31, observer=lambda t: seen.append(t.context[0].tolist()))
+    list(steps)
+    assert seen[29][:35] == prompt and seen[30][:34] == prompt[1:]
 
 
 def test_fact_task_and_exact_match():

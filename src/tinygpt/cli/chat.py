@@ -79,10 +79,15 @@ class _Session:
             self.history = kept[1:] if self.system else kept
             print(f"(dropped the {plural(dropped, 'oldest message')} to stay within the model's "
                   f"context of {self.model.config.block_size} tokens)", file=sys.stderr)
-        if len(ids) > self.budget:  # the last message alone is too long: the model sees the prompt's end only
-            print(f"(the prompt is {len(ids):,} tokens, more than the {self.budget:,} the model's context of "
-                  f"{self.model.config.block_size} leaves beside the reply: the reply sees its last tokens only"
-                  f"{', not the system message' if self.system else ''})", file=sys.stderr)
+        block, first = self.model.config.block_size, ", the system message first" if self.system else ""
+        # the last message alone is too long: generation's window holds the last `block` tokens
+        if len(ids) > block:
+            print(f"(the prompt is {len(ids):,} tokens, more than the model's context of {block:,}: the reply "
+                  f"cannot see its first {len(ids) - block:,}{first}, and sees less as it grows)", file=sys.stderr)
+        elif len(ids) > self.budget:
+            print(f"(the prompt is {len(ids):,} tokens of the model's context of {block:,}: the reply's first "
+                  f"{block - len(ids) + 1:,} tokens see all of it, later ones lose sight of its start{first})",
+                  file=sys.stderr)
         decoder, answer = IncrementalDecoder(self.tokenizer), []
         try:
             for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
