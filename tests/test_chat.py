@@ -457,6 +457,35 @@ def test_cli_chat_note_on_a_long_prompt_says_what_the_reply_sees(tmp_path, capsy
     assert seen[29][:35] == prompt and seen[30][:34] == prompt[1:]
 
 
+def test_cli_chat_refuses_a_system_message_the_vocabulary_cannot_write(tmp_path, capsys, monkeypatch):
+    # once accepted, after which every message failed, pointing at positions in the system text
+    import io
+
+    from server_util import tiny_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=48, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    run = ["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "4"]
+    assert main([*run, "--system", "T\u00e9st", "--prompt", "hello"]) == 2
+    assert capsys.readouterr().err == ("tinygpt: error: --system: 1 character not in the tokenizer's vocabulary: "
+                                       "'\u00e9' (U+00E9) at position 1\n")
+    assert main([*run, "--system", "Be kind.", "--prompt", "hello"]) == 0
+    expected = capsys.readouterr().out
+    assert main([*run, "--prompt", "hello"]) == 0
+    assert capsys.readouterr().out != expected  # the system message shows in the reply
+    # in the session, /system with such text is refused in a line and the old system message stays
+    monkeypatch.setattr("sys.stdin", io.StringIO("/system T\u00e9st\nhello\n"))
+    assert main([*run, "--system", "Be kind."]) == 0
+    captured = capsys.readouterr()
+    assert ("(/system: 1 character not in the tokenizer's vocabulary: '\u00e9' (U+00E9) at position 1; the system "
+            "message stays as it was)") in captured.err
+    assert "cannot send" not in captured.err and "(system message set)" not in captured.err
+    assert captured.out.endswith("bot> " + expected + "you> ")
+
+
 def test_fact_task_and_exact_match():
     from server_util import stopping_model, tiny_tokenizer
 

@@ -8,8 +8,8 @@ from typing import TextIO
 
 from ..calc.units import plural
 from ..errors import ConfigError
-from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model, seed_type,
-                     utf8_flag)
+from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, encodable_flag, load_model,
+                     seed_type, utf8_flag)
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help; Ctrl-D quits"
 
@@ -36,6 +36,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if tokenizer.chat_template is None:
         raise ConfigError(f"{args.run} has no chat template: train a run on chat data "
                           "(tinygpt prepare FILE.jsonl --format chat) to chat with it; use `tinygpt sample` here")
+    args.system = _system_message(tokenizer, args.system, "--system")
     session = _Session(model, tokenizer, args)
     if args.prompt is not None:
         session.reply(args.prompt, sys.stdout)
@@ -142,10 +143,20 @@ def _command(session: _Session, text: str) -> None:
         session.history = []
         print("(conversation reset)", file=sys.stderr)
     elif name == "/system":
-        session.system = rest.strip() or None
+        try:
+            session.system = _system_message(session.tokenizer, rest.strip(), "/system")
+        except ConfigError as e:
+            print(f"({e}; the system message stays as it was)", file=sys.stderr)
+            return
         print(f"(system message {'set' if session.system else 'cleared'})", file=sys.stderr)
     else:
         print(f"(unknown command {name}) {HELP}" if name != "/help" else HELP, file=sys.stderr)
+
+
+def _system_message(tokenizer, text: str | None, name: str) -> str | None:
+    """`text` as the system message (None when blank), checked as it is given: one the vocabulary
+    cannot write would make every later message fail, pointing at characters the user never typed."""
+    return encodable_flag(tokenizer, text, name) if text and text.strip() else None
 
 
 def add_chat(sub: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..errors import ConfigError
+from ..errors import ConfigError, TokenizerError
 
 EXIT_ERROR = 2  # bad input of any kind: a one-line error on stderr
 EXIT_NONFINITE = 3  # training stopped on a NaN or infinite loss; the last checkpoint is kept
@@ -184,6 +184,17 @@ def utf8_flag(value: str | None, flag: str) -> str | None:
         code = ord(value[e.start])
         what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
         raise ConfigError(f"{flag}: not valid UTF-8 text ({what} at character {e.start + 1})") from None
+    return value
+
+
+def encodable_flag(tokenizer, value: str | None, flag: str) -> str | None:
+    """A text flag the tokenizer must encode, refused in one line naming the flag (and the characters'
+    positions in its text) when the vocabulary lacks some: the tokenizer's own words name neither."""
+    if value is not None:
+        try:
+            tokenizer.encode(value)
+        except TokenizerError as e:
+            raise ConfigError(f"{flag}: {e}") from None
     return value
 
 
