@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -142,3 +144,16 @@ def test_extra_tensor_is_refused(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="unexpected"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_weights_get_the_mode_of_the_runs_other_files(tmp_path, umask):
+    # safetensors writes through a mkstemp file (0600): model.safetensors was 0600 beside 0644 files
+    old = os.umask(umask)
+    try:
+        save(tiny(), tmp_path / "run")
+        save_training(tmp_path / "run", tiny(), {"step": 1})
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "run").iterdir()}
+    assert modes == dict.fromkeys(["config.json", "model.safetensors", "train_state.pt"], 0o666 & ~umask)

@@ -43,12 +43,19 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> None
     """Call write(tmp) for a temp file beside `path`, fsync it, then rename it over `path`.
 
     Readers see the old file or the new one, never half of one. On any failure (a full disk
-    included) the temp file is removed and `path` is untouched.
+    included) the temp file is removed and `path` is untouched. The file gets the mode of any new
+    file this process makes (0666 less the umask), whatever mode the writer gave it.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
+        tmp.unlink(missing_ok=True)  # a killed writer's of the same pid would keep its own mode
+        tmp.touch()
+        mode = stat.S_IMODE(tmp.stat().st_mode)
         write(tmp)
+        # a writer that makes its own temp file and renames it over tmp (safetensors does, through
+        # mkstemp's 0600) would leave a run's weights unreadable to those who can read its other files
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
