@@ -486,6 +486,29 @@ def test_cli_chat_refuses_a_system_message_the_vocabulary_cannot_write(tmp_path,
     assert captured.out.endswith("bot> " + expected + "you> ")
 
 
+def test_cli_chat_prints_its_notes_before_the_reply_not_inside_it(tmp_path, capsys, monkeypatch):
+    # once "bot> " came first and the note about dropped messages landed between it and the reply
+    import io
+
+    from server_util import tiny_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=48, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    lines = ["hello", "a second, longer message to fill the context", "caf\u00e9"]
+    terminal = io.StringIO()  # stdout and stderr as a terminal shows them, one stream
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    monkeypatch.setattr("sys.stdout", terminal)
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    shown = terminal.getvalue()
+    assert "you> (dropped the 2 oldest messages to stay within the model's context of 48 tokens)\n(the prompt is " in shown
+    assert "bot> (" not in shown and shown.count("bot> ") == 2
+    assert "you> (cannot send that: 1 character not in the tokenizer's vocabulary" in shown  # no "bot> " before it
+
+
 def test_fact_task_and_exact_match():
     from server_util import stopping_model, tiny_tokenizer
 

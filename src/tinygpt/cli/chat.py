@@ -67,8 +67,9 @@ class _Session:
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
 
-    def reply(self, text: str, out: TextIO) -> None:
-        """Answer `text`, streaming the reply to `out`; Ctrl-C stops it and keeps what was written."""
+    def reply(self, text: str, out: TextIO, label: str = "") -> None:
+        """Answer `text`, streaming the reply to `out` after `label`, once the notes on what the prompt
+        keeps are printed (on lines of their own); Ctrl-C stops it and keeps what was written."""
         import torch
 
         from ..generate import generate_stream
@@ -89,6 +90,7 @@ class _Session:
             print(f"(the prompt is {len(ids):,} tokens of the model's context of {block:,}: the reply's first "
                   f"{block - len(ids) + 1:,} tokens see all of it, later ones lose sight of its start{first})",
                   file=sys.stderr)
+        out.write(label)
         decoder, answer = IncrementalDecoder(self.tokenizer), []
         try:
             for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
@@ -129,12 +131,11 @@ def _interactive(session: _Session) -> int:
         if text.startswith("/"):
             _command(session, text)
             continue
-        sys.stdout.write("bot> ")
         try:
-            session.reply(line, sys.stdout)
+            session.reply(line, sys.stdout, label="bot> ")
         except (ChatError, TokenizerError) as e:  # a message the vocabulary cannot write: say so, go on
             session.history.pop()
-            print(f"\n(cannot send that: {e})", file=sys.stderr)
+            print(f"(cannot send that: {e})", file=sys.stderr)
 
 
 def _command(session: _Session, text: str) -> None:
