@@ -25,13 +25,15 @@ def _one_parser(monkeypatch):
     monkeypatch.setattr(cli, "build_parser", lambda: PARSER)
 
 
-def flags():
-    """(command, flag, action) for every option of every subcommand."""
-    (commands,) = [a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction)]
+def flags(parser=PARSER, prefix=""):
+    """(command, flag, action) for every option of every subcommand, nested ones (`inspect heads`) too."""
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     for name, sub in commands.choices.items():
         for action in sub._actions:
-            if action.option_strings and action.option_strings[0] not in ("-h", "--help"):
-                yield name, action.option_strings[-1], action
+            if isinstance(action, argparse._SubParsersAction):
+                yield from flags(sub, f"{prefix}{name} ")
+            elif action.option_strings and action.option_strings[0] not in ("-h", "--help"):
+                yield prefix + name, action.option_strings[-1], action
 
 
 NUMERIC = [(c, f, a.type) for c, f, a in flags() if isinstance(a.type, Number)]
@@ -94,7 +96,7 @@ def test_numeric_flag_refuses_values_outside_its_range(command, flag, kind, caps
             kind(text)  # inside the range: parses without an error
             continue
         refused += 1
-        code, err = run([command, f"{flag}={text}"], capsys)
+        code, err = run([*command.split(), f"{flag}={text}"], capsys)
         assert_one_line_usage_error(code, err, flag)
     assert refused >= 5  # NaN, infinities, wrong types and huge values at least
 
@@ -124,7 +126,7 @@ def unavailable_devices():
 @pytest.mark.parametrize("command, flag, kind", DEVICES, ids=[f"{c} {f}" for c, f, _ in DEVICES])
 def test_device_flag_takes_only_devices_this_torch_can_use(command, flag, kind, capsys):
     for name in unavailable_devices():
-        code, err = run([command, f"{flag}={name}"], capsys)
+        code, err = run([*command.split(), f"{flag}={name}"], capsys)
         assert_one_line_usage_error(code, err, flag)
     assert kind("cpu") == "cpu"
 

@@ -42,10 +42,18 @@ def describe(parser: argparse.ArgumentParser) -> dict:
     return {"description": parser.description, "usage": parser.format_usage(), "flags": flags}
 
 
+def commands(parser: argparse.ArgumentParser, prefix: str = ""):
+    """(name, parser) of every subcommand, nested ones as "inspect heads"."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield prefix + name, sub
+                yield from commands(sub, f"{prefix}{name} ")
+
+
 def current() -> dict:
     parser = cli.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {"tinygpt": describe(parser), **{name: describe(p) for name, p in sorted(sub.choices.items())}}
+    return {"tinygpt": describe(parser), **{name: describe(p) for name, p in sorted(commands(parser))}}
 
 
 def test_every_commands_flags_are_the_snapshots():

@@ -315,3 +315,110 @@ def test_two_processes_stream_their_own_rows_as_one_process_and_resume_in_one(sh
     train(sharded[0], tmp_path / "two", None, tiny_train(8, batch_size=8, grad_accum=2), resume=True,
           callbacks=[later])
     assert later.seen[0] == list(range(6 * 2 * micro, 6 * 2 * micro + micro, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect data: documents, their lengths and the files, read a chunk at a time and held to meta.json
+
+
+def expected_bins(lengths: list[int]) -> dict[int, int]:
+    """{a bin's lowest length: documents} by the test's own binning: powers of two, 0 alone."""
+    out: dict[int, int] = {}
+    for n in lengths:
+        low = 0 if n == 0 else 1 << (n.bit_length() - 1)
+        out[low] = out.get(low, 0) + 1
+    return out
+
+
+def test_inspect_data_counts_documents_and_their_lengths(dataset, sharded, one_file, monkeypatch):
+    """Every document's length is its own encoding's, in shards as in one file, however the files are
+    chunked while they are read (7 ids at a time: documents and separators cut across chunks)."""
+    from tinygpt import data
+
+    tok = load_data(sharded[0]).tokenizer
+    lengths = [len(tok.encode(d)) for d in dataset["docs"]]
+    info = data.inspect_data(sharded[0])
+    assert info["documents"] == 500 and info["lengths"]["documents"] == 500
+    assert {b["low"]: b["documents"] for b in info["lengths"]["bins"] if b["documents"]} == expected_bins(lengths)
+    assert all(b["high"] == max(2 * b["low"] - 1, 0) for b in info["lengths"]["bins"])
+    assert (info["lengths"]["min"], info["lengths"]["max"]) == (min(lengths), max(lengths))
+    assert info["lengths"]["mean"] == pytest.approx(sum(lengths) / len(lengths))
+    for split, documents in (("train", 450), ("val", 50)):
+        s = info["splits"][split]
+        assert s["documents"] == documents and s["tokens"] == sharded[1][f"{split}_tokens"]
+        assert s["files"] == [{k: e[k] for k in ("file", "tokens", "documents")} for e in sharded[1]["shards"][split]]
+    first = joined(sharded[0], "train")[:32].tolist()
+    assert info["first"] == {"split": "train", "ids": first, "text": tok.decode(first)}
+    assert dataset["docs"][1].startswith(info["first"]["text"].split("<|endoftext|>")[0])  # doc 0 is val's
+    monkeypatch.setattr(data, "SCAN_TOKENS", 7)
+    assert data.inspect_data(sharded[0]) == info
+    single = data.inspect_data(one_file)
+    assert single["lengths"] == info["lengths"] and single["first"] == info["first"]
+    assert [f["file"] for f in single["splits"]["train"]["files"]] == ["train.bin"]
+    assert single["splits"]["val"]["documents"] == 50 and single["shard_tokens"] is None
+
+
+def test_inspect_data_cli_prints_the_shards_the_histogram_and_the_first_tokens(sharded, cli):
+    out, meta = sharded
+    r = cli("inspect", "data", out, "--tokens", 6, "--json")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    eot = meta["eot_id"]
+    assert lines[0] == f'{out}: text, bpe tokenizer (vocab {meta["vocab_size"]}, uint16); documents separated by token ' \
+                       f'{eot} "<|endoftext|>"'
+    train = meta["shards"]["train"]
+    assert len(train) > 6
+    rows = [line.split() for line in lines if line.startswith("train ")]
+    assert [row[1] for row in rows] == [s["file"] for s in train[:3]] + ["...", *(s["file"] for s in train[-3:]),
+                                                                         str(len(train))]
+    assert rows[3] == ["train", "...", f"{len(train) - 6}", "more", f"{sum(s['tokens'] for s in train[3:-3]):,}",
+                       f"{sum(s['documents'] for s in train[3:-3]):,}"]
+    assert rows[-1] == ["train", str(len(train)), "shards", f"{meta['train_tokens']:,}", "450"]
+    info = json.loads(lines[-1])
+    bins = info["lengths"]["bins"]
+    widest = max(bins, key=lambda b: b["documents"])
+    label = f"{widest['low']:,}-{widest['high']:,}"
+    assert any(line.split()[:3] == [label, f"{widest['documents']:,}", "#" * 40] for line in lines)
+    assert f"first 6 tokens of train: {' '.join(map(str, info['first']['ids']))}" in lines
+    assert f"  {json.dumps(info['first']['text'], ensure_ascii=False)}" in lines
+
+
+def test_inspect_data_refuses_files_that_disagree_with_meta_json(sharded, one_file, tmp_path, cli):
+    """Not a data folder, a missing shard, a shard changed in place, meta.json's counts edited: one line each."""
+    import shutil
+
+    def refused(folder, *fragments):
+        r = cli("inspect", "data", folder)
+        assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("tinygpt: error: ")
+        for f in fragments:
+            assert f in r.stderr, r.stderr
+
+    def copy(folder, name, edit_meta=None):
+        new = shutil.copytree(folder, tmp_path / name)
+        if edit_meta:
+            meta = json.loads((new / "meta.json").read_text())
+            edit_meta(meta)
+            (new / "meta.json").write_text(json.dumps(meta))
+        return new
+
+    refused(tmp_path, "not a tinygpt data folder (no meta.json)")
+    refused(tmp_path / "nowhere", "data folder not found")
+    gone = copy(sharded[0], "gone")
+    (gone / "train_00002.bin").unlink()
+    refused(gone, f"{gone / 'train_00002.bin'} is missing")
+    changed = copy(sharded[0], "changed")
+    ids = np.fromfile(changed / "val_00000.bin", dtype=np.uint16)
+    ids[:2] = ids[1::-1]  # same size, other bytes
+    ids.tofile(changed / "val_00000.bin")
+    refused(changed, f"{changed / 'val_00000.bin'} is not the file prepare wrote: its sha256 is not meta.json's")
+    counted = copy(sharded[0], "counted", lambda m: m["shards"]["train"][1].update(documents=99))
+    refused(counted, f"{counted / 'train_00001.bin'} holds", "documents but meta.json says 99")
+    fewer = copy(sharded[0], "fewer", lambda m: m.update(train_tokens=m["train_tokens"] - 1))
+    refused(fewer, "the train shards hold", "train_tokens says")
+    single = copy(one_file, "single", lambda m: m.update(val_documents=51))
+    refused(single, "the val files hold 50 documents but meta.json's val_documents says 51")
+    cut = copy(one_file, "cut")
+    with open(cut / "train.bin", "r+b") as f:
+        f.truncate(100)
+    refused(cut, f"{cut / 'train.bin'} holds 100 bytes but meta.json says")

@@ -4,6 +4,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from tinygpt import cli
@@ -184,3 +185,78 @@ def test_fewshot_data(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     code, out, _ = tinygpt(capsys, "fewshot-data", "--out", tmp_path / "empty", "--episodes", 5)
     assert code == 0 and (tmp_path / "empty" / "task.jsonl").exists()
+
+
+# ---- inspect data on each tokenizer kind and on chat data (shards: tests/test_datasets.py) ----------
+
+
+def inspect_json(capsys, folder, *flags):
+    code, out, err = tinygpt(capsys, "inspect", "data", folder, "--json", *flags)
+    assert code == 0, err
+    return out, json.loads(out.splitlines()[-1])
+
+
+def test_inspect_data_on_gpt2_and_hugging_face_tokenizers(tmp_path, capsys):
+    """Three files, three documents: each one's length is its own encoding's (GPT-2's BPE; a Hugging Face
+    folder's tokenizer, SmolLM2's style, whose documents its eos separates); the histogram is drawn."""
+    from conftest import make_text
+    from test_tokenizer import write_gpt2_files
+
+    from tinygpt.data import load_data, prepare
+
+    files = []
+    for i, lines in enumerate((40, 3, 300)):
+        files.append(tmp_path / f"{i}.txt")
+        files[-1].write_text(make_text(lines, seed=i))
+    write_gpt2_files(tmp_path / "gpt2")
+    prepare(files, tmp_path / "gpt2-data", tokenizer="gpt2", tokenizer_file=tmp_path / "gpt2", val_fraction=0)
+    tok = load_data(tmp_path / "gpt2-data").tokenizer
+    out, info = inspect_json(capsys, tmp_path / "gpt2-data", "--out", tmp_path / "lengths.png")
+    assert info["tokenizer"] == "gpt2" and info["eot_id"] == tok.eot_id and info["eot_token"] == "<|endoftext|>"
+    lengths = sorted(len(tok.encode(f.read_text())) for f in files)
+    assert info["splits"]["train"]["documents"] == 3 and info["splits"]["val"]["documents"] == 0
+    assert (info["lengths"]["min"], info["lengths"]["max"]) == (lengths[0], lengths[-1])
+    assert info["first"]["text"] == tok.decode(tok.encode(files[0].read_text())[:32])
+    assert f"wrote {tmp_path / 'lengths.png'}" in out and size(tmp_path / "lengths.png")[0] > 300
+
+    pytest.importorskip("transformers")
+    import hf_family
+
+    hf = hf_family.make_folder(tmp_path / "smollm", "llama", "smollm")
+    prepare(files, tmp_path / "hf-data", tokenizer=None, tokenizer_file=hf, val_fraction=0)
+    tok = load_data(tmp_path / "hf-data").tokenizer
+    _, info = inspect_json(capsys, tmp_path / "hf-data")
+    assert info["tokenizer"] == "hf" and info["eot_token"] == "<|im_end|>" and info["documents"] == 3
+    lengths = sorted(len(tok.added_ids[0]) + len(tok.encode(f.read_text())) for f in files)
+    assert (info["lengths"]["min"], info["lengths"]["max"]) == (lengths[0], lengths[-1])
+
+
+def test_inspect_data_on_char_and_chat_data(char_data, tmp_path, capsys):
+    """A char vocabulary has no separator: no lengths, and --out is refused in one line; a chat folder's
+    documents are its conversations, with the tokens its loss mask trains on."""
+    from tinygpt.data import load_data, prepare_chat
+
+    out, info = inspect_json(capsys, char_data)
+    assert info["lengths"] is None and info["eot_id"] is None and info["documents"] == 1
+    assert "no separator between documents: their lengths are unknown" in out.splitlines()[0]
+    assert info["first"]["text"] == load_data(char_data).tokenizer.decode(load_data(char_data).train[:32])
+    png = tmp_path / "no.png"
+    assert_one_line_error(tinygpt(capsys, "inspect", "data", char_data, "--out", png),
+                          "--out:", "has no document lengths to draw (no separator between its documents)")
+    assert not png.exists()
+    talks = tmp_path / "talks.jsonl"
+    talks.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hi " * (i + 1)},
+                                                      {"role": "assistant", "content": f"hello {i}"}]}) + "\n"
+                             for i in range(10)))
+    meta = prepare_chat(talks, tmp_path / "chat", val_fraction=0.2)
+    out, info = inspect_json(capsys, tmp_path / "chat", "--tokens", 100)
+    data = load_data(tmp_path / "chat")
+    assert info["content"] == "chat" and info["splits"]["train"]["documents"] == 8
+    assert info["splits"]["val"]["trained_tokens"] == meta["val_trained_tokens"]
+    lengths = np.diff(np.append(data.starts["train"], meta["train_tokens"])).tolist() + \
+        np.diff(np.append(data.starts["val"], meta["val_tokens"])).tolist()
+    assert (info["lengths"]["documents"], info["lengths"]["min"], info["lengths"]["max"]) == \
+        (10, min(lengths), max(lengths))
+    assert info["first"]["trained_text"].startswith("hello 0")  # the assistant's turn, not the user's
+    assert "hi" not in info["first"]["trained_text"]
+    assert "trained tokens (the assistant's): " in out and "conversation lengths in tokens: 10 conversations" in out

@@ -1,5 +1,6 @@
-"""Looking inside models: `tinygpt lesson`, `attention`, `plot` (loss curves), `inspect heads` (induction and
-previous-token heads), `emergence` (the lab that watches them form), `fewshot` and `fewshot-data`."""
+"""Looking inside models and data: `tinygpt lesson`, `attention`, `plot` (loss curves), `inspect heads` (induction
+and previous-token heads), `inspect data` (a data folder's shards, documents and tokens), `emergence` (the lab
+that watches heads form), `fewshot` and `fewshot-data`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from ..calc.units import plural
 from ..errors import ConfigError
 from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, json_line, load_model, seed_type,
                      utf8_flag)
+
+HISTOGRAM_WIDTH = 40  # characters of the longest bar of `inspect data`'s histogram
+SHARD_ROWS = 6  # `inspect data` prints a split of more shards as its first and last three, the rest on one row
 
 
 def cmd_lesson(args: argparse.Namespace) -> int:
@@ -87,7 +91,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def cmd_inspect_heads(args: argparse.Namespace) -> int:
     """Score every head of a run as an induction head and as a previous-token head.
 
     The probe is tinygpt.lab.probes': sequences of distinct random tokens repeated once. A head's
@@ -138,6 +142,87 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json_line({"run": args.run, **result,
                          "heads": [{"layer": la, "head": h, "kind": k} for la, h, k in named]}))
+    return 0
+
+
+def cmd_inspect_data(args: argparse.Namespace) -> int:
+    """What a data folder holds: each split's files (train.bin and val.bin, or its shards) with their
+    tokens and documents, a histogram of the documents' lengths in tokens, and the first tokens decoded.
+
+    Documents are what the end-of-text token separates; a chat folder's are its conversations (and
+    the tokens the loss mask trains on are counted). Every file is read a chunk at a time, so a folder
+    of any size fits in memory, and checked against meta.json: each shard's size, sha256 and
+    documents, the ids inside the vocabulary.
+
+    Args (flags):
+        data DIR: a data folder. --tokens N: decode the first N tokens (32). --out FILE: a bar chart of
+        the document lengths (.png, .svg or .pdf). --json: end with one JSON line.
+    """
+    import json
+
+    from ..data import inspect_data, length_label
+
+    if args.out:
+        from ..lab.viz import check_picture
+
+        check_picture(args.out)
+    info = inspect_data(args.data, first_tokens=args.tokens)
+    chat = info["content"] == "chat"
+    what = "conversations" if chat else "documents"
+    lengths = info["lengths"]
+    if args.out and not (lengths and lengths["documents"]):
+        raise ConfigError(f"--out: {args.data} has no {what[:-1]} lengths to draw "
+                          + ("(no separator between its documents)" if lengths is None else f"(no {what})"))
+    eot = (f"documents separated by token {info['eot_id']} {json.dumps(info['eot_token'], ensure_ascii=False)}"
+           if info["eot_id"] is not None else "a conversation a document" if chat
+           else "no separator between documents: their lengths are unknown")
+    print(f"{info['path']}: {'chat' if chat else 'text'}, {info['tokenizer']} tokenizer (vocab "
+          f"{info['vocab_size']:,}, {info['dtype']}); {eot}")
+    def count(n: int | None) -> str:
+        return "-" if n is None else f"{n:,}"
+
+    rows = []
+    for split, s in info["splits"].items():
+        files, cut = s["files"], SHARD_ROWS // 2
+        if len(files) > SHARD_ROWS:
+            middle = files[cut:-cut]
+            docs = None if middle[0]["documents"] is None else sum(f["documents"] for f in middle)
+            files = [*files[:cut], {"file": f"... {len(middle):,} more", "tokens": sum(f["tokens"] for f in middle),
+                                    "documents": docs}, *files[-cut:]]
+        rows += [(split, f["file"], f["tokens"], f["documents"]) for f in files]
+        if len(s["files"]) > 1:
+            rows.append((split, plural(len(s["files"]), "shard"), s["tokens"], s["documents"]))
+
+    width = max(len("file"), *(len(r[1]) for r in rows))
+    print(f"{'split':<5}  {'file':<{width}}  {'tokens':>14}  {what:>13}")
+    for split, name, tokens, docs in rows:
+        print(f"{split:<5}  {name:<{width}}  {tokens:>14,}  {count(docs):>13}")
+    if chat:
+        print("trained tokens (the assistant's): " + ", ".join(
+            f"{s['trained_tokens']:,} {split}" for split, s in info["splits"].items()))
+    if lengths is not None and lengths["documents"]:
+        print(f"{what[:-1]} lengths in tokens: {plural(lengths['documents'], what[:-1])}, min {lengths['min']:,}, "
+              f"mean {lengths['mean']:,.1f}, max {lengths['max']:,}")
+        labels = [length_label(b["low"], b["high"]) for b in lengths["bins"]]
+        top = max(b["documents"] for b in lengths["bins"])
+        column = max(len("tokens"), *map(len, labels))
+        print(f"  {'tokens':>{column}}  {what:>13}")
+        for label, b in zip(labels, lengths["bins"]):
+            bar = "#" * round(HISTOGRAM_WIDTH * b["documents"] / top)
+            print(f"  {label:>{column}}  {b['documents']:>13,}  {bar}".rstrip())
+    first = info["first"]
+    print(f"first {plural(len(first['ids']), 'token')} of {first['split']}: {' '.join(map(str, first['ids']))}")
+    print(f"  {json.dumps(first['text'], ensure_ascii=False)}")
+    if chat:
+        print(f"  trained: {json.dumps(first['trained_text'], ensure_ascii=False)}")
+    if args.out:
+        from ..lab import viz
+
+        viz.plot_lengths(lengths["bins"], args.out, what=what,
+                         title=f"{info['path']}: {what[:-1]} lengths")
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json_line(info))
     return 0
 
 
@@ -295,20 +380,30 @@ def add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def add_inspect(sub: argparse._SubParsersAction) -> None:
-    """`tinygpt inspect heads` and its flags."""
-    p = sub.add_parser("inspect", help="score a run's heads: induction and previous-token heads",
-                       description=cmd_inspect.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["heads"], help="what to inspect: heads")
-    p.add_argument("run", help="a run folder")
-    p.add_argument("--period", type=Number("int", 2), help="the repeat's length (half the context)")
-    p.add_argument("--sequences", type=POSITIVE, default=32, help="repeated random sequences (32)")
-    p.add_argument("--seed", type=seed_type(), default=0, help="the sequences' draw (0)")
-    p.add_argument("--threshold", type=Number("float", 0, 1), default=0.4,
+    """`tinygpt inspect heads` and `inspect data`, and their flags."""
+    p = sub.add_parser("inspect", help="look inside a run (its heads) or a data folder",
+                       description="Look inside a run (inspect heads RUN) or a data folder (inspect data DIR).")
+    what = p.add_subparsers(dest="what", metavar="WHAT", required=True)
+    h = what.add_parser("heads", help="score a run's heads: induction and previous-token heads",
+                        description=cmd_inspect_heads.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    h.add_argument("run", help="a run folder")
+    h.add_argument("--period", type=Number("int", 2), help="the repeat's length (half the context)")
+    h.add_argument("--sequences", type=POSITIVE, default=32, help="repeated random sequences (32)")
+    h.add_argument("--seed", type=seed_type(), default=0, help="the sequences' draw (0)")
+    h.add_argument("--threshold", type=Number("float", 0, 1), default=0.4,
                    help="the score that names a head an induction or previous-token head (0.4)")
-    p.add_argument("--out", metavar="FILE", help="a heatmap of every head's two scores (.png, .svg, .pdf)")
-    p.add_argument("--json", action="store_true", help="end with one JSON line")
-    add_device_flag(p)
-    p.set_defaults(func=cmd_inspect)
+    h.add_argument("--out", metavar="FILE", help="a heatmap of every head's two scores (.png, .svg, .pdf)")
+    h.add_argument("--json", action="store_true", help="end with one JSON line")
+    add_device_flag(h)
+    h.set_defaults(func=cmd_inspect_heads)
+    d = what.add_parser("data", help="a data folder: shards, tokens, documents, document lengths, the first tokens",
+                        description=cmd_inspect_data.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("data", metavar="DIR", help="a data folder (prepare's --out)")
+    d.add_argument("--tokens", type=Number("int", 0, 100_000), default=32, metavar="N",
+                   help="decode the first N tokens (32)")
+    d.add_argument("--out", metavar="FILE", help="a bar chart of the document lengths (.png, .svg, .pdf)")
+    d.add_argument("--json", action="store_true", help="end with one JSON line")
+    d.set_defaults(func=cmd_inspect_data)
 
 
 def add_emergence(sub: argparse._SubParsersAction) -> None:

@@ -1,4 +1,4 @@
-"""Pictures: attention maps, loss curves, few-shot accuracy (and scaling plots).
+"""Pictures: attention maps, loss curves, few-shot accuracy, document lengths (and scaling plots).
 
 matplotlib is an optional dependency (`pip install 'tinygpt[viz]'`), imported inside the
 functions that draw. Figures are built with matplotlib's object API (`Figure`, no pyplot), so
@@ -528,6 +528,38 @@ def plot_fewshot(
     ax.yaxis.set_major_formatter(PercentFormatter())
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
+    _save(fig, out)
+    return fig
+
+
+def plot_lengths(bins: Sequence[dict[str, int]], out: str | os.PathLike, *, what: str = "documents",
+                 title: str | None = None):
+    """A bar chart of document lengths in power-of-two bins (tinygpt.data.inspect_data's "bins").
+
+    Args:
+        bins: each {"low", "high", "documents"}: the lengths (tokens) a bar counts and how many.
+        out: the picture to write (.png, .svg or .pdf).
+        what: what the bars count ("documents", "conversations").
+        title: the figure's title.
+
+    Returns:
+        the matplotlib Figure.
+    """
+    fig = _figure(max(5.0, 1.2 + 0.45 * len(bins)), 4.0)
+    ax = fig.subplots()
+    from matplotlib.ticker import MaxNLocator
+
+    from ..data import length_label
+
+    labels = [length_label(b["low"], b["high"]) for b in bins]
+    ax.bar(range(len(bins)), [b["documents"] for b in bins], color="C0")
+    ax.set_xticks(range(len(bins)), labels, rotation=45, ha="right", fontsize=8)
+    ax.set_xlabel("length in tokens")
+    ax.set_ylabel(what)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(True, axis="y", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
     _save(fig, out)
