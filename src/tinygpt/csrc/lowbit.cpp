@@ -560,8 +560,8 @@ struct DecodePlan : torch::CustomClassHolder {
 
   // One block's MLP on h (B, C), the block's ln_2 output: its down projection's input.
   at::Tensor hidden(const at::Tensor& h, const Linear* lin) const {
-    if (mlp == "swiglu") return at::silu_(lin[0](h)).mul_(lin[1](h));
-    at::Tensor up = lin[0](h);
+    at::Tensor up = lin[0](h);  // SwiGLU's gate
+    if (mlp == "swiglu") return at::silu_(up).mul_(lin[1](h));
     if (mlp == "relu2") return at::relu_(up).square_();
     return at::gelu_(up, mlp);
   }
