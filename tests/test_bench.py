@@ -140,6 +140,33 @@ def test_ratios_against_llama_cpp_pair_each_format_with_tinygpt_s_best():
     assert not any("q4_0" in name for name in got)  # no tinygpt int4 row to compare with
 
 
+def test_busy_rows_have_ratios_of_their_own_and_leave_the_quiet_ones_alone():
+    # issue 40: decoding beside a process that takes a core is a condition of its own, never mixed with quiet rows
+    quiet, busy = dict(batch=1, kv_cache=True, model="baby"), dict(batch=1, kv_cache=True, model="baby", condition="busy")
+    result = {"generation": [{**quiet, "impl": "tinygpt", "format": "fp32", "decode_tokens_per_s": 100.0},
+                             {**quiet, "impl": "llama.cpp", "format": "f32", "decode_tokens_per_s": 80.0},
+                             {**busy, "impl": "tinygpt", "format": "fp32", "decode_tokens_per_s": 30.0},
+                             {**busy, "impl": "llama.cpp", "format": "f32", "decode_tokens_per_s": 60.0}]}
+    got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
+    assert got == {"decode baby b1: tinygpt fp32 / llama.cpp f32": (1.25, True),
+                   "decode baby b1 busy: tinygpt fp32 / llama.cpp f32": (0.5, False)}
+
+
+def test_busy_core_spins_a_process_while_its_block_runs():
+    import os
+    import time
+
+    def cpu_seconds(pid: int) -> float:  # user + system time, from /proc/PID/stat's fields 14 and 15
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    with bench_module.busy_core() as busy:
+        start = cpu_seconds(busy.spinner.pid)
+        time.sleep(1.0)
+        assert cpu_seconds(busy.spinner.pid) - start > 0.1  # working, not asleep (a loaded machine shares its core)
+    assert busy.spinner.poll() is not None  # gone with the block
+
+
 def test_decode_speed_is_the_whole_call_s_wall_clock_as_a_user_times_it():
     # issue 40: the median step hid what a user's clock sees (the prompt, a cache zeroed at every call, stalls)
     clock = bench_module._Clock()
