@@ -334,6 +334,27 @@ def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, messag
     assert not (tmp_path / "r").exists()
 
 
+def test_cli_reference_and_prompt_the_vocabulary_cannot_write_are_refused_naming_the_flag(world, tmp_path, capsys,
+                                                                                       monkeypatch):
+    # once: "1 character not in the tokenizer's vocabulary: 'é' (U+00E9) at position 8", naming neither flag
+    from tinygpt import cli
+
+    finetune_module = sys.modules["tinygpt.finetune"]  # the module, not the function tinygpt exports by its name
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured the base before refusing the flag")
+
+    monkeypatch.setattr(finetune_module, "evaluate", measured)  # refused before the report's first measurement
+    (tmp_path / "ref.txt").write_text("the cat sees the moon é\n")
+    for extra, flag in ((["--reference", str(tmp_path / "ref.txt")], f"--reference {tmp_path / 'ref.txt'}: "),
+                        (["--prompt", "the cat", "--prompt", "the é"], "--prompt 'the é': ")):
+        code = cli.main(["finetune", str(world / "base"), "--data", str(world / "data-b"), "--out", str(tmp_path / "r"),
+                         *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and flag in err and "'é' (U+00E9)" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "r").exists()
+
+
 REPORT_EDITS = [
     (lambda r: r.pop("after"), "after is missing"),
     (lambda r: r["before"]["data"].pop("bits_per_char"), "before.data.bits_per_* is missing"),

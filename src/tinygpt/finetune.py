@@ -43,7 +43,7 @@ from .fileio import read_json, write_json
 from .generate import generate
 from .lora import apply_lora, weights_checksum
 from .model import GPT, grow_vocab
-from .tokenizer import Tokenizer, render_chat_prompt, stop_ids, with_chat_template
+from .tokenizer import Tokenizer, encode_named, render_chat_prompt, stop_ids, with_chat_template
 from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, evaluate_chat,
                     has_checkpoint, train)
 from .weights import reconfigured
@@ -176,8 +176,9 @@ def finetune(
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
         model_config = _finetune_config(base.config, cfg, from_, new_ids)
         texts = _report_texts(from_, dataset, cfg, tokenizer)
+        prompts = _sample_prompts(texts[0], data_tokenizer, cfg)  # refused here, before any measuring or training
         start = _start(from_, base_checksum, model_config, cfg, new_ids)
-        before = _measure(_shaped(base, model_config, from_, new_ids), texts, data_tokenizer, cfg)
+        before = _measure(_shaped(base, model_config, from_, new_ids), texts, prompts, data_tokenizer, cfg)
         del base  # the training builds its own copy: do not hold two through the run
         counter = _CountParams()
         started = time.perf_counter()
@@ -185,7 +186,7 @@ def finetune(
                        should_stop=should_stop)
         ctx.barrier()  # rank 0 has written the checkpoint the others read
         after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
-        after = _measure(after_model, texts, data_tokenizer, cfg)
+        after = _measure(after_model, texts, prompts, data_tokenizer, cfg)
         report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started)
         if ctx.is_main:
             write_json(out / REPORT, report)
@@ -472,7 +473,7 @@ def _report_texts(from_: Path, dataset: DataSet, cfg: FinetuneConfig, tokenizer)
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: cannot read the reference text ({getattr(e, 'strerror', None) or e})") from None
-        ids = tokenizer.encode(text)[:n]
+        ids = encode_named(tokenizer, text, f"--reference {path}")[:n]
         if len(ids) < 2:
             raise DataError(f"{path}: the reference text needs at least 2 tokens, it has {len(ids)}")
         texts.append(_Text("reference", str(path), np.asarray(ids, dtype=np.int64)))
@@ -499,7 +500,8 @@ def _base_val_data(from_: Path, tokenizer) -> DataSet | None:
     return own if len(own.val) >= 2 else None
 
 
-def _measure(model: GPT, texts: list[_Text], tokenizer, cfg: FinetuneConfig) -> dict[str, Any]:
+def _measure(model: GPT, texts: list[_Text], prompts: list[tuple[str, list[int]]], tokenizer,
+             cfg: FinetuneConfig) -> dict[str, Any]:
     """Loss and bits per char/byte on each text, and the samples, for one model."""
     model.eval()
     out: dict[str, Any] = {}
@@ -514,30 +516,36 @@ def _measure(model: GPT, texts: list[_Text], tokenizer, cfg: FinetuneConfig) -> 
             size = len(predicted) if unit == "char" else len(predicted.encode("utf-8"))
         out[text.name] = {"loss": result["loss"], f"bits_per_{unit}": result["nll"] / math.log(2) / max(1, size),
                           "tokens": result["tokens"], "text": text.where}
-    out["samples"] = _samples(model, texts[0], tokenizer, cfg)
+    out["samples"] = _samples(model, texts[0], prompts, tokenizer, cfg)
     return out
 
 
 def _sample_prompts(text: _Text, tokenizer, cfg: FinetuneConfig) -> list[tuple[str, list[int]]]:
     """(prompt, ids) to sample: the prompts given, else the validation text's start. On chat data a
-    prompt is a user's message, and the default the first validation conversation up to its reply."""
+    prompt is a user's message, and the default the first validation conversation up to its reply.
+
+    Raises:
+        ConfigError: a prompt the vocabulary cannot write, naming it.
+    """
     val = text.tokens
+    given = [(p, encode_named(tokenizer, p, f"--prompt {p!r}")) for p in cfg.prompts]
     if text.chat is None:
-        prompts = list(cfg.prompts) or [tokenizer.decode(val[: min(8, len(val) - 1)].tolist())]
-        return [(p, tokenizer.encode(p)) for p in prompts]
-    if cfg.prompts:
-        return [(p, render_chat_prompt(tokenizer, [{"role": "user", "content": p}])) for p in cfg.prompts]
+        start = tokenizer.decode(val[: min(8, len(val) - 1)].tolist())
+        return given or [(start, tokenizer.encode(start))]
+    if given:  # each a user's message, its text checked above
+        return [(p, render_chat_prompt(tokenizer, [{"role": "user", "content": p}])) for p, _ in given]
     first = int(np.argmax(text.chat.masks["val"] > 0))  # the reply's first token; its start token is before it
     ids = np.asarray(val[:first]).tolist()
     return [(tokenizer.decode(ids), ids)]
 
 
 @torch.no_grad()
-def _samples(model: GPT, text: _Text, tokenizer, cfg: FinetuneConfig) -> list[dict[str, str]]:
+def _samples(model: GPT, text: _Text, prompts: list[tuple[str, list[int]]], tokenizer,
+             cfg: FinetuneConfig) -> list[dict[str, str]]:
     block = model.config.block_size
     stops = sorted(stop_ids(tokenizer)) if text.chat is not None else None  # a reply ends its turn
     samples = []
-    for prompt, ids in _sample_prompts(text, tokenizer, cfg):
+    for prompt, ids in prompts:
         # the prompt's end, with room to write: in a short context at least half of it is the prompt's,
         # or a chat prompt would lose its question
         ids = ids[-max(1, block - min(cfg.sample_tokens, block // 2)):]

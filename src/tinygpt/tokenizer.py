@@ -47,7 +47,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from .calc.units import plural
-from .errors import ChatError, TokenizerError
+from .errors import ChatError, ConfigError, TokenizerError
 from .fileio import read_json, write_json
 
 FORMAT = "tinygpt-tokenizer"
@@ -319,6 +319,16 @@ def encode_skipping_unknown(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray
     kept = int(known.sum())
     segments = list(zip(kept_starts, kept_starts[1:] + [kept]))
     return ids[known], segments, len(ids) - kept
+
+
+def encode_named(tokenizer: Tokenizer, text: str, name: str) -> list[int]:
+    """The ids of a text a user gave under `name` (a flag, a setting): characters the vocabulary lacks
+    are a ConfigError naming it (and the characters' positions in its text), where the tokenizer's own
+    words name neither and the text may be one of several."""
+    try:
+        return tokenizer.encode(text)
+    except TokenizerError as e:
+        raise ConfigError(f"{name}: {e}") from None
 
 
 def _unknown_chars_message(text: str, positions: np.ndarray, show: int = 5) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..errors import ConfigError, TokenizerError
+from ..errors import ConfigError
 
 EXIT_ERROR = 2  # bad input of any kind: a one-line error on stderr
 EXIT_NONFINITE = 3  # training stopped on a NaN or infinite loss; the last checkpoint is kept
@@ -190,11 +190,10 @@ def utf8_flag(value: str | None, flag: str) -> str | None:
 def encodable_flag(tokenizer, value: str | None, flag: str) -> str | None:
     """A text flag the tokenizer must encode, refused in one line naming the flag (and the characters'
     positions in its text) when the vocabulary lacks some: the tokenizer's own words name neither."""
+    from ..tokenizer import encode_named
+
     if value is not None:
-        try:
-            tokenizer.encode(value)
-        except TokenizerError as e:
-            raise ConfigError(f"{flag}: {e}") from None
+        encode_named(tokenizer, value, flag)
     return value
 
 
