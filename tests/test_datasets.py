@@ -165,6 +165,39 @@ def test_kill_9_then_resume_gives_the_same_shards(dataset, sharded, tmp_path):
     assert (out / "train_00001.bin").stat().st_ino == kept  # resumed: the full shards were kept, not written again
 
 
+def test_long_documents_are_encoded_a_few_at_a_time(dataset, sharded, tmp_path, monkeypatch):
+    """A source's batch of rows is cut to about ENCODE_CHARS characters before it is encoded (a
+    batch of 1,024 long documents held gigabytes of encodings in each worker); the shards are the same
+    bytes, and a prepare killed between two cuts of one batch resumes to them."""
+    from tinygpt import data
+    from tinygpt.tokenizer import BPETokenizer
+
+    monkeypatch.setattr(data, "ENCODE_CHARS", 300)
+    sizes = []
+    encode_each = BPETokenizer.encode_each
+
+    def counted(self, texts):
+        sizes.append((len(texts), sum(map(len, texts))))
+        return encode_each(self, texts)
+
+    monkeypatch.setattr(BPETokenizer, "encode_each", counted)
+    out = tmp_path / "cut"
+    prepare([str(dataset["parquet"])], out, tokenizer=None, tokenizer_file=dataset["tok"], shard_tokens=SHARD, workers=2)
+    assert all_bytes(out) == all_bytes(sharded[0])
+    assert all(n == 1 or chars <= 300 for n, chars in sizes) and len(sizes) > 100  # 500 documents of 3-60 words
+
+    killed = tmp_path / "killed"
+    run = subprocess.run([sys.executable, "-c", KILLED.replace("finish = ", "data.ENCODE_CHARS = 300\nfinish = ", 1),
+                          str(dataset["parquet"]), str(killed), str(dataset["tok"]), str(SHARD)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    state = json.loads((tmp_path / ".killed.prepare" / "prepare-state.json").read_text())
+    assert state["at"]["position"][2] % 40  # the batch it resumes from begins inside a row group of 40
+    prepare([str(dataset["parquet"])], killed, tokenizer=None, tokenizer_file=dataset["tok"], shard_tokens=SHARD,
+            resume=True)
+    assert all_bytes(killed) == all_bytes(sharded[0])
+
+
 def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
     tok = dataset["tok"]
 

@@ -37,8 +37,9 @@ How text is read:
 Datasets (tinygpt.datasources: `hf:NAME[:CONFIG][/SPLIT]`, parquet, JSONL and CSV files or folders
 of them) are streamed in one pass, a row a document, and never held whole:
 
-- Documents are encoded on `workers` threads (tinygpt.shards.Encoder) in order, so the ids are those
-  of one worker; each split's documents are separated by `<|endoftext|>` as files are.
+- Documents are encoded on `workers` threads (tinygpt.shards.Encoder) in order, in batches of at most
+  ENCODE_CHARS characters (or one document), so the ids are those of one worker and memory stays a
+  few batches; each split's documents are separated by `<|endoftext|>` as files are.
 - The validation split is every document k with (k * val_fraction) mod 1 < val_fraction: the
   first, then one in 1/val_fraction, spread over the whole dataset (a stream has no known end to
   hold out the last share of). `max_tokens` stops at that many ids (train and val together).
@@ -956,10 +957,20 @@ class _DatasetPass:
                                             "emitted": self.writer.emitted, "writer": self.writer.state()})
 
     def _batches(self) -> Iterator[tuple[int, int, int, list[Any]]]:
+        """(source, part, first row, texts) in order, a batch at most ENCODE_CHARS characters (or one
+        document): a source's batch is rows, and 1,024 rows of long documents (books, source files) at
+        once would hold gigabytes of encodings in each worker."""
         s0, p0, r0 = self.at["position"]
         for i in range(s0, len(self.srcs)):
             for part, row, texts in self.srcs[i].rows((p0, r0) if i == s0 else (0, 0)):
-                yield i, part, row, texts
+                start = 0
+                while start < len(texts):
+                    end, chars = start + 1, len(texts[start] or "")
+                    while end < len(texts) and chars + len(texts[end] or "") <= ENCODE_CHARS:
+                        chars += len(texts[end] or "")
+                        end += 1
+                    yield i, part, row + start, texts[start:end]
+                    start = end
 
     def run(self, progress: ProgressFn | None) -> dict[str, Any]:
         tok, at, writer = self.tok, self.at, self.writer
