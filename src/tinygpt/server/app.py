@@ -42,7 +42,17 @@ from .protocol import (
     invalid_value,
     validation_error,
 )
-from .scheduler import Draining, Event, ModelDown, QueueFull, Scheduler, Sequence, TokenInfo, score_windows
+from .scheduler import (
+    Draining,
+    Event,
+    ModelDown,
+    QueueFull,
+    Scheduler,
+    Sequence,
+    TokenInfo,
+    score_windows,
+    scoring_windows,
+)
 
 COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
@@ -410,8 +420,8 @@ class _Server:
             raise _busy(1)
 
     async def score(self, request: Request, prompts: list[list[int]], top: int, n: int) -> list[list[TokenInfo]]:
-        """Each prompt token's logprob and `top` alternatives, as `tinygpt eval` scores a text: the
-        prompt cut into consecutive windows of block_size + 1 tokens; the first token has none. The
+        """Each prompt token's logprob and `top` alternatives, each predicted from as much of the
+        prompt before it as the context holds (scoring_windows); the first token has none. The
         request holds its places in the scheduler meanwhile (a full server answers 429), and a client
         that leaves stops the scoring (raises _ClientGone)."""
         total = sum(len(ids) for ids in prompts) * n  # every choice carries its prompt's logprobs
@@ -427,9 +437,9 @@ class _Server:
     async def _score_one(self, request: Request, ids: list[int], top: int) -> list[TokenInfo]:
         offsets = _text_offsets(self.tokenizer, ids)
         infos = [TokenInfo(ids[0], None, None, 0)]
-        starts = list(range(0, len(ids) - 1, self.block_size))
-        for i in range(0, len(starts), SCORE_WINDOWS_PER_CALL):
-            chunk = starts[i : i + SCORE_WINDOWS_PER_CALL]
+        windows = scoring_windows(len(ids), self.block_size)
+        for i in range(0, len(windows), SCORE_WINDOWS_PER_CALL):
+            chunk = windows[i : i + SCORE_WINDOWS_PER_CALL]
             if await request.is_disconnected():
                 raise _ClientGone()
 

@@ -20,6 +20,7 @@ scheduler says so (`failure`), fails everything waiting or running with a 503, a
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -558,15 +559,32 @@ def token_infos(logprobs: torch.Tensor, tokens: list[int], top: int, offsets: li
     return [TokenInfo(t, _json_logprob(lp), b, o) for t, lp, b, o in zip(tokens, chosen, best, offsets)]
 
 
-def score_windows(model, ids: list[int], starts: list[int], top: int, offsets: list[int],
+def scoring_windows(length: int, block: int) -> list[tuple[int, int]]:
+    """How a prompt of `length` tokens is scored so that each token is predicted from as much left
+    context as the model holds, min(its position, block) tokens: the first window reads the prompt's
+    start and scores every token it predicts; past it, the window slides one token at a time and
+    scores only its last prediction. A token's logprob then does not depend on how much text before
+    its context the client sent (consecutive windows, as `tinygpt eval` cuts a text, gave the first
+    tokens of each window almost no context, and an evaluation harness's answers moved by nats with
+    the length it cut its prompts to).
+
+    Returns (end, scored) pairs: a window reads ids[max(0, end - block) : end] and scores the last
+    `scored` tokens it predicts, ids[end - scored + 1 : end + 1].
+    """
+    if length < 2:
+        return []
+    first = min(block, length - 1)
+    return [(first, first)] + [(end, 1) for end in range(first + 1, length)]
+
+
+def score_windows(model, ids: list[int], windows: list[tuple[int, int]], top: int, offsets: list[int],
                   vocab_size: int | None = None) -> list[TokenInfo]:
-    """The logprob of every token a window predicts, as `tinygpt eval` cuts a text: the window at s
-    reads ids[s : s + block_size] and predicts ids[s + 1 : s + block_size + 1].
+    """The logprob of every token the windows score (see scoring_windows), in order.
 
     Args:
         model: a tinygpt GPT (called on the model thread).
         ids: the whole prompt.
-        starts: window starts, multiples of block_size below len(ids) - 1.
+        windows: (end, scored) pairs from scoring_windows, in order.
         top: how many most likely alternatives to report with each token.
         offsets: each token's text offset (see TokenInfo.offset).
         vocab_size: the tokenizer's vocabulary: logprobs are over its ids, as for generated tokens.
@@ -575,11 +593,13 @@ def score_windows(model, ids: list[int], starts: list[int], top: int, offsets: l
     device = next(model.parameters()).device
     infos: list[TokenInfo] = []
     with torch.inference_mode():
-        for s in starts:
-            end = min(s + block, len(ids) - 1)
-            x = torch.tensor([ids[s:end]], device=device)
-            logprobs = torch.log_softmax(mask_vocab(model(x)[0].float(), vocab_size), dim=-1)  # (T, V)
-            targets = list(range(s + 1, end + 1))
+        # windows of one length that score alike run as one batch: the sliding ones, a full context each
+        for (length, scored), group in itertools.groupby(windows, key=lambda w: (min(w[0], block), w[1])):
+            ends = [end for end, _ in group]
+            x = torch.tensor([ids[end - length : end] for end in ends], device=device)
+            logits = model(x, last_only=scored == 1)[:, -scored:].float()  # (B, scored, V)
+            logprobs = torch.log_softmax(mask_vocab(logits, vocab_size), dim=-1).reshape(-1, logits.shape[-1])
+            targets = [t for end in ends for t in range(end - scored + 1, end + 1)]
             infos += token_infos(logprobs, [ids[t] for t in targets], top, [offsets[t] for t in targets])
     return infos
 
