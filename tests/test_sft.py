@@ -144,6 +144,21 @@ def test_eval_on_chat_data_is_the_assistant_tokens_loss(tuned, capsys):
     assert got["loss"] == pytest.approx(float(np.mean(losses)), rel=1e-5)
 
 
+def test_the_reference_loss_of_a_chat_base_is_scored_as_eval_scores_chat_data(tuned, tmp_path, capsys):
+    # a chat run fine-tuned further: its own validation data (the reference) was scored as plain text, system,
+    # user and template tokens across conversations (6.49 where eval gave 1.17)
+    run, data = tuned / "ft-base", tuned / "chat-base"
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0  # its own data, as the report's reference is
+    evaluated = json.loads(capsys.readouterr().out.splitlines()[-1])
+    quick = TrainConfig(max_iters=1, batch_size=2, eval_interval=1, eval_iters=1)
+    report = tinygpt.finetune(run, data, tmp_path / "more", FinetuneConfig(), quick).report
+    reference = report["before"]["reference"]
+    assert reference["loss"] == pytest.approx(evaluated["loss"], rel=1e-6)
+    assert reference["tokens"] == evaluated["tokens"] and "the assistant's tokens" in reference["text"]
+    assert reference["loss"] == report["before"]["data"]["loss"]  # the same split, fine-tuned on and referred to
+
+
 def test_sample_on_a_chat_run_stops_at_its_end_of_turn(tmp_path, capsys):
     from server_util import stopping_model, tiny_tokenizer
 

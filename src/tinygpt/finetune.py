@@ -44,8 +44,8 @@ from .generate import generate
 from .lora import apply_lora, weights_checksum
 from .model import GPT, grow_vocab
 from .tokenizer import Tokenizer, encode_named, render_chat_prompt, stop_ids, with_chat_template
-from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, evaluate, evaluate_chat,
-                    has_checkpoint, train)
+from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, conversations_within,
+                    evaluate, evaluate_chat, has_checkpoint, train)
 from .weights import reconfigured
 
 REPORT = "finetune_report.json"
@@ -461,12 +461,7 @@ class _Text:
 def _report_texts(from_: Path, dataset: DataSet, cfg: FinetuneConfig, tokenizer) -> list[_Text]:
     """The validation split, and the reference text (a file, or the base's own validation data)."""
     n = cfg.report_tokens + 1
-    texts = [_Text("data", f"{dataset.path} (val)", np.asarray(dataset.val[:n]))]
-    if dataset.is_chat:  # whole conversations within report_tokens (at least one), the assistant's tokens scored
-        starts = dataset.starts["val"]
-        ends = np.append(starts[1:], len(dataset.val))
-        texts[0] = _Text("data", f"{dataset.path} (val, the assistant's tokens)", texts[0].tokens, dataset,
-                         max(1, int((ends <= n).sum())))
+    texts = [_val_text("data", dataset, "val", n)]
     if cfg.reference is not None:
         path = Path(cfg.reference)
         try:
@@ -480,8 +475,20 @@ def _report_texts(from_: Path, dataset: DataSet, cfg: FinetuneConfig, tokenizer)
     else:
         own = _base_val_data(from_, tokenizer)
         if own is not None:
-            texts.append(_Text("reference", f"{own.path} (val, the base's own data)", np.asarray(own.val[:n])))
+            texts.append(_val_text("reference", own, "val, the base's own data", n))
     return texts
+
+
+def _val_text(name: str, dataset: DataSet, what: str, n: int) -> _Text:
+    """A data folder's validation split to score, its first n tokens; of chat data, the whole conversations
+    within them (at least one), scored on the assistant's tokens as `tinygpt eval` scores chat data: a
+    chat base's own data read as plain text would score its system, user and template tokens too, across
+    conversations."""
+    tokens = np.asarray(dataset.val[:n])
+    if not dataset.is_chat:
+        return _Text(name, f"{dataset.path} ({what})", tokens)
+    return _Text(name, f"{dataset.path} ({what}, the assistant's tokens)", tokens, dataset,
+                 conversations_within(dataset, n))
 
 
 def _base_val_data(from_: Path, tokenizer) -> DataSet | None:

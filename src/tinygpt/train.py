@@ -433,6 +433,14 @@ def evaluate_chat(
             "chars": len(text.decode("utf-8", errors="replace"))}
 
 
+def conversations_within(dataset: DataSet, n_tokens: int, split: str = "val") -> int:
+    """How many of a chat split's first conversations fit whole in its first n_tokens tokens (at least
+    one): what evaluate_chat's `conversations` takes to score about n_tokens tokens."""
+    starts = dataset.starts[split]
+    ends = np.append(starts[1:], len(getattr(dataset, split)))
+    return max(1, int((ends <= n_tokens).sum()))
+
+
 def _group_by_length(windows: list[tuple[int, int]]):
     groups: dict[int, list[int]] = {}
     for s, length in windows:

@@ -265,17 +265,11 @@ def _eval_chat(args: argparse.Namespace, model, dataset) -> int:
     evaluation counts it, each conversation alone; --max-tokens keeps the first conversations that fit."""
     import math
 
-    import numpy as np
+    from ..train import conversations_within, evaluate_chat
 
-    from ..train import evaluate_chat
-
-    starts = dataset.starts["val"]
-    keep = None
-    if args.max_tokens is not None:
-        ends = np.append(starts[1:], len(dataset.val))
-        keep = max(1, int((ends <= args.max_tokens).sum()))
+    keep = None if args.max_tokens is None else conversations_within(dataset, args.max_tokens)
     result = evaluate_chat(model, dataset, batch_size=args.batch_size, conversations=keep)
-    n = len(starts) if keep is None else keep
+    n = len(dataset.starts["val"]) if keep is None else keep
     report = {"loss": result["loss"], "perplexity": math.exp(result["loss"]),
               "bits_per_byte": result["nll"] / math.log(2) / max(1, result["bytes"]), "tokens": result["tokens"],
               "conversations": n, "masked": True}
