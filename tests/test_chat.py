@@ -509,6 +509,36 @@ def test_cli_chat_prints_its_notes_before_the_reply_not_inside_it(tmp_path, caps
     assert "you> (cannot send that: 1 character not in the tokenizer's vocabulary" in shown  # no "bot> " before it
 
 
+def test_cli_chat_shows_control_characters_of_a_reply_as_escapes(tmp_path, capsys, monkeypatch):
+    # once written raw: a reply could clear the screen, move the cursor or retitle the terminal
+    import importlib
+    import io
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    reply = "\x1b[2J\x1b]0;owned\x07\rok\tfine\nbye\x9b\x7f"
+    tok = with_chat_template(CharTokenizer.from_text(TEXT + reply))
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    tinygpt.save(model, tmp_path / "run", tok)
+    prompts = []
+
+    def replies(model, idx, *args, **kwargs):  # the model "writes" `reply`, then ends its turn
+        prompts.append(idx[0].tolist())
+        for i in [*tok.encode(reply), tok.special_ids()["<|end|>"]]:
+            yield torch.tensor([i])
+
+    monkeypatch.setattr(importlib.import_module("tinygpt.generate"), "generate_stream", replies)
+    shown = "\\x1b[2J\\x1b]0;owned\\x07\\x0dok\tfine\nbye\\x9b\\x7f\n"
+    assert main(["chat", str(tmp_path / "run"), "--prompt", "hi"]) == 0
+    assert capsys.readouterr().out == shown
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\nagain\n"))
+    assert main(["chat", str(tmp_path / "run"), "--max-new-tokens", "8"]) == 0  # room for both turns
+    assert capsys.readouterr().out == f"you> bot> {shown}you> bot> {shown}you> "
+    # the conversation keeps what the model wrote: the next prompt holds the reply's own tokens
+    assert tok.encode(reply) == prompts[-1][5 : 5 + len(reply)]  # after <|user|>hi<|end|><|assistant|>
+
+
 def test_fact_task_and_exact_match():
     from server_util import stopping_model, tiny_tokenizer
 

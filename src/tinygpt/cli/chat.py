@@ -11,6 +11,10 @@ from ..errors import ConfigError
 from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, encodable_flag, load_model,
                      seed_type, utf8_flag)
 
+# C0 controls but newline and tab, DEL and C1, shown as escapes: a reply written raw could move the
+# cursor, clear the screen or send the terminal commands (ESC sequences, 8-bit CSI)
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160)) if c not in (9, 10)}
+
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help; Ctrl-D quits"
 
 
@@ -100,12 +104,12 @@ class _Session:
                     break
                 piece = decoder.push([int(token[0])])
                 answer.append(piece)
-                out.write(piece)
+                out.write(piece.translate(_CONTROLS))
                 out.flush()
         except KeyboardInterrupt:
             out.write(" [stopped]")
         answer.append(decoder.flush())
-        out.write(answer[-1] + "\n")
+        out.write(answer[-1].translate(_CONTROLS) + "\n")
         out.flush()
         self.history.append({"role": "assistant", "content": "".join(answer)})
 
