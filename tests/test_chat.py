@@ -539,6 +539,27 @@ def test_cli_chat_shows_control_characters_of_a_reply_as_escapes(tmp_path, capsy
     assert tok.encode(reply) == prompts[-1][5 : 5 + len(reply)]  # after <|user|>hi<|end|><|assistant|>
 
 
+def test_cli_chat_sends_a_message_that_starts_with_a_slash_typed_with_two(tmp_path, capsys, monkeypatch):
+    # once every line starting with "/" was a command: "/etc/hosts?" could not be asked
+    import io
+
+    from server_util import tiny_model, tiny_tokenizer
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=48, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    run = ["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "8"]
+    assert main([*run, "--prompt", "/etc/hosts?"]) == 0
+    expected = capsys.readouterr().out
+    monkeypatch.setattr("sys.stdin", io.StringIO("//etc/hosts?\n/help\n"))
+    assert main(run) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"you> bot> {expected}you> you> " and "unknown command" not in captured.err
+    assert "//TEXT sends /TEXT as a message" in captured.err
+
+
 def test_fact_task_and_exact_match():
     from server_util import stopping_model, tiny_tokenizer
 

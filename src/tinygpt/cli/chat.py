@@ -15,7 +15,8 @@ from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_fl
 # cursor, clear the screen or send the terminal commands (ESC sequences, 8-bit CSI)
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160)) if c not in (9, 10)}
 
-HELP = "commands: /reset (forget the conversation), /system TEXT (set the system message), /help; Ctrl-D quits"
+HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message), /help; "
+        "//TEXT sends /TEXT as a message; Ctrl-D quits")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -24,9 +25,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     Interactively: type a message and press Enter. Ctrl-C stops a reply (what was written stays in
     the conversation) without leaving; Ctrl-D quits. /reset forgets the conversation, /system TEXT
-    sets the system message. The conversation is kept within the model's context: when it grows
-    past it, the oldest messages are dropped (the system message stays) and a note says so; a
-    message longer than the context alone is answered from its end, with a note.
+    sets the system message; a message that starts with / is typed with two (//etc sends /etc).
+    The conversation is kept within the model's context: when it grows past it, the oldest messages
+    are dropped (the system message stays) and a note says so; a message longer than the context
+    alone is answered from its end, with a note.
 
     With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
     same reply `tinygpt serve` gives).
@@ -132,11 +134,11 @@ def _interactive(session: _Session) -> int:
         text = line.strip()
         if not text:
             continue
-        if text.startswith("/"):
+        if text.startswith("/") and not text.startswith("//"):
             _command(session, text)
             continue
-        try:
-            session.reply(line, sys.stdout, label="bot> ")
+        try:  # "//" escapes a message that starts with "/"
+            session.reply(line.replace("//", "/", 1) if text.startswith("//") else line, sys.stdout, label="bot> ")
         except (ChatError, TokenizerError) as e:  # a message the vocabulary cannot write: say so, go on
             session.history.pop()
             print(f"(cannot send that: {e})", file=sys.stderr)
