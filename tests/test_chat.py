@@ -176,14 +176,92 @@ def test_prepare_chat_reports_malformed_lines_or_skips_them(tmp_path):
         f.write(b'{"messages": [{"role": "user", "content": "\xff"}]}\n')
     with pytest.raises(DataError) as e:
         prepare_chat(src, tmp_path / "d")
-    assert "c.jsonl:7: not JSON" in str(e.value) and "6 more malformed lines: 8, 9, 10, 11, 12, ..." in str(e.value)
+    # the first five with why, then the others' numbers: every one fixed in one pass
+    assert "c.jsonl: 7 malformed lines: line 7: not JSON" in str(e.value) and "| line 8: " in str(e.value)
+    assert "| line 11: not JSON" in str(e.value) and "| and 2 more (lines 12, 13); fix them" in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
     meta = prepare_chat(src, tmp_path / "d", errors="skip")
     assert meta["skipped"] == 7 and meta["skipped_lines"] == [7, 8, 9, 10, 11, 12, 13] and meta["conversations"] == 6
+    assert meta["skipped_why"][0].startswith("line 7: not JSON") and meta["skipped_why"][-1] == "and 2 more (lines 12, 13)"
     lone = write_jsonl(tmp_path / "lone.jsonl", [qa(0)], [])
     lone.write_bytes(lone.read_bytes() + b'{"content": "\xff"}\n')
-    with pytest.raises(DataError, match=r"lone.jsonl:2: not UTF-8 \(invalid start byte at byte 13 of the line\)"):
+    with pytest.raises(DataError, match=r"lone.jsonl: 1 malformed line: line 2: not UTF-8 \(invalid start byte at "
+                                        r"byte 13 of the line\); fix them"):
         prepare_chat(lone, tmp_path / "d2")
+
+
+def test_prepare_chat_lists_the_conversations_the_tokenizer_cannot_encode_or_skips_them(tmp_path, capsys):
+    """A reused char vocabulary without é or →: strict names the first five lines with their characters
+    and counts the rest; skip leaves them out, as if they were never in the file. Once the first such
+    line stopped prepare, naming it alone, with --errors skip too."""
+    from tinygpt.cli import main
+    from tinygpt.data import load_data, prepare_chat
+    from tinygpt.errors import DataError
+
+    prepare_chat(write_jsonl(tmp_path / "base.jsonl", [qa(i) for i in range(20)]), tmp_path / "base")
+    good = [qa(i) for i in range(30)]
+    accent = {"messages": [{"role": "user", "content": "reverse café"}, {"role": "assistant", "content": "éfac"}]}
+    arrow = {"messages": [{"role": "user", "content": "reverse ab"}, {"role": "assistant", "content": "a → b"}]}
+    records = good[:2] + [accent] + good[2:10] + [arrow] * 6 + good[10:]  # lines 3 and 12 to 17
+    src = write_jsonl(tmp_path / "c.jsonl", records)
+    with pytest.raises(DataError) as e:
+        prepare_chat(src, tmp_path / "d", tokenizer=None, tokenizer_file=tmp_path / "base")
+    message = str(e.value)
+    assert message.startswith(f"{src}: 7 conversations the tokenizer cannot encode: line 3: message 1 (user): "
+                              "1 character not in the tokenizer's vocabulary: 'é' (U+00E9) at position 11; "
+                              "message 2 (assistant): 1 character not in the tokenizer's vocabulary: 'é' (U+00E9) "
+                              "at position 0 | line 12: message 2 (assistant): 1 character not in the tokenizer's "
+                              "vocabulary: '→' (U+2192) at position 2 | line 13: ")
+    assert "| line 15: " in message and "| and 2 more (lines 16, 17); fix them" in message
+    assert "\n" not in message and not (tmp_path / "d").exists()
+
+    meta = prepare_chat(src, tmp_path / "d", tokenizer=None, tokenizer_file=tmp_path / "base", errors="skip")
+    assert (meta["conversations"], meta["skipped"], meta["unencodable"]) == (30, 7, 7)
+    assert meta["skipped_lines"] == [3, 12, 13, 14, 15, 16, 17] and meta["skipped_why"][-1] == "and 2 more (lines 16, 17)"
+    prepare_chat(write_jsonl(tmp_path / "good.jsonl", good), tmp_path / "g", tokenizer=None,
+                 tokenizer_file=tmp_path / "base")
+    skipped, clean = load_data(tmp_path / "d"), load_data(tmp_path / "g")
+    for split in ("train", "val"):  # the split falls on the conversations written
+        assert skipped.train.tolist() == clean.train.tolist() and skipped.val.tolist() == clean.val.tolist()
+        assert skipped.masks[split].tolist() == clean.masks[split].tolist()
+        assert skipped.starts[split].tolist() == clean.starts[split].tolist()
+    assert {k: v for k, v in meta.items() if "skipped" not in k and k not in ("sources", "unencodable", "errors")} == {
+        k: v for k, v in clean.meta.items() if "skipped" not in k and k not in ("sources", "unencodable", "errors")}
+
+    argv = ["prepare", str(src), "--format", "chat", "--tokenizer-file", str(tmp_path / "base"), "--out",
+            str(tmp_path / "cli")]
+    assert main(argv) == 2 and "7 conversations the tokenizer cannot encode: line 3:" in capsys.readouterr().err
+    assert main(argv + ["--errors", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 7 lines (7 the tokenizer cannot encode):\n    line 3: message 1 (user): 1 character" in out
+    assert "\n    and 2 more (lines 16, 17)\n" in out
+
+
+def test_prepare_chat_streams_the_file_in_memory_that_does_not_grow_with_it(tmp_path, monkeypatch):
+    """Python's peak allocation while preparing 0.44 MB and then 1.8 MB of conversations: the same, the
+    tokens written as they are rendered (once the whole file's messages, ids and mask were held, 11.8 and
+    34.5 MB; benchmarks/prepare_memory.py --format chat measures a 30 MB file's peak RSS)."""
+    import tracemalloc
+
+    from tinygpt import data
+
+    monkeypatch.setattr(data, "CHAT_BUFFER_TOKENS", 1 << 14, raising=False)  # flat from a small file on
+
+    def conversation(i: int) -> dict:
+        text = "".join(chr(97 + (i * 7 + k) % 26) for k in range(400))
+        return {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text[::-1]}]}
+
+    peaks = []
+    for n in (500, 2000):
+        src = write_jsonl(tmp_path / f"c{n}.jsonl", [conversation(i) for i in range(n)])
+        tracemalloc.start()
+        try:
+            meta = data.prepare_chat(src, tmp_path / f"d{n}")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert meta["conversations"] == n and meta["train_tokens"] + meta["val_tokens"] == n * (800 + 4)
+    assert peaks[1] - peaks[0] < 1e6, f"peak {peaks[0] / 1e6:.1f} MB, then {peaks[1] / 1e6:.1f} MB"
 
 
 # --- training on chat data -------------------------------------------------------------------
@@ -366,10 +444,10 @@ def test_cli_prepare_chat_train_and_chat_prompt_equals_the_server(tmp_path, caps
 
     src = write_jsonl(tmp_path / "c.jsonl", [qa(i) for i in range(30)], ["{broken"])
     assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d")]) == 2
-    assert "c.jsonl:31: not JSON" in capsys.readouterr().err
+    assert "c.jsonl: 1 malformed line: line 31: not JSON" in capsys.readouterr().err
     assert main(["prepare", str(src), "--format", "chat", "--out", str(tmp_path / "d"), "--errors", "skip"]) == 0
     out = capsys.readouterr().out
-    assert "30 conversations" in out and "skipped 1 malformed lines (31)" in out
+    assert "30 conversations" in out and "skipped 1 line (1 malformed):\n    line 31: not JSON" in out
     assert main(["train", "--data", str(tmp_path / "d"), "--out", str(tmp_path / "run"), "--max-iters", "2", "--n-layer", "1",
                  "--n-embd", "16", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
                  "--eval-iters", "1"]) == 0

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import codecs
 import math
+from array import array
 from fractions import Fraction
 import os
 import re
@@ -68,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .calc.units import plural
 from .errors import ChatError, DataError, TokenizerError
 from .datasources import DatasetSource, data_kind, dataset_source, is_dataset_folder, is_hub_name
 from .fileio import (check_folder_path, check_regular_file, hash_file, parse_json, printable_path, read_json,
@@ -99,6 +101,8 @@ DATA_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
 # where each conversation starts (uint64 token offsets)
 CHAT_FILES = ("train.mask", "val.mask", "train.starts", "val.starts")
 CHAT_ERRORS = ("strict", "skip")
+SHOW_BAD_LINES = 5  # the bad lines of a chat file an error or prepare's summary spells out; the rest are counted
+CHAT_BUFFER_TOKENS = 1 << 20  # rendered chat tokens held before they are written
 BUILTIN_CORPORA = ("python-stdlib", "shakespeare")
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 DOWNLOAD_TIMEOUT_S = 10.0
@@ -1036,76 +1040,90 @@ class _DatasetPass:
 # Chat data: conversations -> token files + loss masks
 
 
-@dataclass
-class Conversations:
-    """The conversations of a JSONL file, with the line each came from, and the lines left out."""
+class _ChatFile:
+    """A JSONL file of {"messages": [{"role": ..., "content": ...}, ...]}, one conversation a line, read
+    line by line on every pass, so a large file is never held in memory whole."""
 
-    messages: list[list[dict[str, str]]]
-    lines: list[int]
-    malformed: list[tuple[int, str]]  # (line number, why)
+    def __init__(self, path: Path, roles: Iterable[str]) -> None:
+        if not path.is_file():
+            raise DataError(f"chat file not found: {path}")
+        self.path = path
+        self.roles = tuple(roles)
 
+    def __iter__(self) -> Iterator[tuple[int, list[dict[str, str]] | None, str]]:
+        """(line number, messages, "") for a conversation; (line number, None, why) for a line that is not
+        one (not UTF-8, bad JSON, an unknown role, empty content, no assistant turn). Blank lines are skipped."""
+        with open(self.path, "rb") as f:  # decoded line by line: a line that is not UTF-8 is malformed like any other
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    yield n, None, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    record = parse_json(line)
+                except ValueError as e:
+                    yield n, None, f"not JSON ({e})"
+                    continue
+                messages = record.get("messages") if isinstance(record, dict) else None
+                try:
+                    check_messages(messages, self.roles)
+                except ChatError as e:
+                    yield n, None, str(e) if messages is not None else 'no "messages" list'
+                    continue
+                yield n, [{"role": m["role"], "content": m["content"]} for m in messages], ""
 
-def read_conversations(path: str | os.PathLike, roles: Iterable[str] = ("system", "user", "assistant")) -> Conversations:
-    """Parse a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]}, one conversation a line.
-
-    Blank lines are skipped. A line that is not such an object (bad JSON, an unknown role, empty
-    content, no assistant turn) is listed in `malformed` with its 1-based number and why.
-
-    Args:
-        path: the JSONL file (UTF-8).
-        roles: the roles a message may have.
-    """
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f"chat file not found: {p}")
-    roles = tuple(roles)
-    out = Conversations([], [], [])
-    with open(p, "rb") as f:  # decoded line by line: a line that is not UTF-8 is malformed like any other
-        for n, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                out.malformed.append((n, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"))
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = parse_json(line)
-            except ValueError as e:
-                out.malformed.append((n, f"not JSON ({e})"))
-                continue
-            messages = record.get("messages") if isinstance(record, dict) else None
-            try:
-                check_messages(messages, roles)
-            except ChatError as e:
-                out.malformed.append((n, str(e) if messages is not None else 'no "messages" list'))
-                continue
-            out.messages.append([{"role": m["role"], "content": m["content"]} for m in messages])
-            out.lines.append(n)
-    return out
+    def contents(self) -> Iterator[str]:
+        """Every message's content, in order: what a char or BPE vocabulary is built from."""
+        for _, messages, _ in self:
+            for m in messages or ():
+                yield m["content"]
 
 
-def _malformed_message(path: Path, malformed: list[tuple[int, str]]) -> str:
-    n, why = malformed[0]
-    more = ""
-    if len(malformed) > 1:
-        shown = ", ".join(str(k) for k, _ in malformed[1:6]) + (", ..." if len(malformed) > 6 else "")
-        more = f" (and {len(malformed) - 1} more malformed line{'s' if len(malformed) > 2 else ''}: {shown})"
-    return f"{path}:{n}: {why}{more}; fix it, or pass --errors skip to leave such lines out"
+def _bad_lines(bad: list[tuple[int, str]]) -> list[str]:
+    """The first few bad lines, each with why, then how many more and their numbers: what an error or
+    prepare's summary lists so that one pass can fix them all."""
+    notes = [f"line {n}: {why}" for n, why in bad[:SHOW_BAD_LINES]]
+    rest = [str(n) for n, _ in bad[SHOW_BAD_LINES:]]
+    if rest:
+        notes.append(f"and {len(rest):,} more (line{'s' if len(rest) > 1 else ''} {', '.join(rest[:10])}"
+                     f"{', ...' if len(rest) > 10 else ''})")
+    return notes
+
+
+def _bad_lines_error(path: Path, bad: list[tuple[int, str]], noun: str, why: str = "") -> DataError:
+    return DataError(f"{path}: {plural(len(bad), noun)}{why}: {' | '.join(_bad_lines(bad))}; fix them, or pass "
+                     "--errors skip to leave such lines out")
+
+
+def _why_unencodable(tok: Tokenizer, messages: list[dict[str, str]], error: TokenizerError) -> str:
+    """Which messages of a conversation the tokenizer cannot encode, and their characters (render_chat
+    encodes them together, so its error does not say which message)."""
+    parts = []
+    for i, m in enumerate(messages, start=1):
+        try:
+            tok.encode(m["content"])
+        except TokenizerError as e:
+            parts.append(f"message {i} ({m['role']}): {e}")
+    return "; ".join(parts) or str(error)
 
 
 def _chat_tokenizer(
-    kind: str | Tokenizer | None, tokenizer_file: str | os.PathLike | None, convs: Conversations,
+    kind: str | Tokenizer | None, tokenizer_file: str | os.PathLike | None, chats: _ChatFile,
     vocab_size: int | None, template: ChatTemplate | None,
 ) -> Tokenizer:
     """The tokenizer chat data is written with: a char vocabulary of the conversations' characters, BPE
     trained on them, GPT-2's, or a reused one; with the chat template's special tokens (unless it has them)."""
     tok = _make_tokenizer(kind, tokenizer_file)
-    contents = [m["content"] for c in convs.messages for m in c]
     if tok == "char":
-        tok = CharTokenizer.from_text("".join(contents))
+        chars: set[str] = set()
+        for content in chats.contents():
+            chars.update(content)
+        tok = CharTokenizer(sorted(chars))
     elif tok == "bpe":
-        tok = BPETokenizer.train(contents, vocab_size or DEFAULT_BPE_VOCAB)
+        tok = BPETokenizer.train(chats.contents(), vocab_size or DEFAULT_BPE_VOCAB)
     if tok.chat_template is not None and (template is None or template == tok.chat_template):
         return tok
     return with_chat_template(tok, template)
@@ -1128,7 +1146,8 @@ def prepare_chat(
     Each conversation becomes its template's tokens (tinygpt.tokenizer.render_chat) and a loss mask
     beside them, 1 on the assistant's content and end-of-turn token, 0 elsewhere; the last
     `val_fraction` of the conversations are the validation split. meta.json counts conversations,
-    tokens and trained tokens (the mask's sum) per split.
+    tokens and trained tokens (the mask's sum) per split. The file is read line by line, a few times
+    (check, build the vocabulary, write), never held in memory whole.
 
     Args:
         path: one conversation per line: {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}]}.
@@ -1139,12 +1158,13 @@ def prepare_chat(
         vocab_size: the BPE vocabulary to train.
         tokenizer_file: GPT-2's files, or a tinygpt tokenizer.json / data or run folder to reuse.
         val_fraction: the share of conversations, from the end, held out (0 to 0.5).
-        errors: "strict" stops at the first malformed line (naming it and counting the others);
-            "skip" leaves malformed lines out and counts them in meta.json (skipped, skipped_lines).
+        errors: "strict" stops at malformed lines, or else at conversations the tokenizer cannot encode,
+            listing the first few with why and counting the others; "skip" leaves both out and counts
+            them in meta.json (skipped, unencodable, skipped_lines, skipped_why).
         template: the chat template (ChatTemplate() when the tokenizer has none).
 
     Raises:
-        DataError: a malformed line (strict), no conversation left, or content the tokenizer cannot encode.
+        DataError: malformed lines or content the tokenizer cannot encode (strict), or no conversation left.
     """
     if errors not in CHAT_ERRORS:
         raise DataError(f"errors must be one of {', '.join(CHAT_ERRORS)} for chat data, got {errors!r}")
@@ -1153,31 +1173,37 @@ def prepare_chat(
     out = Path(out_dir).expanduser().resolve()
     _check_out_dir(out)
     _check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
-    convs = read_conversations(src, template.roles if template is not None else ("system", "user", "assistant"))
-    if convs.malformed and errors == "strict":
-        raise DataError(_malformed_message(src, convs.malformed))
-    if not convs.messages:
-        raise DataError(f"{src}: no conversations" + (f" ({len(convs.malformed)} malformed lines)" if convs.malformed else ""))
-    tok = _chat_tokenizer(tokenizer, tokenizer_file, convs, vocab_size, template)
-    n_val = len(convs.messages) - _split_point(len(convs.messages), val_fraction)
+    chats = _ChatFile(src, template.roles if template is not None else ("system", "user", "assistant"))
+    malformed, conversations = [], 0
+    for n, messages, why in chats:
+        if messages is None:
+            malformed.append((n, why))
+        else:
+            conversations += 1
+    if malformed and errors == "strict":
+        raise _bad_lines_error(src, malformed, "malformed line")
+    if not conversations:
+        raise DataError(f"{src}: no conversations" + (f" ({len(malformed)} malformed lines)" if malformed else ""))
+    tok = _chat_tokenizer(tokenizer, tokenizer_file, chats, vocab_size, template)
     tmp = temp_folder(out)
     try:
-        counts = {}
-        for split, part, lines in (
-            ("train", convs.messages[: len(convs.messages) - n_val], convs.lines[: len(convs.lines) - n_val]),
-            ("val", convs.messages[len(convs.messages) - n_val :], convs.lines[len(convs.lines) - n_val :]),
-        ):
-            counts.update(_write_chat_split(tok, part, lines, src, tmp, split))
+        counts, unencodable = _write_chat(tok, chats, tmp, val_fraction)
+        if unencodable and errors == "strict":
+            raise _bad_lines_error(src, unencodable, "conversation", " the tokenizer cannot encode")
+        if len(unencodable) == conversations:
+            raise DataError(f"{src}: no conversation the tokenizer can encode: {' | '.join(_bad_lines(unencodable))}")
+        skipped = sorted(malformed + unencodable)
         meta = {
             "format": FORMAT, "version": VERSION, "content": "chat",
             "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
             "dtype": token_dtype(tok.vocab_size).name, **counts,
-            "conversations": len(convs.messages),
+            "conversations": counts["train_conversations"] + counts["val_conversations"],
             "trained_tokens": counts["train_trained_tokens"] + counts["val_trained_tokens"],
             "val_fraction": val_fraction, "eot_id": tok.eot_id, "chat_template": tok.chat_template.to_dict(),
             "sources": [{"name": printable_path(path), "path": printable_path(src),
                          "bytes": src.stat().st_size}],
-            "errors": errors, "skipped": len(convs.malformed), "skipped_lines": [n for n, _ in convs.malformed[:100]],
+            "errors": errors, "skipped": len(skipped), "skipped_lines": [n for n, _ in skipped[:100]],
+            "unencodable": len(unencodable), "skipped_why": _bad_lines(skipped),
         }
         _publish(tmp, out, tok, meta, tokenizer_file)
     finally:
@@ -1185,29 +1211,64 @@ def prepare_chat(
     return meta
 
 
-def _write_chat_split(
-    tok: Tokenizer, convs: list[list[dict[str, str]]], lines: list[int], src: Path, folder: Path, split: str
-) -> dict[str, int]:
-    """One split's tokens, mask and conversation starts into folder; its counts for meta.json."""
+def _write_chat(
+    tok: Tokenizer, chats: _ChatFile, folder: Path, val_fraction: float
+) -> tuple[dict[str, int], list[tuple[int, str]]]:
+    """Render each conversation into folder's train.bin and train.mask, then move the last val_fraction
+    of them to val.bin and val.mask (how many go there is known only once every line is rendered, since
+    a conversation the tokenizer cannot encode is left out). Returns the counts for meta.json and the
+    conversations left out, (line number, why)."""
+    dtype = token_dtype(tok.vocab_size)
+    # per conversation written: where it starts, its characters, bytes and trained tokens
+    starts, chars, text_bytes, trained = array("Q"), array("Q"), array("Q"), array("Q")
+    unencodable: list[tuple[int, str]] = []
     ids: list[int] = []
     mask: list[int] = []
-    starts: list[int] = []
-    chars = 0
-    for conv, line in zip(convs, lines):
-        try:
-            rendered = render_chat(tok, conv)
-        except TokenizerError as e:
-            raise DataError(f"{src}:{line}: the tokenizer cannot encode this conversation: {e}") from None
-        starts.append(len(ids))
-        ids += rendered.ids
-        mask += rendered.mask
-        chars += sum(len(m["content"]) for m in conv)
-    np.asarray(ids, dtype=token_dtype(tok.vocab_size)).tofile(folder / f"{split}.bin")
-    np.asarray(mask, dtype=np.uint8).tofile(folder / f"{split}.mask")
-    np.asarray(starts, dtype=np.uint64).tofile(folder / f"{split}.starts")
-    text_bytes = sum(len(m["content"].encode("utf-8")) for conv in convs for m in conv)
-    return {f"{split}_tokens": len(ids), f"{split}_chars": chars, f"{split}_bytes": text_bytes,
-            f"{split}_conversations": len(convs), f"{split}_trained_tokens": int(sum(mask))}
+    total = 0
+    with open(folder / "train.bin", "wb") as ids_file, open(folder / "train.mask", "wb") as mask_file:
+        for n, messages, _ in chats:
+            if messages is None:
+                continue
+            try:
+                rendered = render_chat(tok, messages)
+            except TokenizerError as e:
+                unencodable.append((n, _why_unencodable(tok, messages, e)))
+                continue
+            starts.append(total)
+            total += len(rendered.ids)
+            ids += rendered.ids
+            mask += rendered.mask
+            chars.append(sum(len(m["content"]) for m in messages))
+            text_bytes.append(sum(len(m["content"].encode("utf-8")) for m in messages))
+            trained.append(sum(rendered.mask))
+            if len(ids) >= CHAT_BUFFER_TOKENS:
+                np.asarray(ids, dtype=dtype).tofile(ids_file)
+                np.asarray(mask, dtype=np.uint8).tofile(mask_file)
+                ids, mask = [], []
+        np.asarray(ids, dtype=dtype).tofile(ids_file)
+        np.asarray(mask, dtype=np.uint8).tofile(mask_file)
+    n = len(starts)
+    n_train = _split_point(n, val_fraction)
+    cut = starts[n_train] if n_train < n else total  # the first validation token
+    _move_tail(folder / "train.bin", folder / "val.bin", cut * dtype.itemsize)
+    _move_tail(folder / "train.mask", folder / "val.mask", cut)
+    offsets = np.array(starts, dtype=np.uint64)
+    offsets[:n_train].tofile(folder / "train.starts")
+    (offsets[n_train:] - np.uint64(cut)).tofile(folder / "val.starts")
+    counts: dict[str, int] = {}
+    for split, part, tokens in (("train", slice(0, n_train), cut), ("val", slice(n_train, n), total - cut)):
+        counts.update({f"{split}_tokens": tokens, f"{split}_chars": sum(chars[part]),
+                       f"{split}_bytes": sum(text_bytes[part]), f"{split}_conversations": len(starts[part]),
+                       f"{split}_trained_tokens": sum(trained[part])})
+    return counts, unencodable
+
+
+def _move_tail(path: Path, tail: Path, offset: int) -> None:
+    """Move the bytes of `path` from `offset` on into a new file `tail`, cutting `path` there."""
+    with open(path, "r+b") as head, open(tail, "wb") as out:
+        head.seek(offset)
+        shutil.copyfileobj(head, out)
+        head.truncate(offset)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..calc.units import plural
 from ..errors import ConfigError
 from .common import Number, cleans_up_on_sigterm
 
@@ -35,8 +36,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.format == "chat":
         return _prepare_chat(args)
     if args.errors == "skip":
-        raise ConfigError("--errors skip applies to --format chat (malformed conversation lines); text takes "
-                          "strict or replace")
+        raise ConfigError("--errors skip applies to --format chat (malformed or unencodable conversation lines); "
+                          "text takes strict or replace")
     out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
     progress, close = _progress_bars() if args.progress else (None, lambda: None)
@@ -109,8 +110,12 @@ def _prepare_chat(args: argparse.Namespace) -> int:
         print(f"  {split:<5}      {meta[f'{split}_tokens']:>12,} tokens  {meta[f'{split}_trained_tokens']:>12,} "
               "trained (the assistant's)")
     if meta["skipped"]:
-        lines = ", ".join(map(str, meta["skipped_lines"][:10])) + (", ..." if meta["skipped"] > 10 else "")
-        print(f"  skipped {meta['skipped']:,} malformed lines ({lines})")
+        malformed = meta["skipped"] - meta["unencodable"]
+        why = [f"{malformed:,} malformed"] * bool(malformed)
+        why += [f"{meta['unencodable']:,} the tokenizer cannot encode"] * bool(meta["unencodable"])
+        print(f"  skipped {plural(meta['skipped'], 'line')} ({', '.join(why)}):")
+        for note in meta["skipped_why"]:
+            print(f"    {note}")
     return 0
 
 
@@ -169,7 +174,8 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--errors", choices=("strict", "replace", "skip"), default="strict",
-        help="invalid UTF-8: stop (default) or put U+FFFD; --format chat: stop at a malformed line (default) or skip"
+        help="invalid UTF-8: stop (default) or put U+FFFD; --format chat: stop at malformed lines and "
+             "conversations the tokenizer cannot encode, listing them (default), or skip them"
     )
     p.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text (default), or chat: one JSONL file, a conversation per line "
