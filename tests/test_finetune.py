@@ -174,6 +174,41 @@ def test_keep_best_keeps_the_lowest_validation_loss(world, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
+def test_keep_best_keeps_from_when_no_step_beats_it(world, tmp_path, method):
+    # once: the first evaluation after step 0 was the best there was, so a run that only got worse kept
+    # a model worse than FROM (base val 3.50, kept step 10 at 4.20)
+    from tinygpt.cli.finetune import format_report
+
+    run, merged = tmp_path / "best", tmp_path / "merged"
+    cfg = FinetuneConfig(method=method, keep="best", lora_targets=("attn", "mlp"))
+    result = tinygpt.finetune(world / "base", world / "data-b", run, cfg, quick(max_iters=10, eval_interval=5, lr=0.3),
+                              merge=merged if method == "lora" else None)  # a rate that only harms
+    evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert [(r["step"], r["kept"]) for r in evals] == [(0, True), (5, False), (10, False)]
+    assert min(r["val_loss"] for r in evals[1:]) > evals[0]["val_loss"]
+    # the run holds FROM, as a run folder of its kind: a full run FROM's weights, an adapter run its adapters at zero
+    assert checkpoint.weights_step(run) == 0 and has_checkpoint(run)
+    assert checkpoint.is_adapter_run(run) == (method == "lora")
+    base = tensors(world / "base")
+    if method == "full":
+        kept = tensors(run)
+        assert kept.keys() == base.keys() and all(torch.equal(kept[k], base[k]) for k in base)
+    else:
+        adapters = tensors(run, "adapter_model.safetensors")
+        assert all(not t.any() for k, t in adapters.items() if "lora_B" in k)
+        assert all(torch.equal(t, base[k]) for k, t in tensors(merged).items())
+    report = result.report
+    assert report["kept_step"] == 0 and report["steps"] == 10
+    assert report["after"]["data"]["loss"] == report["before"]["data"]["loss"]
+    assert any("kept step 0" in line and "no step's validation loss went below FROM's" in line
+               for line in format_report(report))
+    # the kept FROM resumes as any checkpoint does, from step 0
+    resumed = tinygpt.finetune(world / "base", world / "data-b", run, cfg, quick(max_iters=2, eval_interval=1),
+                               resume=True)
+    assert resumed.train.step == 2
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
 def test_resume_is_bitwise(world, tmp_path, method):
     cfg = FinetuneConfig(method=method, dropout=0.1, lora_dropout=0.1 if method == "lora" else 0.0, block_size=24)
     name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"

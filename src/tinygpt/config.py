@@ -676,7 +676,9 @@ class FinetuneConfig:
         freeze_embeddings: with full, the token and position embeddings do not train.
         freeze_layers: with full, the first N blocks do not train.
         keep: "last" keeps the last checkpoint; "best" only the one with the lowest validation loss
-            (saved at an evaluation only when it improves, as nanoGPT's always_save_checkpoint=False).
+            (saved at an evaluation only when it improves, as nanoGPT's always_save_checkpoint=False),
+            the base's own at step 0 included: a run that only gets worse keeps the base (LoRA: the
+            adapters at zero), never a model worse than it.
         block_size: a context shorter than the base's: the position embedding is cropped to it.
         dropout: the model's dropout while fine-tuning (default: the base's), kept in config.json.
         grad_checkpoint: recompute each block's activations in backward instead of keeping them

@@ -144,8 +144,9 @@ def finetune(
     byte; the same prompts sampled with the same seed (on chat data, replies); the loss on a
     reference text (config.reference, default the base's own validation data when it is a tinygpt
     run that records it) as a measure of forgetting; trainable and total parameters; the process's
-    peak memory; the time. "After" is the checkpoint kept in `out` (the
-    best one with keep best).
+    peak memory; the time. "After" is the checkpoint kept in `out` (kept_step: its step), with keep
+    best the one of the lowest validation loss, FROM's own evaluated at step 0 included: when no step
+    beats FROM, `out` holds FROM itself (a full run its weights, an adapter run its adapters at zero).
 
     Raises:
         ConfigError: bad settings (a block_size longer than the base's, merge with full, lora on chat
@@ -187,7 +188,8 @@ def finetune(
         ctx.barrier()  # rank 0 has written the checkpoint the others read
         after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
         after = _measure(after_model, texts, prompts, data_tokenizer, cfg)
-        report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started)
+        report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started,
+                         checkpoint.weights_step(out))
         if ctx.is_main:
             write_json(out / REPORT, report)
             if merge is not None:
@@ -244,7 +246,7 @@ _MEASURED = {"data": _SCORE, "reference?": _SCORE, "samples": [{"prompt": str, "
 _REPORT_SHAPE = {
     "from": str, "method": str, "keep": str, "steps": _COUNT, "tokens": _COUNT, "before": _MEASURED,
     "after": _MEASURED, "params": {"trainable": _COUNT, "total": _COUNT}, "memory": {"peak_rss_bytes": _COUNT},
-    "seconds": _NUMBER, "train_seconds": _NUMBER,
+    "seconds": _NUMBER, "train_seconds": _NUMBER, "kept_step?": _COUNT,
 }
 
 
@@ -576,13 +578,14 @@ def peak_memory() -> int:
 
 
 def _report(from_: Path, cfg: FinetuneConfig, result: TrainResult, before: dict, after: dict, counter: _CountParams,
-            seconds: float) -> dict[str, Any]:
+            seconds: float, kept_step: int) -> dict[str, Any]:
     change = {name: after[name]["loss"] - before[name]["loss"] for name in before if name != "samples"}
     memory: dict[str, Any] = {"peak_rss_bytes": peak_memory()}
     if torch.cuda.is_available():
         memory["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
     return {
-        "from": str(from_), "method": cfg.method, "keep": cfg.keep, "steps": result.step, "stopped": result.stopped,
+        "from": str(from_), "method": cfg.method, "keep": cfg.keep, "kept_step": kept_step, "steps": result.step,
+        "stopped": result.stopped,
         "tokens": result.tokens, "before": before, "after": after, "loss_change": change,
         "forgetting": change.get("reference"),
         "params": {"trainable": counter.trainable, "total": counter.total},

@@ -81,7 +81,10 @@ class Start:
         adapter_base: for LoRA, the base model's folder: checkpoints are adapter runs naming it
             (adapter_model.safetensors beside train_state.pt) instead of full weights.
         base_checksum: the base's weights_checksum, computed once.
-        keep: "last", or "best": an evaluation saves only when its validation loss is the lowest yet.
+        keep: "last", or "best": an evaluation saves only when its validation loss is the lowest yet. With
+            best, a new run evaluates and saves its starting model at step 0, which stays the best until
+            a step beats it: a run that only gets worse keeps the model it started from (a full run its
+            weights, an adapter run its adapters at zero), never a worse one.
         record: JSON-ready settings kept in train_config.json beside the training's.
     """
 
@@ -850,6 +853,11 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
         started = clock()
         pace = _Pace(cfg, started)
         with _signals(stop):
+            at_start = run.keep_best and run.step == 0 and run.best == math.inf  # a new run (a resumed one has a best)
+            if at_start:  # the starting model is the one to beat (nanoGPT evaluates at iteration 0 for this)
+                t_eval = clock()
+                val_loss = _evaluate_and_save(run, metrics, hooks)
+                pace.evaluation(clock() - t_eval)
             while run.horizon is None or run.step < run.horizon:
                 t0 = clock()
                 record = run.train_step(hooks)
@@ -868,7 +876,7 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
                 if why is not None:
                     stopped = why
                     break
-            if run.step % cfg.eval_interval != 0 or run.step == 0:
+            if run.step % cfg.eval_interval != 0 or (run.step == 0 and not at_start):
                 # a time budget's last evaluation takes what the budget still affords (the processes agree)
                 iters = int(run.ctx.min(pace.final_eval_iters(clock()))) if cfg.max_time is not None else None
                 val_loss = _evaluate_and_save(run, metrics, hooks, iters)

@@ -117,7 +117,7 @@ def format_report(report: dict) -> list[str]:
     unit = next(k for k in before["data"] if k.startswith("bits_per_"))
     lines = [f"fine-tuned from {report['from']} ({report['method']}, keep {report['keep']}): "
              f"{plural(report['steps'], 'step')}, {report['tokens']:,} tokens",
-             f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
+             *_kept(report), f"{'':<32}{'before':>9}{'after':>9}{'change':>9}"]
     for name, label in (("data", "validation"), ("reference", "reference (forgetting)")):
         if name not in before:
             continue
@@ -137,6 +137,17 @@ def format_report(report: dict) -> list[str]:
         lines.append(f"    before: {b['text']!r}")
         lines.append(f"    after:  {a['text']!r}")
     return lines
+
+
+def _kept(report: dict) -> list[str]:
+    """What keep best kept, in words (none for keep last, or a report from before kept_step was recorded)."""
+    kept = report.get("kept_step")
+    if report["keep"] != "best" or kept is None:
+        return []
+    if kept > 0:
+        return [f"  kept step {kept}: the lowest validation loss, below FROM's own at step 0"]
+    what = "its adapters at zero, FROM itself" if report["method"] == "lora" else "FROM's weights"
+    return [f"  kept step 0, {what}: no step's validation loss went below FROM's, so after is before"]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
