@@ -1,4 +1,7 @@
 import copy
+import importlib
+import os
+import time
 
 import pytest
 import torch
@@ -7,6 +10,8 @@ from tinygpt import GPT, ConfigError, GPTConfig, KVCache, fastpath, generate, ge
 from tinygpt.generate import decode_step, prefill
 from tinygpt import kernels
 from tinygpt.interop.quantize import FORMATS, FloatLinear, activation_dtype
+
+generate_module = importlib.import_module("tinygpt.generate")  # the package's `generate` is the function
 
 
 @pytest.fixture(scope="module")
@@ -390,3 +395,77 @@ def test_a_call_s_cache_holds_what_it_can_fill_with_the_plain_loop_s_tokens(monk
     out = generate(model, idx, new, greedy=True)
     assert sizes == [min(32, prompt + new)]
     assert torch.equal(out, generate(model, idx, new, greedy=True, use_cache=False))
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _timed_steps(choice, seconds_on, n, monkeypatch):
+    """The threads each of n steps ran on, each step taking seconds_on[threads] of a clock of the test's."""
+    used, clock = [], [0.0]
+    monkeypatch.setattr(generate_module.time, "perf_counter", lambda: clock[0])
+
+    def step():
+        used.append(torch.get_num_threads())
+        clock[0] += seconds_on[torch.get_num_threads()]
+
+    for _ in range(n):
+        choice.run(step)
+    choice.restore()
+    monkeypatch.undo()
+    return used
+
+
+def test_decode_threads_follow_what_the_machine_allows(two_threads, monkeypatch):
+    # issue 40: two threads on a 2-core machine with one core taken decoded 10-100x slower than one
+    def free(n):
+        monkeypatch.setattr(generate_module, "free_cores", lambda: n)
+
+    free(1)  # another program holds a core: one thread, no steps timed on two
+    choice = generate_module.ThreadChoice(every=4)
+    assert _timed_steps(choice, {1: 0, 2: 0}, 9, monkeypatch) == [1] * 9
+    assert torch.get_num_threads() == 2  # put back
+    free(2)  # both free: timed, the faster kept until the next look
+    choice = generate_module.ThreadChoice(every=8, steps=2)
+    assert _timed_steps(choice, {1: 0.004, 2: 0.001}, 10, monkeypatch) == [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+    free(2)
+    choice = generate_module.ThreadChoice(every=8, steps=2)
+    # two threads slower (a tiny model): one thread decodes, and a look that finds it so again waits twice as long
+    assert _timed_steps(choice, {1: 0.001, 2: 0.0015}, 10, monkeypatch) == [1, 1, 2, 2, 1, 1, 1, 1, 1, 1]
+    assert choice.look == 4 + 8
+    free(2)
+    assert _timed_steps(choice, {1: 0.001, 2: 0.0015}, 10, monkeypatch) == [1, 1, 1, 1, 2, 2, 1, 1, 1, 1]
+    assert choice.look == 16 + 16
+    free(2)
+    choice = generate_module.ThreadChoice(every=8, steps=2)
+    # a step on two threads that takes more than twice one thread's best ends the look at once
+    assert _timed_steps(choice, {1: 0.001, 2: 0.01}, 6, monkeypatch) == [1, 1, 2, 1, 1, 1]
+
+
+def test_generate_chooses_decode_threads_and_gives_the_same_tokens(two_threads, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
+    idx = torch.randint(0, 32, (1, 5))
+    seen = []
+    real = generate_module.decode_step
+    monkeypatch.setattr(generate_module, "decode_step", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    monkeypatch.setattr(generate_module, "free_cores", lambda: 1)
+    busy = generate(model, idx, 20, greedy=True)
+    assert seen == [1] * 19 and torch.get_num_threads() == 2  # every decode step on one, then put back
+    monkeypatch.setattr(generate_module, "free_cores", lambda: 2)
+    assert torch.equal(generate(model, idx, 20, greedy=True), busy)  # a row's tokens whatever its threads
+    assert 2 in seen[19:]
+
+
+def test_free_cores_counts_this_machine_s_cores_less_other_programs():
+    from tinygpt.device import free_cores
+
+    free = free_cores()
+    if free is None:
+        pytest.skip("no Linux /proc here")
+    assert 1 <= free <= len(os.sched_getaffinity(0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
@@ -134,3 +135,27 @@ def free_memory(device: torch.device) -> int | None:
     except (OSError, ValueError):
         pass
     return free
+
+
+def free_cores() -> int | None:
+    """Cores this process may run on that no other program is using at this moment, at least 1; None
+    where that cannot be told (no Linux /proc).
+
+    Linux's procs_running counts the threads running or waiting for a core, this process's own
+    among them (an OpenMP thread still spinning after its work, too): those are taken out. A moment's
+    count, which a program that works in bursts makes noisy: read it more than once to decide much.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running "))
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/stat") as f:
+                    own += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except OSError:  # a thread that ended while being read
+                pass
+    except (AttributeError, OSError, StopIteration, ValueError):
+        return None
+    return max(1, cores - max(0, running - own))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ import torch
 
 from . import fastpath
 from .config import SampleConfig
+from .device import free_cores
 from .errors import ConfigError
 from .interop import quantize
 from .kv_cache import KVCache
@@ -76,6 +78,72 @@ def _step(model, token: torch.Tensor, kv_cache: KVCache, positions: torch.Tensor
 def _compiled_step(device_type: str):
     # CUDA graphs where there are any; static shapes: a decode step's never change
     return torch.compile(_step, mode="reduce-overhead" if device_type == "cuda" else None, dynamic=False)
+
+
+class ThreadChoice:
+    """How many threads a CPU's decode steps run on, chosen as they go from what the machine allows.
+
+    A decode step is a few hundred short parallel regions, each ending when its slowest thread is done.
+    On a quiet machine more threads stream the weights faster; when another program holds a core, a
+    region waits for the thread that core's scheduler has set aside, and a step on two threads was
+    measured 10 to 100 times slower than on one on a loaded 2-core machine (issue 40). What the machine
+    is doing changes while a reply is written, so every `every` steps a look counts the cores no other
+    program is using (device.free_cores): with one, the steps run on one thread until the next look;
+    with more, `steps` steps run on one thread, then as many on those cores, and the faster (the best
+    step of each counts: the first after a switch wakes or parks threads) decodes until the next look,
+    twice as far away if one thread won again (up to `longest`). A step on many threads that takes
+    twice one thread's best ends the look there.
+    """
+
+    def __init__(self, every: int = 64, steps: int = 3, longest: int = 1024) -> None:
+        self.threads = self.current = self.choice = torch.get_num_threads()
+        self.every, self.steps, self.longest = every, steps, longest
+        self.interval = every
+        self.look = 0  # the step the next look starts at
+        self.count = 0
+        self.trial = self.threads  # the many threads a look times against one
+        self.best: dict[int, float] = {}
+
+    def run(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """step() on the threads chosen for it, timed while it is part of a look."""
+        i = self.count - self.look  # this step's place in the look, or before it
+        self.count += 1
+        if i == 0:
+            free = free_cores()
+            self.trial = min(self.threads, free if free is not None else self.threads)
+            if self.trial == 1:
+                self._chose(1, cheap=True)
+                i = -1
+        if i < 0:
+            self._use(self.choice)
+            return step()
+        threads = 1 if i < self.steps else self.trial
+        self._use(threads)
+        start = time.perf_counter()
+        out = step()
+        took = time.perf_counter() - start
+        self.best[threads] = min(took, self.best[threads]) if i % self.steps else took
+        if i == 2 * self.steps - 1:
+            self._chose(min(self.best, key=self.best.get))
+        elif threads > 1 and took > 2 * self.best[1]:
+            self._chose(1)
+        return out
+
+    def _chose(self, threads: int, cheap: bool = False) -> None:
+        # a look that timed many threads and found one faster waits longer for the next: those steps cost
+        again = not cheap and threads == 1 and self.choice == 1
+        self.interval = min(2 * self.interval, self.longest) if again else self.every
+        self.choice = threads
+        self.look = self.count + self.interval
+
+    def _use(self, threads: int) -> None:
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
+
+    def restore(self) -> None:
+        """Put torch's thread count back as it was."""
+        self._use(self.threads)
 
 
 def _cache_len(block_size: int, prompt: int, max_new_tokens: int, compile: bool) -> int:
@@ -174,6 +242,9 @@ def generate_stream(
     kv_cache = KVCache.for_model(model, idx.shape[0], _cache_len(block_size, idx.shape[1], max_new_tokens, compile)) \
         if use_cache else None
     filled = 0  # positions of the cache that hold the current context
+    # on a CPU with threads to choose from, the decode steps' thread count follows what the machine allows
+    threads = ThreadChoice() if use_cache and not compile and idx.device.type == "cpu" and torch.get_num_threads() > 1 \
+        else None
     training = model.training
     model.eval()  # dropout off: greedy and seeded sampling repeat, with and without the cache
     try:
@@ -181,7 +252,9 @@ def generate_stream(
             if not use_cache:
                 logits = model(tokens[:, -block_size:])[:, -1]
             elif step > 0 and filled < block_size:
-                logits = decode(model, tokens[:, -1], kv_cache, filled)
+                last = tokens[:, -1]
+                logits = threads.run(lambda: decode(model, last, kv_cache, filled)) if threads else \
+                    decode(model, last, kv_cache, filled)
                 filled += 1
             else:  # the first step, or the context slid past block_size: (re)build the cache
                 context = tokens[:, -block_size:]
@@ -202,6 +275,8 @@ def generate_stream(
             if stops.numel() and bool(finished.all()):
                 return
     finally:
+        if threads:
+            threads.restore()
         model.train(training)
 
 
