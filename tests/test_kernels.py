@@ -4,6 +4,8 @@ and PyTorch's kernels wherever these cannot be built."""
 
 import copy
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,6 +235,105 @@ def test_a_build_killed_midway_does_not_hold_later_ones_and_checkouts_share_one(
     # as does another torch installation (ninja would rebuild: its headers' path is in the commands)
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv2" / "torch" / "__init__.py"))
     assert kernels.build_directory() != theirs and kernels.build_directory().parent == folder.parent
+
+
+def _fake_tool(folder: Path, name: str, version: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(f"#!/bin/sh\necho '{version}'\n")
+    (folder / name).chmod(0o755)
+    return folder
+
+
+def test_each_ninja_and_compiler_builds_in_a_folder_of_its_own(monkeypatch, tmp_path):
+    """A system ninja 1.11 and a venv's 1.13 alternating on PATH: each finds its own build again, where
+    they shared one folder and each rebuilt it (36-45 s) after the other, since a ninja of another
+    version discards the build log. The compiler (CXX, or c++ on PATH) likewise."""
+    monkeypatch.setenv("TINYGPT_KERNELS_DIR", str(tmp_path / "cache"))
+    path = os.environ["PATH"]
+    system = _fake_tool(tmp_path / "system", "ninja", "1.11.1")
+    venv = _fake_tool(tmp_path / "venv", "ninja", "1.13.2.git.kitware.jobserver-pipe-1")
+    folders = []
+    for tools in (system, venv, system, venv):
+        monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{path}")
+        folders.append(kernels.build_directory())
+    assert folders[0] != folders[1] and folders[2:] == folders[:2]
+    assert folders[0].parent == folders[1].parent == tmp_path / "cache"
+    # the same version at another path is another build too (what ninja runs could differ)
+    monkeypatch.setenv("PATH", f"{_fake_tool(tmp_path / 'other', 'ninja', '1.11.1')}{os.pathsep}{path}")
+    assert kernels.build_directory() not in folders
+    monkeypatch.setenv("PATH", f"{system}{os.pathsep}{path}")
+    gcc12, gcc13 = (_fake_tool(tmp_path / f"gcc{v}", "g++", f"g++ (Debian {v}.2.0) {v}.2.0") for v in (12, 13))
+    compilers = []
+    for compiler in (gcc12, gcc13, gcc12):
+        monkeypatch.setenv("CXX", str(compiler / "g++"))
+        compilers.append(kernels.build_directory())
+    assert compilers[0] != compilers[1] and compilers[2] == compilers[0] and folders[0] not in compilers
+
+
+@pytest.mark.skipif(kernels.fcntl is None, reason="builds are serialized with flock (POSIX)")
+def test_waiting_for_another_process_s_build_says_so(monkeypatch, tmp_path, caplog):
+    """A first `tinygpt serve` waited two minutes on another job's build without a word and looked hung."""
+    import threading
+
+    from torch.utils import cpp_extension
+
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    loaded = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: loaded.append(kw["build_directory"]))
+    other = open(folder / "build.lock", "a")  # another process's build: flock holds per open file
+    kernels.fcntl.flock(other, kernels.fcntl.LOCK_EX)
+    waiting = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "waiting for another process compiling its CPU kernels" in record.getMessage():
+                waiting.set()
+
+    watch = Watch()
+    kernels.log.addHandler(watch)
+    builder = threading.Thread(target=kernels._build, args=(folder,))
+    try:
+        with caplog.at_level(logging.WARNING, logger="tinygpt.kernels"):
+            builder.start()
+            said = waiting.wait(timeout=60)
+            assert not loaded  # it waits for the lock before building
+            other.close()
+            builder.join(timeout=60)
+        assert said, "no line while waiting for the lock"
+        assert f"tinygpt: waiting for another process compiling its CPU kernels in {folder}" in caplog.text
+        assert loaded == [str(folder)]
+    finally:
+        other.close()
+        builder.join()
+        kernels.log.removeHandler(watch)
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None, reason="needs ninja")
+def test_compiling_says_so_even_where_the_library_is_already_there(monkeypatch, tmp_path, caplog):
+    """The line goes by what ninja will do: a ninja of another version (here: its build log gone, as such
+    a ninja discards it) recompiles next to the library in place, where no line was written before."""
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    (folder / "build.ninja").write_text("rule cp\n  command = cp $in $out\nbuild tinygpt_lowbit.so: cp src/lowbit.cpp\n")
+    # what PyTorch's builder does once it has written build.ninja
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: subprocess.run(["ninja"], cwd=kw["build_directory"],
+                                                                          check=True, capture_output=True))
+    line = "tinygpt: compiling its CPU kernels, once for this compiler, ninja and torch"
+    said = []
+    for change in (None, None, ".ninja_log"):
+        if change:
+            (folder / change).unlink()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tinygpt.kernels"):
+            kernels._build(folder)
+        said.append(line in caplog.text)
+        assert (folder / "tinygpt_lowbit.so").exists()
+    assert said == [True, False, True]
 
 
 def test_the_cpu_check_reads_the_flags_it_needs(monkeypatch):

@@ -36,6 +36,8 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
+import subprocess
 from pathlib import Path
 
 import torch
@@ -67,20 +69,53 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
 
 
 def build_directory() -> Path:
-    """Where the compiled kernels are kept: one folder per torch release (its headers are compiled
-    in), per torch installation (ninja rebuilds when the headers' path changes: two environments
-    sharing a folder rebuilt it each time the other had used it) and per content of the sources and
-    flags, so that checkouts of the same code share one build and checkouts of different code never
-    rebuild each other's."""
+    """Where the compiled kernels are kept: one folder per everything that changes the build, so that
+    no two setups ever rebuild each other's and the same setup always finds its own: the torch release
+    (its headers are compiled in) and installation (ninja rebuilds when the headers' path changes), the
+    C++ compiler (CXX or c++, as PyTorch's builder runs it: its path and version), ninja's path and
+    version (a ninja of another version discards the other's build log and rebuilds everything: a
+    system ninja 1.11 and a venv's 1.13 alternating on PATH rebuilt it each time), and the content of
+    the sources and flags, so that checkouts of the same code share one build. The CPU does not enter:
+    the flags name the instruction sets (-mavx2 ...), not -march=native."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
     root = os.environ.get("TINYGPT_KERNELS_DIR") or Path.home() / ".cache" / "tinygpt" / "kernels"
-    digest = hashlib.sha256(" ".join(CFLAGS + [str(Path(torch.__file__).resolve().parent)]).encode())
+    toolchain = [str(Path(torch.__file__).resolve().parent), _tool(get_cxx_compiler()), _tool("ninja")]
+    digest = hashlib.sha256("\n".join(CFLAGS + toolchain).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
     return Path(root) / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
 
 
+def _tool(command: str) -> str:
+    """A build tool as a build here would run it: the command, the file it finds on PATH and the first
+    line of its --version ("missing" if there is none; the build then fails and says why)."""
+    found = shutil.which(command)
+    if found is None:
+        return f"{command}: missing"
+    try:
+        out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{command}: {os.path.realpath(found)} {(out.splitlines() or ['?'])[0]}"
+
+
+def _has_work(folder: Path) -> bool:
+    """Whether building in folder compiles anything: no library yet, or a dry run of ninja lists commands."""
+    ninja = shutil.which("ninja")
+    if ninja is None or not (folder / "tinygpt_lowbit.so").exists() or not (folder / "build.ninja").exists():
+        return True
+    try:
+        dry = subprocess.run([ninja, "-n"], cwd=folder, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return dry.returncode != 0 or "no work to do" not in dry.stdout
+
+
 def _build(folder: Path) -> None:
-    """Compile (or load the compiled) kernels in folder, one process at a time.
+    """Compile (or load the compiled) kernels in folder, one process at a time, saying so on the log
+    (a warning, which Python prints on stderr unless logging is set up otherwise) when it compiles and
+    when it waits for another process's build.
 
     The sources are copied into the folder so that the build sees the same paths from any checkout
     (ninja rebuilds when a path changes). PyTorch's builder keeps a lock file of its own that a
@@ -92,7 +127,11 @@ def _build(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "build.lock", "a") as held:
         if fcntl is not None:
-            fcntl.flock(held, fcntl.LOCK_EX)  # another process building here: wait for it
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a first build elsewhere takes minutes: say why nothing happens
+                log.warning("tinygpt: waiting for another process compiling its CPU kernels in %s", folder)
+                fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         sources = []
         for source in SOURCES:
@@ -101,6 +140,9 @@ def _build(folder: Path) -> None:
                 copy.parent.mkdir(exist_ok=True)
                 copy.write_bytes(source.read_bytes())
             sources.append(str(copy))
+        if _has_work(folder):
+            log.warning("tinygpt: compiling its CPU kernels, once for this compiler, ninja and torch (20-60 s), "
+                        "into %s", folder)
         cpp_extension.load(
             name="tinygpt_lowbit", sources=sources, is_python_module=False, verbose=False,
             build_directory=str(folder), extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
@@ -113,10 +155,7 @@ def lowbit():
     if os.environ.get("TINYGPT_KERNELS", "1") == "0" or not cpu_supports():
         return None
     try:
-        folder = build_directory()
-        if not (folder / "tinygpt_lowbit.so").exists():
-            log.warning("tinygpt: compiling its CPU kernels, once (20-60 s) into %s", folder)
-        _build(folder)
+        _build(build_directory())
         ops = torch.ops.tinygpt_lowbit
         with torch.autocast("cpu", enabled=False):  # a first call may come under autocast: the references in float32
             ok = _agrees(ops)
