@@ -451,15 +451,17 @@ def test_generate_chooses_decode_threads_and_gives_the_same_tokens(two_threads, 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()
     idx = torch.randint(0, 32, (1, 5))
-    seen = []
-    real = generate_module.decode_step
+    seen, prompts = [], []
+    real, real_prefill = generate_module.decode_step, generate_module.prefill
     monkeypatch.setattr(generate_module, "decode_step", lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    monkeypatch.setattr(generate_module, "prefill", lambda *a: prompts.append(torch.get_num_threads()) or real_prefill(*a))
     monkeypatch.setattr(generate_module, "free_cores", lambda: 1)
     busy = generate(model, idx, 20, greedy=True)
-    assert seen == [1] * 19 and torch.get_num_threads() == 2  # every decode step on one, then put back
+    # the prompt and every decode step on one thread, then torch's count put back
+    assert prompts == [1] and seen == [1] * 19 and torch.get_num_threads() == 2
     monkeypatch.setattr(generate_module, "free_cores", lambda: 2)
     assert torch.equal(generate(model, idx, 20, greedy=True), busy)  # a row's tokens whatever its threads
-    assert 2 in seen[19:]
+    assert prompts == [1, 2] and 2 in seen[19:]
 
 
 def test_free_cores_counts_this_machine_s_cores_less_other_programs():

@@ -92,7 +92,9 @@ class ThreadChoice:
     with more, `steps` steps run on one thread, then as many on those cores, and the faster (the best
     step of each counts: the first after a switch wakes or parks threads) decodes until the next look,
     twice as far away if one thread won again (up to `longest`). A step on many threads that takes
-    twice one thread's best ends the look there.
+    twice one thread's best ends the look there. A prompt's forward pass (`prefill`) runs on the threads
+    chosen last, one from the start where another program holds a core: a 16-token prompt to a
+    SmolLM2-135M-shaped model took 2.7-5.3 s on two threads there, against 0.06-0.2 s on one.
     """
 
     def __init__(self, every: int = 64, steps: int = 3, longest: int = 1024) -> None:
@@ -103,6 +105,8 @@ class ThreadChoice:
         self.count = 0
         self.trial = self.threads  # the many threads a look times against one
         self.best: dict[int, float] = {}
+        if free_cores() == 1:
+            self.choice = 1
 
     def run(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """step() on the threads chosen for it, timed while it is part of a look."""
@@ -128,6 +132,11 @@ class ThreadChoice:
         elif threads > 1 and took > 2 * self.best[1]:
             self._chose(1)
         return out
+
+    def prefill(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """forward() (a prompt's forward pass) on the threads chosen last."""
+        self._use(self.choice)
+        return forward()
 
     def _chose(self, threads: int, cheap: bool = False) -> None:
         # a look that timed many threads and found one faster waits longer for the next: those steps cost
@@ -258,7 +267,8 @@ def generate_stream(
                 filled += 1
             else:  # the first step, or the context slid past block_size: (re)build the cache
                 context = tokens[:, -block_size:]
-                logits = prefill(model, context, kv_cache)
+                logits = threads.prefill(lambda: prefill(model, context, kv_cache)) if threads else \
+                    prefill(model, context, kv_cache)
                 filled = context.shape[1]
             processed = process_logits(logits, tokens, cfg, vocab_size)
             token = choose(processed, cfg, generator)
