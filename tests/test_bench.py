@@ -152,6 +152,18 @@ def test_busy_rows_have_ratios_of_their_own_and_leave_the_quiet_ones_alone():
                    "decode baby b1 busy: tinygpt fp32 / llama.cpp f32": (0.5, False)}
 
 
+def test_the_python_api_s_model_is_measured_against_the_cli_s_layout():
+    # issue 40: tinygpt.load + generate within 10% of the CLI's decode speed, read from the bench's rows
+    row = dict(batch=1, kv_cache=True, model="baby", format="fp32")
+    result = {"generation": [{**row, "impl": "tinygpt.load", "decode_tokens_per_s": 95.0},
+                             {**row, "impl": "tinygpt", "decode_tokens_per_s": 100.0}]}
+    got = {r["name"]: (round(r["ratio"], 2), r["met"]) for r in ratios(result)}
+    assert got == {"decode baby b1: tinygpt.load's fp32 model / the CLI's fp32 layout": (0.95, True)}
+    smoke = run(smoke=True, sections=("generate",), peers=False, log=lambda line: None)
+    assert {(r["impl"], r["format"]) for r in smoke["generation"] if r["impl"] == "tinygpt.load"} == {("tinygpt.load", "fp32")}
+    assert any(r["name"].endswith("the CLI's fp32 layout") for r in smoke["ratios"])
+
+
 def test_busy_core_spins_a_process_while_its_block_runs():
     import os
     import time
