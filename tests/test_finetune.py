@@ -390,6 +390,23 @@ def test_cli_reference_and_prompt_the_vocabulary_cannot_write_are_refused_naming
         assert not (tmp_path / "r").exists()
 
 
+def test_finetune_help_example_names_a_folder_it_says_how_to_get(capsys):
+    # once: `tinygpt finetune gpt2 ...`, as if GPT-2 were built in; the tutorial downloads it into hf/gpt2
+    from tinygpt import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["finetune", "--help"])
+    example = capsys.readouterr().out.split("example:")[1]
+    lines = [line.strip() for line in example.splitlines() if line.strip().startswith(("hf ", "tinygpt "))]
+    words = [shlex.split(line) for line in lines]
+    downloaded = {w[w.index("--local-dir") + 1] for w in words if w[0] == "hf"}
+    prepare = next(w for w in words if w[:2] == ["tinygpt", "prepare"])
+    finetune = next(w for w in words if w[:2] == ["tinygpt", "finetune"])
+    assert finetune[2] in downloaded and prepare[prepare.index("--tokenizer-file") + 1] in downloaded
+    tutorial = (Path(__file__).parent.parent / "docs" / "tutorials" / "finetune.md").read_text()
+    assert all(line in tutorial for line in lines if line.startswith("hf "))  # the tutorial's own download
+
+
 REPORT_EDITS = [
     (lambda r: r.pop("after"), "after is missing"),
     (lambda r: r["before"]["data"].pop("bits_per_char"), "before.data.bits_per_* is missing"),

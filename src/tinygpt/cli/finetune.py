@@ -163,8 +163,12 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     """`tinygpt finetune` and its flags."""
     p = sub.add_parser("finetune", help="fine-tune a run or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3) on your text (full, LoRA, frozen)",
                        description=cmd_finetune.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       epilog="example:\n  tinygpt prepare notes.txt --tokenizer-file gpt2 --out data/notes\n"
-                              "  tinygpt finetune gpt2 --data data/notes --out runs/notes --method lora")
+                       epilog="example: GPT-2 as Hugging Face's own tools download it (docs/tutorials/finetune.md), then\n"
+                              "LoRA on your notes\n"
+                              "  hf download openai-community/gpt2 config.json model.safetensors vocab.json merges.txt "
+                              "--local-dir hf/gpt2\n"
+                              "  tinygpt prepare notes.txt --tokenizer-file hf/gpt2 --out data/notes\n"
+                              "  tinygpt finetune hf/gpt2 --data data/notes --out runs/notes --method lora")
     p.add_argument("base", metavar="FROM", help="a run folder or a Hugging Face folder (GPT-2, Llama, Qwen2, Qwen3)")
     p.add_argument("--data", required=True, help="a folder prepared with FROM's tokenizer (prepare --tokenizer-file FROM; "
                    "chat data: prepare FILE.jsonl --format chat --tokenizer-file FROM)")
