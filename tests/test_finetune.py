@@ -357,7 +357,10 @@ def test_cli_finetune_lora_merge_report_and_resume(world, tmp_path, capsys):
     (["--lr", "nan"], "--lr"),
     (["--merge", "m"], "merge goes with method lora"),
     (["--reference", "/nonexistent.txt"], "cannot read the reference text"),
-    (["--method", "lora", "--lora-rank", str(10**12)], "not enough memory"),  # the allocator's error
+    # once accepted without a word (and 10**12 ran out of memory): B A has no higher rank than min(in, out)
+    (["--method", "lora", "--lora-rank", "33"], "--lora-rank: 33 is more than 32, min(in, out) of the adapted "
+                                                 "attn.c_attn (32 in, 96 out)"),
+    (["--method", "lora", "--lora-rank", str(10**12)], "--lora-rank: 1000000000000 is more than 32"),
 ])
 def test_cli_finetune_errors_are_one_line(world, tmp_path, capsys, extra, message):
     from tinygpt import cli

@@ -150,6 +150,14 @@ def test_apply_lora_refusals():
         LoraConfig(targets=" , ")
     with pytest.raises(ConfigError, match="dropout"):
         LoraConfig(dropout=1.0)
+    # a rank above min(in, out) of a target (24 wide here) adds parameters, not capacity
+    apply_lora(tiny(), rank=24, targets="attn,mlp")
+    with pytest.raises(ConfigError, match=r"lora rank: 25 is more than 24, min\(in, out\) of the adapted attn.c_attn "
+                                          r"\(24 in, 72 out\)"):
+        apply_lora(tiny(), rank=25)
+    gqa = GPTConfig(arch="llama", vocab_size=41, block_size=16, n_layer=1, n_head=4, n_kv_head=1, n_embd=32)
+    with pytest.raises(ConfigError, match=r"9 is more than 8, min\(in, out\) of the adapted attn.k_proj \(32 in, 8 out"):
+        apply_lora(GPT(gqa), rank=9, targets="attn")  # grouped-query attention's keys: one head of 8
     model = apply_lora(tiny())
     with pytest.raises(ConfigError, match="already has LoRA"):
         apply_lora(model)

@@ -41,7 +41,7 @@ from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .fileio import read_json, write_json
 from .generate import generate
-from .lora import apply_lora, weights_checksum
+from .lora import apply_lora, check_rank, weights_checksum
 from .model import GPT, grow_vocab
 from .tokenizer import Tokenizer, encode_named, render_chat_prompt, stop_ids, with_chat_template
 from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, conversations_within,
@@ -359,6 +359,8 @@ def _finetune_config(base: GPTConfig, cfg: FinetuneConfig, from_: Path, new_ids:
         raise ConfigError(f"--freeze-embeddings would keep the {added} tokens the data adds (its chat template's) at "
                           "one shared mean embedding, so the model could not tell them apart: drop it "
                           "(--freeze-layers N still freezes the blocks)")
+    if cfg.method == "lora":  # before anything is measured or built
+        check_rank(base, cfg.lora, "--lora-rank")
     vocab = max(base.vocab_size, new_ids.stop)
     return dataclasses.replace(base, block_size=block, dropout=dropout, vocab_size=vocab)
 

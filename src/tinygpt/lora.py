@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import LoraConfig
+from .calc.params import projections
+from .config import GPTConfig, LoraConfig
 from .errors import CheckpointError, ConfigError
 from .model import GPT
 from .weights import TIED_KEY
@@ -93,6 +94,26 @@ def lora_config_of(model: nn.Module) -> LoraConfig | None:
     return getattr(model, "lora_config", None)
 
 
+def check_rank(config: GPTConfig, lora: LoraConfig, name: str = "lora rank") -> None:
+    """Refuse a rank above min(in, out) of a projection the adapters target: their product B A has no
+    higher rank than that, so a larger one adds parameters and nothing they can learn.
+
+    Args:
+        config: the model's architecture.
+        lora: the adapters' settings (targets as given: resolved for `config` here).
+        name: what the rank is called in the message (a flag, where the CLI gave it).
+
+    Raises:
+        ConfigError: naming `name`, the limit and the projection that sets it.
+    """
+    shapes = projections(config)
+    narrowest = min(lora.resolved_for(config).targets, key=lambda t: min(shapes[t]))
+    fan_in, fan_out = shapes[narrowest]
+    if lora.rank > min(fan_in, fan_out):
+        raise ConfigError(f"{name}: {lora.rank} is more than {min(fan_in, fan_out)}, min(in, out) of the adapted "
+                          f"{narrowest} ({fan_in} in, {fan_out} out): a higher rank adds parameters, not capacity")
+
+
 def apply_lora(
     model: GPT,
     rank: int = 8,
@@ -122,9 +143,11 @@ def apply_lora(
         The same model; `model.lora_config` holds the settings, its targets the model's own in full.
 
     Raises:
-        ConfigError: a bad rank, alpha, dropout or target, or a model already adapted or quantized.
+        ConfigError: a bad rank (above min(in, out) of a target: check_rank), alpha, dropout or target, or a
+            model already adapted or quantized.
     """
     config = LoraConfig(rank=rank, alpha=alpha, targets=targets, dropout=dropout).resolved_for(model.config)
+    check_rank(model.config, config)
     if lora_config_of(model) is not None or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ConfigError("the model already has LoRA adapters: merge them first (tinygpt.lora.merge)")
     if getattr(model, "inference_only", False):
