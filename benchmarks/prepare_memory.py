@@ -33,7 +33,7 @@ FILE_BYTES = 1 << 20
 TURN_CHARS = 1000
 
 
-def _texts(n_bytes: int) -> Iterator[str]:
+def documents(n_bytes: int) -> Iterator[str]:
     """The standard library's sources, each copy's letters shifted one further, until about n_bytes."""
     (stdlib,) = resolve_sources(["python-stdlib"])
     lower = string.ascii_lowercase
@@ -56,7 +56,7 @@ def make_corpus(folder: Path, n_bytes: int) -> Path:
     """Write about n_bytes of text as ~1 MB files in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
     out, buf = 0, []
-    for text in _texts(n_bytes):
+    for text in documents(n_bytes):
         buf.append(text)
         if sum(map(len, buf)) >= FILE_BYTES:
             (folder / f"part{out:05d}.txt").write_text("".join(buf), encoding="utf-8")
@@ -70,7 +70,7 @@ def make_chat_corpus(path: Path, n_bytes: int) -> Path:
     """Write about n_bytes of text as a JSONL file of conversations, turns of about TURN_CHARS characters."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        for n, text in enumerate(_texts(n_bytes)):
+        for n, text in enumerate(documents(n_bytes)):
             turns = [t for i in range(0, len(text), TURN_CHARS) if (t := text[i : i + TURN_CHARS]).strip()]
             for k in range(0, len(turns) - 1, 2):
                 messages = [{"role": "user", "content": turns[k]}, {"role": "assistant", "content": turns[k + 1]}]
@@ -80,8 +80,8 @@ def make_chat_corpus(path: Path, n_bytes: int) -> Path:
     return path
 
 
-def _run(args: list[str]) -> tuple[float, float]:
-    """Run a command; return (peak RSS in MB, wall seconds) of that process alone."""
+def run_process(args: list[str]) -> tuple[float, float]:
+    """Run a command; return (peak RSS in MB, wall seconds) of its process (wait4: the children it waited for too)."""
     start = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -95,8 +95,8 @@ def _run(args: list[str]) -> tuple[float, float]:
 
 def measure(corpus: Path | str, out: Path, kind: str, fmt: str = "text") -> tuple[float, float]:
     """Peak RSS (MB) and seconds of `tinygpt prepare CORPUS --tokenizer KIND --format FMT`."""
-    return _run([sys.executable, "-m", "tinygpt", "prepare", str(corpus), "--out", str(out), "--tokenizer", kind,
-                 "--format", fmt])
+    return run_process([sys.executable, "-m", "tinygpt", "prepare", str(corpus), "--out", str(out), "--tokenizer",
+                        kind, "--format", fmt])
 
 
 def main() -> None:
@@ -122,7 +122,7 @@ def main() -> None:
         else:
             corpus = make_corpus(tmp / "corpus", int(args.mb * 1e6))
             files = sorted(corpus.iterdir())
-        floor_mb, _ = _run([sys.executable, "-c", "import tinygpt, tinygpt.data"])
+        floor_mb, _ = run_process([sys.executable, "-c", "import tinygpt, tinygpt.data"])
         start = time.perf_counter()
         size = sum(len(p.read_bytes()) for p in files)
         read_s = time.perf_counter() - start
