@@ -216,3 +216,32 @@ def test_a_kv_cache_too_large_for_the_machine_is_refused_before_allocating(model
     small = Scheduler(model, tok, max_concurrency=2)
     small.allocate()
     assert small._cache.batch_size == 2
+
+
+def test_decode_steps_and_prompts_run_on_one_thread_when_another_program_holds_a_core(model, tok, monkeypatch):
+    # issue 40: every step on two threads ran many times slower with a core taken; the server chooses as generate does
+    import importlib
+
+    from tinygpt.server import scheduler as scheduler_module
+
+    generate_module = importlib.import_module("tinygpt.generate")
+    seen = {"decode": [], "prefill": []}
+    for name in seen:
+        real = getattr(scheduler_module, f"{name}_step" if name == "decode" else name)
+        monkeypatch.setattr(scheduler_module, f"{name}_step" if name == "decode" else name,
+                            lambda *a, _real=real, _name=name: seen[_name].append(torch.get_num_threads()) or _real(*a))
+    monkeypatch.setattr(generate_module, "free_cores", lambda: 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = Collector(2)
+        sched = Scheduler(model, tok, max_concurrency=2)
+        try:
+            sched.submit([seq(tok, "hello", 12, out, 0), seq(tok, "x" * 40, 12, out, 1)])
+            assert out.done.wait(60)
+        finally:
+            sched.stop()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["prefill"] and set(seen["prefill"]) == {1} and seen["decode"] and set(seen["decode"]) == {1}
+    assert out.text[0] == reference(model, tok, "hello", 12, greedy=True)
