@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import shlex
 import subprocess
@@ -345,7 +346,11 @@ def test_cli_finetune_lora_merge_report_and_resume(world, tmp_path, capsys):
     # resume takes the run's own settings (LoRA, its rank) and goes on to the new --max-iters
     flags[flags.index("--max-iters") + 1] = "6"
     assert cli.main(["finetune", str(world / "base"), *flags, "--resume"]) == 0
-    assert "max_iters: 6 steps" in capsys.readouterr().out and read_report(run)["method"] == "lora"
+    out = capsys.readouterr().out
+    assert "max_iters: 6 steps" in out and read_report(run)["method"] == "lora"
+    # the time of the whole run, the checkpoint's before the resume included (once this invocation's alone)
+    whole, this = map(float, re.search(r"tokens in ([0-9.]+)s \(([0-9.]+)s of it this time\)", out).groups())
+    assert whole > this and read_report(run)["train_seconds"] == pytest.approx(whole, abs=0.05)
 
 
 @pytest.mark.parametrize("extra, message", [

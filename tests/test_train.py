@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import tinygpt
 from tinygpt import GPTConfig
 from tinygpt.checkpoint import load
 from tinygpt.config import DEFAULT_LR, TrainConfig
@@ -305,6 +306,36 @@ def test_a_time_budget_run_resumes(char_data, tmp_path, monkeypatch):
     assert rates[:40] == before and len(rates) == second.step
     assert_never_rises_after_warmup(rates)  # the decay goes on from where it was
     assert rates[-1] < 1e-4 + 0.1 * (1e-3 - 1e-4)
+
+
+def test_a_resumed_run_counts_the_time_of_the_whole_run(char_data, tmp_path, monkeypatch, capsys):
+    # once: after a resume the summary's time (and the fine-tune report's) was the last invocation's alone
+    run = tmp_path / "run"
+    c = cfg(max_iters=20, eval_interval=10)
+    first = train(char_data, run, MODEL, c, progress=False, clock=FakeMachine(monkeypatch, [(math.inf, 2.0)]),
+                  should_stop=lambda s: s == 10)
+    assert first.step == 10 and first.total_elapsed == first.elapsed > 20
+    second = train(char_data, run, None, c, resume=True, progress=False,
+                   clock=FakeMachine(monkeypatch, [(math.inf, 3.0)]))
+    assert second.step == 20 and second.elapsed > 30
+    assert second.total_elapsed == pytest.approx(first.elapsed + second.elapsed)
+    # the summary line says both
+    from tinygpt.cli.common import time_trained
+
+    assert time_trained(second) == f"{second.total_elapsed:.1f}s ({second.elapsed:.1f}s of it this time)"
+    assert time_trained(first) == f"{first.elapsed:.1f}s"
+    # a checkpoint saved before the time was kept resumes, its time before unknown (counted from the resume)
+    state = torch.load(run / "train_state.pt", weights_only=True)
+    del state["elapsed"]
+    torch.save(state, run / "train_state.pt")
+    third = train(char_data, run, None, cfg(max_iters=22, eval_interval=10), resume=True, progress=False,
+                  clock=FakeMachine(monkeypatch, [(math.inf, 1.0)]))
+    assert third.step == 22 and third.total_elapsed == third.elapsed
+    # and one with a time that is no time is refused, naming it
+    state["elapsed"], state["step"] = -1.0, 22
+    torch.save(state, run / "train_state.pt")
+    with pytest.raises(tinygpt.CheckpointError, match="elapsed is missing or of the wrong type"):
+        train(char_data, run, None, cfg(max_iters=24), resume=True, progress=False)
 
 
 def test_eval_report_is_bits_per_char_and_byte_of_the_predicted_share():

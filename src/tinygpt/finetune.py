@@ -591,5 +591,7 @@ def _report(from_: Path, cfg: FinetuneConfig, result: TrainResult, before: dict,
         "tokens": result.tokens, "before": before, "after": after, "loss_change": change,
         "forgetting": change.get("reference"),
         "params": {"trainable": counter.trainable, "total": counter.total},
-        "memory": memory, "seconds": seconds, "train_seconds": result.elapsed,
+        # a resumed run's whole time: the earlier invocations' training, and this one's training and measuring
+        "memory": memory, "seconds": seconds + result.total_elapsed - result.elapsed,
+        "train_seconds": result.total_elapsed,
     }

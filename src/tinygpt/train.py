@@ -65,6 +65,9 @@ class TrainResult:
     stopped: str  # "max_iters", "max_time", "SIGINT", "SIGTERM" or "requested"
     tokens: int  # training tokens seen in total
     elapsed: float  # seconds of this invocation
+    # seconds of training over the whole run: what its checkpoint recorded before a resume (none in a
+    # checkpoint saved before tinygpt kept it) and this invocation's
+    total_elapsed: float
 
 
 @dataclass(frozen=True)
@@ -513,7 +516,7 @@ def train(
     with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
         try:
             setup = _settings(ctx, Path(out), load_data(data), model_config, cfg, resume, notes)
-            run = _Run(ctx, Path(out), setup)
+            run = _Run(ctx, Path(out), setup, clock)
             run.record_settings(data, setup.notes, fresh=setup.state is None)
             return _steps(run, hooks, should_stop, clock)
         except Exception as e:
@@ -614,8 +617,11 @@ class _Run:
     the schedule, the random streams), with the phases of the loop as methods: train_step (the loss
     is `loss`), evaluate, save, decide. Phase 2, setting up, is the constructor (and restore, on resume)."""
 
-    def __init__(self, ctx: distributed.Dist, folder: Path, setup: _Setup) -> None:
+    def __init__(self, ctx: distributed.Dist, folder: Path, setup: _Setup,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         cfg = self.cfg = setup.cfg
+        self.clock, self.started = clock, 0.0  # started: when this invocation's steps began (_steps sets it)
+        self.seconds_before = 0.0  # the run's training time before this invocation (a resumed checkpoint's)
         self.ctx, self.folder, self.dataset, self.start = ctx, folder, setup.dataset, setup.start
         self.device, self.dtype = ctx.device, resolve_dtype(cfg.dtype, ctx.device)
         allow_fast_float32(self.device)
@@ -653,6 +659,7 @@ class _Run:
         """Put a checkpoint's training state back: where the run was, its optimizer, its random streams."""
         cfg, ctx, run = self.cfg, self.ctx, self.folder
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
+        self.seconds_before = state.get("elapsed") or 0.0  # a state saved before it was kept: unknown, none
         if isinstance(state.get("best_val"), float):
             self.best = state["best_val"]
         if self.budget:
@@ -781,7 +788,8 @@ class _Run:
         if not ctx.is_main:
             return
         train_state = {
-            "step": self.step, "tokens": self.tokens, "max_iters": self.horizon, "optimizer": optimizer_state,
+            "step": self.step, "tokens": self.tokens, "elapsed": self.seconds(), "max_iters": self.horizon,
+            "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
             "schedule": schedule or (self.schedule.state() if self.schedule is not None else None),
             "optimizer_kind": self.cfg.optimizer,
@@ -819,6 +827,10 @@ class _Run:
             return "max_time"
         return None
 
+    def seconds(self) -> float:
+        """The run's training time so far, its earlier invocations' included."""
+        return self.seconds_before + (self.clock() - self.started)
+
     def total(self) -> int | None:
         """The run's length in steps as now known: its horizon, or the steps a time budget is estimated to buy."""
         if self.schedule is not None and self.schedule.left is not None:
@@ -850,7 +862,7 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
                                 metrics.log))
         if run.device.type == "cpu":
             kernels.lowbit()  # training's GELU and attention kernels, compiled (once a machine) before the clock
-        started = clock()
+        started = run.started = clock()
         pace = _Pace(cfg, started)
         with _signals(stop):
             at_start = run.keep_best and run.step == 0 and run.best == math.inf  # a new run (a resumed one has a best)
@@ -881,7 +893,9 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
                 iters = int(run.ctx.min(pace.final_eval_iters(clock()))) if cfg.max_time is not None else None
                 val_loss = _evaluate_and_save(run, metrics, hooks, iters)
             run.ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
-        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, clock() - started)
+        now = clock()
+        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, now - started,
+                             run.seconds_before + (now - started))
         hooks.on_end(result, run.model)
         return result
     finally:
@@ -982,6 +996,7 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
     rng, opt, schedule, data = state.get("rng"), state.get("optimizer"), state.get("schedule"), state.get("data")
     checks = {
         "tokens": count(state.get("tokens")),
+        "elapsed": state.get("elapsed") is None or type(state["elapsed"]) is float and 0 <= state["elapsed"] < math.inf,
         "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
         "optimizer": isinstance(opt, dict) and isinstance(opt.get("state"), dict)
         and isinstance(opt.get("param_groups"), list)

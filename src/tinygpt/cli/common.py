@@ -214,6 +214,13 @@ def json_line(obj, indent: int | None = None) -> str:
     return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
+def time_trained(result) -> str:
+    """A TrainResult's training time for the summary line: the whole run's, and this invocation's
+    share when it resumed one."""
+    this = f" ({result.elapsed:.1f}s of it this time)" if result.total_elapsed > result.elapsed else ""
+    return f"{result.total_elapsed:.1f}s{this}"
+
+
 def kept_checkpoint(run: str) -> str:
     """What a run that stopped on a non-finite loss keeps, for its error line."""
     from ..train import has_checkpoint

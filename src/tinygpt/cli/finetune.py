@@ -9,7 +9,8 @@ import sys
 
 from ..calc.units import plural
 from ..errors import ConfigError
-from .common import EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, json_line, kept_checkpoint
+from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, json_line, kept_checkpoint,
+                     time_trained)
 from .train import add_training_flags, train_settings
 
 # the defaults the training flags' help shows for finetune (tinygpt.finetune.DEFAULT_TRAIN and FINETUNE_LR)
@@ -100,7 +101,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         t = result.train
         if ctx.is_main:
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
-            print(f"{t.stopped}: {plural(t.step, 'step')}{procs}, {t.tokens:,} tokens in {t.elapsed:.1f}s; "
+            print(f"{t.stopped}: {plural(t.step, 'step')}{procs}, {t.tokens:,} tokens in {time_trained(t)}; "
                   f"saved to {t.run}")
             print("\n".join(format_report(result.report)))
             if result.merged is not None:

@@ -11,7 +11,7 @@ from ..calc.units import plural
 from ..config import ARCHS, DATA_ORDERS, MLPS
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
-                     kept_checkpoint, seed_type)
+                     kept_checkpoint, seed_type, time_trained)
 
 # every GPTConfig field is a config-file key; the common ones are flags too
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "bias", "tie_weights",
@@ -109,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             procs = f" on {ctx.world_size} processes" if ctx.enabled else ""
             print(
                 f"{result.stopped}: {plural(result.step, 'step')}{procs}, {result.tokens:,} tokens in "
-                f"{result.elapsed:.1f}s{loss}{val}; saved to {result.run}",
+                f"{time_trained(result)}{loss}{val}; saved to {result.run}",
                 flush=True,
             )
         ctx.barrier()
