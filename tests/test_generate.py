@@ -447,6 +447,29 @@ def test_decode_threads_follow_what_the_machine_allows(two_threads, monkeypatch)
     assert _timed_steps(choice, {1: 0.001, 2: 0.01}, 6, monkeypatch) == [1, 1, 2, 1, 1, 1]
 
 
+def test_a_timed_verdict_serves_the_next_calls_on_the_same_model_for_a_while(two_threads, monkeypatch):
+    # a look's steps on one thread cost a quiet machine 2-5% of a 64-token reply: a chat's next reply takes the verdict
+    def free(n):
+        monkeypatch.setattr(generate_module, "free_cores", lambda: n)
+
+    model, other = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    free(2)
+    first = generate_module.ThreadChoice(model, every=8, steps=2)
+    assert _timed_steps(first, {1: 0.004, 2: 0.001}, 6, monkeypatch) == [1, 1, 2, 2, 2, 2]
+    free(2)
+    again = generate_module.ThreadChoice(model, every=8, steps=2)
+    assert _timed_steps(again, {1: 0.004, 2: 0.001}, 6, monkeypatch) == [2] * 6  # no step timed on one thread
+    free(2)
+    elsewhere = generate_module.ThreadChoice(other, every=8, steps=2)  # another model is timed for itself
+    assert _timed_steps(elsewhere, {1: 0.004, 2: 0.001}, 4, monkeypatch) == [1, 1, 2, 2]
+    free(1)
+    busy = generate_module.ThreadChoice(model, every=8, steps=2)  # a core taken: one thread, whatever was kept
+    assert _timed_steps(busy, {1: 0.004, 2: 0.001}, 3, monkeypatch) == [1, 1, 1]
+    free(2)
+    stale = generate_module.ThreadChoice(model, every=8, steps=2, remember=0.0)  # too old: timed again
+    assert _timed_steps(stale, {1: 0.004, 2: 0.001}, 4, monkeypatch) == [1, 1, 2, 2]
+
+
 def test_generate_chooses_decode_threads_and_gives_the_same_tokens(two_threads, monkeypatch):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=64, n_layer=2, n_head=2, n_embd=64)).eval()

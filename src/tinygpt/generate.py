@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -95,9 +96,17 @@ class ThreadChoice:
     twice one thread's best ends the look there. A prompt's forward pass (`prefill`) runs on the threads
     chosen last, one from the start where another program holds a core: a 16-token prompt to a
     SmolLM2-135M-shaped model took 2.7-5.3 s on two threads there, against 0.06-0.2 s on one.
+
+    A timed look's verdict is kept for `model` (any object, the generating model) for `remember` seconds:
+    the next call's looks, with as many cores free, take it instead of timing again (a chat's replies, a
+    benchmark's rounds), since a look's steps on one thread cost a quiet machine 2-5% of a 64-token reply.
     """
 
-    def __init__(self, every: int = 64, steps: int = 3, longest: int = 1024) -> None:
+    # model -> (cores timed, threads chosen, when): the verdicts of timed looks
+    verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model=None, every: int = 64, steps: int = 3, longest: int = 1024, remember: float = 60.0) -> None:
+        self.model, self.remember = model, remember
         self.threads = self.current = self.choice = torch.get_num_threads()
         self.every, self.steps, self.longest = every, steps, longest
         self.interval = every
@@ -115,8 +124,12 @@ class ThreadChoice:
         if i == 0:
             free = free_cores()
             self.trial = min(self.threads, free if free is not None else self.threads)
+            kept = self.verdicts.get(self.model) if self.model is not None else None
             if self.trial == 1:
                 self._chose(1, cheap=True)
+                i = -1
+            elif kept is not None and kept[0] == self.trial and time.monotonic() - kept[2] < self.remember:
+                self._chose(kept[1], cheap=True)
                 i = -1
         if i < 0:
             self._use(self.choice)
@@ -127,10 +140,11 @@ class ThreadChoice:
         out = step()
         took = time.perf_counter() - start
         self.best[threads] = min(took, self.best[threads]) if i % self.steps else took
-        if i == 2 * self.steps - 1:
-            self._chose(min(self.best, key=self.best.get))
-        elif threads > 1 and took > 2 * self.best[1]:
-            self._chose(1)
+        if i == 2 * self.steps - 1 or (threads > 1 and took > 2 * self.best[1]):
+            verdict = min(self.best, key=self.best.get) if i == 2 * self.steps - 1 else 1
+            self._chose(verdict)
+            if self.model is not None:
+                self.verdicts[self.model] = (self.trial, verdict, time.monotonic())
         return out
 
     def prefill(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -252,7 +266,7 @@ def generate_stream(
         if use_cache else None
     filled = 0  # positions of the cache that hold the current context
     # on a CPU with threads to choose from, the decode steps' thread count follows what the machine allows
-    threads = ThreadChoice() if use_cache and not compile and idx.device.type == "cpu" and torch.get_num_threads() > 1 \
+    threads = ThreadChoice(model) if use_cache and not compile and idx.device.type == "cpu" and torch.get_num_threads() > 1 \
         else None
     training = model.training
     model.eval()  # dropout off: greedy and seeded sampling repeat, with and without the cache
