@@ -109,10 +109,9 @@ def _build(model):
     ops = kernels.lowbit()
     cfg = model.config
     attns, mlps = [b.attn for b in model.h], [b.mlp for b in model.h]
-    norms = [model.ln_f]
-    for block in reversed(model.h):  # each block's ln_1, ln_2 (and its queries' and keys' norms), then ln_f
-        qk = (block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ()
-        norms[:0] = [block.ln_1, block.ln_2, *qk]
+    # each block's ln_1, ln_2 (and its queries' and keys' norms), then ln_f
+    qk = lambda a: (a.q_norm, a.k_norm) if cfg.qk_norm else ()  # noqa: E731
+    norms = [n for b in model.h for n in (b.ln_1, b.ln_2, *qk(b.attn))] + [model.ln_f]
     if cfg.arch == "gpt2":
         per_block = [(a.c_attn, a.c_proj, m.c_fc, m.c_proj) for a, m in zip(attns, mlps)]
     else:

@@ -100,25 +100,32 @@ class ThreadChoice:
     A timed look's verdict is kept for `model` (any object, the generating model) for `remember` seconds:
     the next call's looks, with as many cores free, take it instead of timing again (a chat's replies, a
     benchmark's rounds), since a look's steps on one thread cost a quiet machine 2-5% of a 64-token reply.
+
+    Where `enabled` is False (an accelerator, compiled steps) or torch has one thread, `run` and `prefill`
+    call what they are given as it is.
     """
 
     # model -> (cores timed, threads chosen, when): the verdicts of timed looks
     verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, model=None, every: int = 64, steps: int = 3, longest: int = 1024, remember: float = 60.0) -> None:
+    def __init__(self, model=None, *, enabled: bool = True, every: int = 64, steps: int = 3, longest: int = 1024,
+                 remember: float = 60.0) -> None:
         self.model, self.remember = model, remember
         self.threads = self.current = self.choice = torch.get_num_threads()
+        self.enabled = enabled and self.threads > 1
         self.every, self.steps, self.longest = every, steps, longest
         self.interval = every
         self.look = 0  # the step the next look starts at
         self.count = 0
         self.trial = self.threads  # the many threads a look times against one
         self.best: dict[int, float] = {}
-        if free_cores() == 1:
+        if self.enabled and free_cores() == 1:
             self.choice = 1
 
     def run(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """step() on the threads chosen for it, timed while it is part of a look."""
+        if not self.enabled:
+            return step()
         i = self.count - self.look  # this step's place in the look, or before it
         self.count += 1
         if i == 0:
@@ -265,9 +272,8 @@ def generate_stream(
     kv_cache = KVCache.for_model(model, idx.shape[0], _cache_len(block_size, idx.shape[1], max_new_tokens, compile)) \
         if use_cache else None
     filled = 0  # positions of the cache that hold the current context
-    # on a CPU with threads to choose from, the decode steps' thread count follows what the machine allows
-    threads = ThreadChoice(model) if use_cache and not compile and idx.device.type == "cpu" and torch.get_num_threads() > 1 \
-        else None
+    # on a CPU, the decode steps' thread count follows what the machine allows
+    threads = ThreadChoice(model, enabled=use_cache and not compile and idx.device.type == "cpu")
     training = model.training
     model.eval()  # dropout off: greedy and seeded sampling repeat, with and without the cache
     try:
@@ -276,13 +282,11 @@ def generate_stream(
                 logits = model(tokens[:, -block_size:])[:, -1]
             elif step > 0 and filled < block_size:
                 last = tokens[:, -1]
-                logits = threads.run(lambda: decode(model, last, kv_cache, filled)) if threads else \
-                    decode(model, last, kv_cache, filled)
+                logits = threads.run(lambda: decode(model, last, kv_cache, filled))
                 filled += 1
             else:  # the first step, or the context slid past block_size: (re)build the cache
                 context = tokens[:, -block_size:]
-                logits = threads.prefill(lambda: prefill(model, context, kv_cache)) if threads else \
-                    prefill(model, context, kv_cache)
+                logits = threads.prefill(lambda: prefill(model, context, kv_cache))
                 filled = context.shape[1]
             processed = process_logits(logits, tokens, cfg, vocab_size)
             token = choose(processed, cfg, generator)
@@ -299,8 +303,7 @@ def generate_stream(
             if stops.numel() and bool(finished.all()):
                 return
     finally:
-        if threads:
-            threads.restore()
+        threads.restore()
         model.train(training)
 
 

@@ -195,7 +195,7 @@ class Scheduler:
         self._cache: KVCache | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._threads: ThreadChoice | None = None  # the CPU threads of decode steps and prompts, the model thread's
+        self._threads: ThreadChoice | None = None  # the CPU threads of decode steps and prompts (made by _loop)
 
     # -- called from the web server ----------------------------------------------------------
 
@@ -361,8 +361,7 @@ class Scheduler:
                       f"the model thread stopped ({type(e).__name__})")
 
     def _loop(self) -> None:
-        if self.device.type == "cpu" and torch.get_num_threads() > 1:  # torch's threads are the model thread's own
-            self._threads = ThreadChoice()
+        self._threads = ThreadChoice(enabled=self.device.type == "cpu")
         while True:
             with self._cond:
                 while not (self._stopping or self._active or self._waiting or self._jobs):
@@ -441,10 +440,11 @@ class Scheduler:
                 positions = [min(s.filled, bs - 1) for s in active]
                 pos = torch.tensor(positions, device=self.device)
                 view = cache.rows(0, n_old, length=max(positions) + 1)  # no row looks further
-                out = self._on_threads(lambda: decode_step(model, tokens, view, pos), decode=True)  # (B, V)
+                out = self._threads.run(lambda: decode_step(model, tokens, view, pos))  # (B, V)
             for i, s in enumerate(active):
                 if full[i]:
-                    logits.append(_attempt(lambda: self._on_threads(lambda: prefill(model, s.context()[:, -bs:], cache.slot(i)))))
+                    logits.append(_attempt(lambda: self._threads.prefill(lambda: prefill(model, s.context()[:, -bs:],
+                                                                                         cache.slot(i)))))
                 else:
                     logits.append(out[i : i + 1])
                     s.filled += 1
@@ -479,16 +479,9 @@ class Scheduler:
         bs = self.block_size
         if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
             s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
-        logits = self._on_threads(lambda: prefill(self.model, s.context(), self._cache.slot(row)))
+        logits = self._threads.prefill(lambda: prefill(self.model, s.context(), self._cache.slot(row)))
         s.filled = s.length
         return logits
-
-    def _on_threads(self, forward: Callable[[], torch.Tensor], decode: bool = False) -> torch.Tensor:
-        """A decode step or a prompt on the threads generate.ThreadChoice picks for what the machine allows
-        (another program holding a core slows every step on two threads many times over)."""
-        if self._threads is None:
-            return forward()
-        return self._threads.run(forward) if decode else self._threads.prefill(forward)
 
     def _advance(self, s: Sequence, logits: torch.Tensor) -> bool:
         """Choose s's next token from logits (1, V), report its text; True when s is finished."""
