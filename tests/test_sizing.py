@@ -40,6 +40,19 @@ def test_budget_sizing_follows_chinchillas_rule():
     assert "layers" in choice.reason and f"{choice.plan['steps']:,} steps" in choice.reason
 
 
+def test_a_muon_budget_buys_a_larger_model_on_fewer_tokens_each():
+    from tinygpt.config import RECIPE_MODEL
+    from tinygpt.sizing import MUON_TOKENS_PER_PARAM
+
+    for optimizer, per_param, law in (("adamw", 20, "Chinchilla"), ("muon", MUON_TOKENS_PER_PARAM, "Chinchilla's rule at Muon's 2 tokens")):
+        cfg = TrainConfig(max_time=600, batch_size=12, optimizer=optimizer)
+        choice = choose_model(**BIG_DATA, train_config=cfg, fixed=RECIPE_MODEL, flops_per_second=1e11)
+        flops = 1e11 * 600 / (1 + eval_overhead(cfg))
+        target = compute_optimal(flops=flops, tokens_per_param=per_param).params
+        assert count_params(choice.config).total == pytest.approx(target, rel=0.15) and law in choice.reason
+        assert choice.config.arch == "llama" and choice.config.qk_norm
+
+
 def test_budget_sizing_keeps_fixed_settings_and_uses_the_block_size():
     short = choose_model(**BIG_DATA, train_config=TrainConfig(max_time=600), flops_per_second=1e11,
                          fixed={"block_size": 64, "bias": False})

@@ -66,17 +66,19 @@ def measure_training_throughput(
     dtype: str = "float32",
     device: str | None = None,
     seed: int = 0,
+    optimizer: str = "adamw",
 ) -> Throughput:
-    """Time `steps` training steps (forward, backward, AdamW) of a GPT on random tokens.
+    """Time `steps` training steps (forward, backward, the optimizer's step) of a GPT on random tokens.
 
     Args:
         config: the model to time (default: CPU_PROBE or GPU_PROBE by device); sequences fill its block_size.
         batch_size: sequences per step (default 8).
         steps: timed steps.
-        warmup: untimed steps first (allocations, kernel choices, AdamW's state).
+        warmup: untimed steps first (allocations, kernel choices, the optimizer's state).
         dtype: "float32", or "bfloat16" for autocast over float32 weights.
         device: "cpu", "cuda" or "mps" (default: the best available, as training picks it).
         seed: for the weights and the tokens.
+        optimizer: "adamw", or "muon" (its Newton-Schulz iterations cost a small model's step a share).
     """
     device = resolve_device(device or "auto").type
     dtype = dtype_name(dtype)
@@ -89,7 +91,7 @@ def measure_training_throughput(
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = GPT(config).to(device).train()
-    optimizer = make_optimizer(model, TrainConfig(lr=1e-4), torch.device(device))
+    optimizer = make_optimizer(model, TrainConfig(lr=1e-4, optimizer=optimizer), torch.device(device))
     tokens = torch.randint(0, config.vocab_size, (B, T + 1), generator=generator).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
