@@ -292,6 +292,6 @@ def test_train_the_llama_layout_from_scratch(data, tmp_path, cli):
     stretch = json.loads((tmp_path / "stretch" / "config.json").read_text())
     assert (stretch["n_embd"], stretch["arch"], stretch["bias"], stretch["positions"]) == (256, "llama", False, "rope")
     # GPT-2's layout has no room for grouped-query attention: one line naming the field, nothing written
-    r = cli("train", "--data", data, "--out", tmp_path / "bad", "--n-kv-head", 1, *SMALL)
+    r = cli("train", "--data", data, "--out", tmp_path / "bad", "--arch", "gpt2", "--n-kv-head", 1, *SMALL)
     assert_clean_error(r, "n_kv_head", "arch llama")
     assert not (tmp_path / "bad").exists()

@@ -21,10 +21,11 @@ from tinygpt.checkpoint import load, load_training, weights_step
 from tinygpt.distributed import Dist, _state_by_index, _state_by_name, process_group
 
 # a flat learning rate, so that a run stopped at step 10 and resumed matches a straight 20-step run
-# whatever --max-iters each part was given; two micro-steps per step, so accumulation is covered
+# whatever --max-iters each part was given; two micro-steps per step, so accumulation is covered;
+# GPT-2's block and AdamW, which the flags after FLAT change where a test is about another
 FLAT = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--eval-iters", "2", "--grad-accum", "2",
         "--eval-interval", "5", "--warmup", "0", "--lr", "1e-3", "--min-lr", "1e-3", "--dtype", "float32",
-        "--device", "cpu", "--quiet"]
+        "--device", "cpu", "--quiet", "--arch", "gpt2", "--optimizer", "adamw", "--lr-schedule", "cosine"]
 
 
 TRACED = Path(__file__).with_name("traced_train.py")
@@ -84,7 +85,7 @@ def runs(char_data, tmp_path_factory):
     torchrun("train", *data, "--out", root / "d10", "--batch-size", 4, "--max-iters", 10, *FLAT,
              trace=root / "d10-debug")
     torchrun("train", *data, "--out", root / "f10", "--batch-size", 4, "--max-iters", 10, "--fsdp", *FLAT)
-    muon = ["--optimizer", "muon", "--max-iters", 10, *FLAT]
+    muon = [*FLAT, "--optimizer", "muon", "--max-iters", 10]
     single("train", *data, "--out", root / "m10", "--batch-size", 8, *muon)
     torchrun("train", *data, "--out", root / "dm10", "--batch-size", 4, *muon)
     return root
@@ -153,7 +154,7 @@ def test_fsdp_matches_ddp(runs):
 @pytest.mark.parametrize("sharding", [pytest.param([], marks=pytest.mark.slow), ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_the_llama_layout_trains_in_two_processes_as_one_process_with_twice_the_batch(char_data, tmp_path, sharding):
     # rotary positions, grouped-query attention, qk-norm, SwiGLU and an untied head; FSDP shards it block by block
-    llama = ["--arch", "llama", "--n-kv-head", 1, "--qk-norm", "--no-tie-weights", "--max-iters", 5, *FLAT]
+    llama = [*FLAT, "--arch", "llama", "--n-kv-head", 1, "--qk-norm", "--no-tie-weights", "--max-iters", 5]
     single("train", "--data", char_data, "--out", tmp_path / "one", "--batch-size", 8, *llama)
     torchrun("train", "--data", char_data, "--out", tmp_path / "two", "--batch-size", 4, *sharding, *llama)
     one, two = steps(tmp_path / "one"), steps(tmp_path / "two")

@@ -223,9 +223,71 @@ def test_cli_trains_the_modern_block_and_export_refuses_relu2_in_one_line(char_d
         assert r.returncode == 2 and not (tmp_path / fmt).exists()
         assert r.stderr.strip() == (f"tinygpt: error: this model's mlp is 'relu2': {target} has 'swiglu' only, so it "
                                     "cannot be exported")
-    r = cli("train", "--data", char_data, "--out", tmp_path / "gpt2", "--mlp", "relu2", "--max-iters", 1)
+    r = cli("train", "--data", char_data, "--out", tmp_path / "gpt2", "--arch", "gpt2", "--mlp", "relu2",
+            "--max-iters", 1)
     assert r.returncode == 2 and r.stderr.strip() == (
         "tinygpt: error: mlp: 'relu2' needs arch llama (GPT-2's layout has 'gelu' only)")
+
+
+# ---- the recipe as tinygpt train's default -------------------------------------------------------
+
+SMALL = ("--n-layer", 2, "--n-head", 2, "--n-embd", 32, "--block-size", 16, "--batch-size", 4, "--max-iters", 12,
+         "--eval-interval", 4, "--eval-iters", 2, "--warmup", 3, "--device", "cpu", "--dtype", "float32", "--quiet")
+
+
+def losses(run) -> list[tuple[int, float, float | None]]:
+    """Every step's (step, train loss, val loss) as metrics.jsonl keeps them."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in lines if "loss" in r]
+
+
+def test_a_new_run_trains_the_recipe_and_each_flag_takes_its_part_back(char_data, tmp_path, cli):
+    from tinygpt.config import RECIPE_MODEL
+    from tinygpt.train import read_train_config
+
+    def run(name, *flags):
+        r = cli("train", "--data", char_data, "--out", tmp_path / name, *SMALL, "--max-iters", 2, *flags)
+        assert r.returncode == 0, r.stderr
+        config, train_cfg = load(tmp_path / name).config, read_train_config(tmp_path / name)[0]
+        return config, train_cfg
+
+    config, train_cfg = run("new")
+    assert {k: getattr(config, k) for k in RECIPE_MODEL} == RECIPE_MODEL and config.mlp == "swiglu"
+    assert (train_cfg.optimizer, train_cfg.lr_schedule) == ("muon", "wsd")
+    config, train_cfg = run("mine", "--tie-weights", "--mlp", "relu2", "--lr-schedule", "cosine")
+    assert (config.arch, config.tie_weights, config.mlp, config.qk_norm) == ("llama", True, "relu2", True)
+    assert (train_cfg.optimizer, train_cfg.lr_schedule) == ("muon", "cosine")
+    config, train_cfg = run("llama", "--arch", "llama", "--optimizer", "adamw")  # llama's own defaults, as before
+    assert (config.qk_norm, config.zero_init, config.tie_weights) == (False, False, True)
+    assert (train_cfg.optimizer, train_cfg.lr_schedule) == ("adamw", "wsd")
+    config, train_cfg = run("preset", "--preset", "baby", "--n-layer", 1)  # the preset's model, the recipe's training
+    assert (config.arch, config.tie_weights, config.zero_init) == ("gpt2", True, False)
+    assert train_cfg.optimizer == "muon"
+
+
+def test_gpt2_adamw_cosine_trains_the_run_the_old_defaults_did_bit_for_bit(char_data, tmp_path, cli):
+    """--arch gpt2 --optimizer adamw --lr-schedule cosine is the run tinygpt train made before the recipe:
+    GPTConfig's and TrainConfig's own defaults (GPT-2's block, AdamW, cosine), every loss bit for bit."""
+    r = cli("train", "--data", char_data, "--out", tmp_path / "flags", *SMALL, "--arch", "gpt2", "--optimizer", "adamw",
+            "--lr-schedule", "cosine")
+    assert r.returncode == 0, r.stderr
+    assert TrainConfig().optimizer == "adamw" and TrainConfig().lr_schedule == "cosine" and GPTConfig().arch == "gpt2"
+    sizes = dict(n_layer=2, n_head=2, n_embd=32, block_size=16)
+    data_vocab = load(tmp_path / "flags").config.vocab_size
+    train(char_data, tmp_path / "library", GPTConfig(vocab_size=data_vocab, **sizes),
+          TrainConfig(batch_size=4, max_iters=12, eval_interval=4, eval_iters=2, warmup=3, device="cpu", dtype="float32"))
+    assert load(tmp_path / "flags").config == load(tmp_path / "library").config
+    assert losses(tmp_path / "flags") == losses(tmp_path / "library") and len(losses(tmp_path / "library")) == 12
+    r = cli("train", "--data", char_data, "--out", tmp_path / "recipe", *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert losses(tmp_path / "recipe") != losses(tmp_path / "library")  # the recipe is another run
+
+
+def test_fsdp_without_an_optimizer_flag_trains_with_adamw():
+    from tinygpt.cli.train import with_recipe
+
+    assert with_recipe({}, {"fsdp": True}, None)[1]["optimizer"] == "adamw"
+    assert with_recipe({}, {}, None)[1] == {"optimizer": "muon", "lr_schedule": "wsd"}
 
 
 # ---- the recipe bench (tinygpt bench --recipes) ---------------------------------------------------
@@ -273,7 +335,7 @@ def test_cli_recipe_bench_trains_each_recipe_and_writes_table_json_and_plot(char
     assert [(x["recipe"], [e["step"] for e in x["evals"]]) for x in result["runs"]] == [("2019", [4, 8]),
                                                                                     ("modern", [4, 8])]
     assert result["summary"]["2019"]["step_ratio"] == 1.0
-    assert result["recipes"]["modern"]["model"]["mlp"] == "relu2"
+    assert result["recipes"]["modern"]["model"]["mlp"] == "swiglu" and result["recipes"]["modern"]["model"]["qk_norm"]
     assert result["recipes"]["modern"]["train"]["optimizer"] == "muon"
     assert result["recipes"]["2019"]["model"]["arch"] == "gpt2"
     assert (tmp_path / "r.png").stat().st_size > 0

@@ -516,6 +516,15 @@ DATA_ORDERS = ("random", "sequential")  # TrainConfig.data_order
 LENGTHLESS_SCHEDULES = ("constant", "inverse-sqrt")  # those that need no known length
 DECAY_FRACTION = 0.2  # WSD's decay: the last fifth of the steps (Hagele et al. 2024 found 20% matches cosine)
 
+# The recipe a new `tinygpt train` run gets where its flags leave the choice open, the winner of
+# `tinygpt bench --recipes` (the README's table): the modern block, the llama layout (rotary positions,
+# RMSNorm, SwiGLU, no biases) with QK-norm, zero-initialised output projections and an untied head,
+# trained by Muon with warmup-stable-decay. GPTConfig() and TrainConfig() keep GPT-2's block and AdamW
+# with cosine (the lesson's objects, and what `--arch gpt2 --optimizer adamw --lr-schedule cosine`
+# trains); the model half applies only where no --arch and no --preset is given.
+RECIPE_MODEL: dict[str, Any] = dict(arch="llama", qk_norm=True, zero_init=True, tie_weights=False)
+RECIPE_TRAIN: dict[str, Any] = dict(optimizer="muon", lr_schedule="wsd")
+
 
 @dataclass
 class TrainConfig:

@@ -92,8 +92,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
     r = p.add_argument_group(
         "the recipe bench (--recipes)",
-        "time to quality: the 2019 recipe (GPT-2's block, AdamW, cosine) against the modern one (the speedrun's "
-        "block, Muon, warmup-stable-decay) and the steps between, at equal steps and tokens, seeds interleaved; "
+        "time to quality: the 2019 recipe (GPT-2's block, AdamW, cosine) against the modern one (the modern block, "
+        "Muon, warmup-stable-decay: tinygpt train's default) and the steps between, at equal steps and tokens, "
+        "seeds interleaved; "
         "val loss at fixed token counts and the steps and training time each needs to reach the first recipe's "
         "final val loss, as ratios to it")
     r.add_argument("--recipes", action="store_true", help="run the recipe bench instead of the speed bench")

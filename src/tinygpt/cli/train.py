@@ -86,6 +86,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if resume or begun:
         model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset, begun)
     else:
+        model_over, train_over = with_recipe(model_over, train_over, preset)
         train_cfg = from_mapping(TrainConfig, train_over)
         model_cfg = _new_model(args, train_cfg, model_over, preset, distributed)
     # under torchrun the processes stay in one group until rank 0 has printed: torchrun ends the
@@ -114,6 +115,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         ctx.barrier()
     return EXIT_SIGNAL.get(result.stopped, 0)
+
+
+def with_recipe(model_over: dict, train_over: dict, preset: str | None) -> tuple[dict, dict]:
+    """A new run's model and training settings with the recipe (config.RECIPE_MODEL, RECIPE_TRAIN)
+    under them: its model choices where neither --arch nor --preset gives the model, its optimizer
+    and schedule where no flag names one (AdamW under --fsdp, which Muon does not shard)."""
+    from ..config import RECIPE_MODEL, RECIPE_TRAIN
+
+    if "arch" not in model_over and not preset:
+        model_over = {**RECIPE_MODEL, **model_over}
+    recipe = {**RECIPE_TRAIN, "optimizer": "adamw"} if train_over.get("fsdp") else RECIPE_TRAIN
+    return model_over, {**recipe, **train_over}
 
 
 def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str | None, begun=None):
@@ -161,7 +174,7 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
 
     from ..config import GPTConfig, from_mapping, with_arch
     from ..data import load_data
-    from ..sizing import ModelChoice, choose_model
+    from ..sizing import SIZE_FIELDS, ModelChoice, choose_model
     from ..train import check_has_val
 
     dataset = load_data(args.data)
@@ -185,7 +198,8 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
                           fixed=model_over, sweep=sweep)
     if choice.plan is not None:  # on stderr beside the progress: stdout keeps the one result line
         print(choice.reason, file=sys.stderr, flush=True)
-    elif distributed and train_cfg.max_time is not None and not model_over and os.environ.get("RANK", "0") == "0":
+    elif (distributed and train_cfg.max_time is not None and not any(f in model_over for f in SIZE_FIELDS)
+          and os.environ.get("RANK", "0") == "0"):
         print(f"torchrun: --max-time does not size the model (each process would time itself); {choice.reason}",
               file=sys.stderr, flush=True)
     return choice  # train() records it and trains at its learning rate unless --lr is given
@@ -194,7 +208,8 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
 # the defaults the training flags' help shows, for train; finetune shows its own (cli/finetune.py)
 TRAIN_DEFAULTS = dict(batch_size="12", lr="1e-3; a model sized for --max-time gets one for its width", warmup="100",
                       max_iters="2000 unless --max-time is given", weight_decay="0.1", eval_interval="250",
-                      eval_iters="20", schedule="cosine", optimizer="adamw")
+                      eval_iters="20", schedule="wsd for a new run, the recipe's; cosine is GPT-2's and nanoGPT's",
+                      optimizer="muon for a new run, the recipe's (adamw under --fsdp)")
 # how MUON_LR was chosen, as --help says it
 MUON_MEASURED = ("the best of 0.01, 0.02, 0.04 and 0.08 for a 4 x 128 llama block on characters, 300 steps of "
                  "16 x 64 tokens, Zen 5; GPT-2's block did 1%% better at 0.04")
@@ -252,7 +267,8 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sweep", metavar="DIR",
                    help="with --max-time and no size flags: size the model by this `tinygpt sweep` folder's fit "
                         "(default: Chinchilla's rule)")
-    m = p.add_argument_group("model (default: sized for --max-time on this machine, else for the data)")
+    m = p.add_argument_group("model (default: the modern block, sized for --max-time on this machine, else for the "
+                             "data; `tinygpt bench --recipes` measured it against GPT-2's, the README has the table)")
     m.add_argument("--n-layer", type=POSITIVE)
     m.add_argument("--n-head", type=POSITIVE)
     m.add_argument("--n-embd", type=POSITIVE)
@@ -261,14 +277,17 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--vocab-size", type=POSITIVE, help="default: the data's vocabulary")
     m.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None)
     m.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="share the token embedding with the head (on); --no-tie-weights: an untied head")
+                   help="share the token embedding with the head (on for --arch and --preset models; a new run "
+                        "without them has an untied head)")
     m.add_argument("--activation", choices=["gelu", "gelu_tanh"], help="a gelu MLP's GELU (gelu_tanh)")
     m.add_argument("--init", choices=["gpt2", "torch"])
     m.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=None,
-                   help="each block's output projections (attention's and the MLP's) start at zero (off)")
+                   help="each block's output projections (attention's and the MLP's) start at zero (on for a new "
+                        "run without --arch or --preset, else off)")
     m.add_argument("--arch", choices=ARCHS,
-                   help="gpt2 (the default) or llama: rotary positions, RMSNorm, a SwiGLU MLP, no biases, HF's module "
-                        "names, and the choices below")
+                   help="gpt2 or llama: rotary positions, RMSNorm, a SwiGLU MLP, no biases, HF's module names, and "
+                        "the choices below. A new run without --arch or --preset trains the modern block: llama with "
+                        "--qk-norm --zero-init --no-tie-weights (--arch gpt2: GPT-2's block, as before)")
     m.add_argument("--n-kv-head", type=POSITIVE, help="llama: key/value heads, dividing --n-head (grouped-query "
                                                       "attention; default n_head)")
     m.add_argument("--mlp", choices=MLPS, help="llama: swiglu (the default), gelu, or relu2 (up, ReLU squared, down; "
@@ -276,7 +295,7 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--intermediate-size", type=POSITIVE,
                    help="the MLP's width (gelu and relu2 4 n_embd; swiglu 8/3 n_embd)")
     m.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=None,
-                   help="llama: RMSNorm on each head's queries and keys (Qwen3)")
+                   help="llama: RMSNorm on each head's queries and keys (Qwen3; on for a new run without --arch)")
     m.add_argument("--rope-theta", type=Number("float", 1, low_open=True), help="llama: the rotary base (10000)")
     t = p.add_argument_group("training")
     add_training_flags(t, TRAIN_DEFAULTS)
