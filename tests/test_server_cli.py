@@ -126,7 +126,8 @@ def test_a_kv_cache_the_machine_cannot_hold_is_refused_before_listening(run):
     r = subprocess.run([sys.executable, "-m", "tinygpt", "serve", str(run), "--port", "0", "--device", "cpu",
                         "--max-concurrency", "20000000"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stdout == "", r.stdout
-    lines = r.stderr.strip().splitlines()
+    # (a note that another test's process is compiling the CPU kernels may come first: not the error)
+    lines = [line for line in r.stderr.strip().splitlines() if "compiling its CPU kernels" not in line]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "KV cache for 20,000,000 concurrent sequences" in lines[0] and "lower --max-concurrency" in lines[0]
     assert "needs 305.2 GiB" in lines[0]  # 2 (keys, values) x 2 layers x 32 positions x 32 wide x 4 bytes each
