@@ -25,7 +25,9 @@ from tinygpt.cli import main as tinygpt_main
 from tinygpt.finetune import start_model
 from tinygpt.lab.chat_task import ExactMatch, exact_match, fact_conversations, fact_text
 
-MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "96"]
+# GPT-2's block trained by AdamW with cosine, the recipe the figures in docs/tutorials/chat.md came from
+MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "64", "--block-size", "96", "--arch", "gpt2"]
+BASE_RECIPE = ["--optimizer", "adamw", "--lr-schedule", "cosine"]
 TRAIN = ["--batch-size", "16", "--lr", "3e-3", "--warmup", "100", "--eval-iters", "5", "--quiet"]
 
 
@@ -68,7 +70,7 @@ def main() -> None:
 
     run("prepare", str(text / "base.txt"), "--out", str(out / "data-base"))
     run("train", "--data", str(out / "data-base"), "--out", str(out / "base"), "--max-iters", str(args.base_iters),
-        "--eval-interval", str(args.base_iters), *MODEL, *TRAIN)
+        "--eval-interval", str(args.base_iters), *MODEL, *BASE_RECIPE, *TRAIN)
     # the chat data keeps the base's characters (same ids) and adds the template's tokens after them
     run("prepare", str(text / "chat.jsonl"), "--format", "chat", "--tokenizer-file", str(out / "base"),
         "--out", str(out / "data-chat"))
