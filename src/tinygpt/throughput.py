@@ -1,6 +1,6 @@
 """How many training FLOPs per second this machine delivers, measured with a few real training steps.
 
-A small tinygpt GPT takes forward + backward + AdamW steps on random tokens; the FLOPs of each step
+A small tinygpt GPT takes forward + backward + optimizer steps on random tokens; the FLOPs of each step
 come from the calculators (calc.flops_per_token: matmul FLOPs, the convention MFU figures use), so
 FLOP/s here is the useful work a training run gets, overheads included. `tinygpt chinchilla --time`
 turns it into a compute budget.
