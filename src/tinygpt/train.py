@@ -827,9 +827,10 @@ class _Run:
             return "max_time"
         return None
 
-    def seconds(self) -> float:
-        """The run's training time so far, its earlier invocations' included."""
-        return self.seconds_before + (self.clock() - self.started)
+    def seconds(self, now: float | None = None) -> float:
+        """The run's training time so far (up to `now`, a reading of the clock, or this moment), its earlier
+        invocations' included."""
+        return self.seconds_before + ((self.clock() if now is None else now) - self.started)
 
     def total(self) -> int | None:
         """The run's length in steps as now known: its horizon, or the steps a time budget is estimated to buy."""
@@ -894,8 +895,7 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
                 val_loss = _evaluate_and_save(run, metrics, hooks, iters)
             run.ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
         now = clock()
-        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, now - started,
-                             run.seconds_before + (now - started))
+        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, now - started, run.seconds(now))
         hooks.on_end(result, run.model)
         return result
     finally:
