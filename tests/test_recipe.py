@@ -275,7 +275,8 @@ def test_gpt2_adamw_cosine_trains_the_run_the_old_defaults_did_bit_for_bit(char_
     sizes = dict(n_layer=2, n_head=2, n_embd=32, block_size=16)
     data_vocab = load(tmp_path / "flags").config.vocab_size
     train(char_data, tmp_path / "library", GPTConfig(vocab_size=data_vocab, **sizes),
-          TrainConfig(batch_size=4, max_iters=12, eval_interval=4, eval_iters=2, warmup=3, device="cpu", dtype="float32"))
+          TrainConfig(batch_size=4, max_iters=12, eval_interval=4, eval_iters=2, warmup=3, device="cpu",
+                      dtype="float32"))
     assert load(tmp_path / "flags").config == load(tmp_path / "library").config
     assert losses(tmp_path / "flags") == losses(tmp_path / "library") and len(losses(tmp_path / "library")) == 12
     r = cli("train", "--data", char_data, "--out", tmp_path / "recipe", *SMALL)

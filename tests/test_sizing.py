@@ -44,7 +44,8 @@ def test_a_muon_budget_buys_a_larger_model_on_fewer_tokens_each():
     from tinygpt.config import RECIPE_MODEL
     from tinygpt.sizing import MUON_TOKENS_PER_PARAM
 
-    for optimizer, per_param, law in (("adamw", 20, "Chinchilla"), ("muon", MUON_TOKENS_PER_PARAM, "Chinchilla's rule at Muon's 2 tokens")):
+    for optimizer, per_param, law in (("adamw", 20, "Chinchilla"),
+                                      ("muon", MUON_TOKENS_PER_PARAM, "Chinchilla's rule at Muon's 2 tokens")):
         cfg = TrainConfig(max_time=600, batch_size=12, optimizer=optimizer)
         choice = choose_model(**BIG_DATA, train_config=cfg, fixed=RECIPE_MODEL, flops_per_second=1e11)
         flops = 1e11 * 600 / (1 + eval_overhead(cfg))
