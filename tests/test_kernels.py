@@ -121,6 +121,40 @@ def test_float32_at_one_row_sums_as_a_batch_does_with_a_tail_and_a_bias(rows_at_
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_prompt_s_rows_compute_alike_in_any_number_of_them(dtype):
+    # more than eight rows (a prompt) multiply three weight rows by four activation rows at a time: each
+    # row's sums the same bit for bit with however many rows come with it, the weight rows' tail (301 =
+    # 3 x 100 + 1) and the activation rows' (9, 10, 11 after tiles of four) included
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(20, 264, generator=g), torch.randn(301, 264, generator=g).to(dtype), torch.randn(301, generator=g)
+    whole = ops.float_linear(x, w, b)
+    torch.testing.assert_close(whole.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
+    for rows in (9, 10, 11, 16):
+        assert torch.equal(ops.float_linear(x[:rows], w, b), whole[:rows])
+        assert torch.equal(ops.float_linear(x[20 - rows:], w, b), whole[20 - rows:])
+
+
+@needs_kernels
+def test_a_short_prompt_multiplies_on_the_kernel_and_a_longer_one_on_pytorch_s(monkeypatch):
+    # up to FLOAT_KERNEL_ROWS rows float32 and float16 weights take tinygpt's kernel (faster there than
+    # PyTorch's matmul, and float16 weights are not widened for it); past it PyTorch's matmul
+    layer, limit = torch.nn.Linear(64, 48), quantize_module.FLOAT_KERNEL_ROWS
+    x = torch.randn(1, limit, 64)
+    want = layer(x).detach()
+    calls = []  # F is torch.nn.functional: every F.linear from here on
+    monkeypatch.setattr(quantize_module.F, "linear", lambda *a: calls.append(a[0].shape[0]) or torch.zeros(a[0].shape[0], 48))
+    monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: False)
+    for dtype in (torch.float32, torch.float16):
+        q = FloatLinear(layer, dtype)
+        torch.testing.assert_close(q(x), want, atol=0.01, rtol=0.01)
+        assert calls == []
+        q(torch.randn(1, limit + 1, 64))
+        assert calls == [limit + 1]
+        calls.clear()
+
+
+@needs_kernels
 def test_the_float32_rows_at_once_follow_the_cpu_kind():
     # four where the CPU lacks AVX-512 (the Zen 3's faster), one where it has it (the Zen 4's)
     flags = cpu_flag_set() or set()
@@ -364,9 +398,10 @@ def test_fp32_fp16_and_bf16_models_decode_with_the_float_kernel(monkeypatch):
         assert isinstance(layer, FloatLinear) and weight_format(q) == fmt and layer.native_bf16 == native
         assert layer.weight.dtype == dtypes[fmt] and q.wte.weight.dtype == torch.float32
         assert layer.nbytes == 256 * 64 * layer.weight.element_size() + 256 * 4
-        # 18 rows take PyTorch's matmul, one row tinygpt's kernel: the same logits either way
+        # 18 rows take PyTorch's matmul, one row and nine tinygpt's kernel: the same logits each way
         torch.testing.assert_close(q(idx), ref, atol=tol, rtol=tol)
         torch.testing.assert_close(q(idx[:1, :1]), ref[:1, :1], atol=tol, rtol=tol)
+        torch.testing.assert_close(q(idx[:1]), ref[:1], atol=tol, rtol=tol)
 
 
 @needs_kernels

@@ -51,11 +51,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Asks for the weights 2 KB ahead of the ones being read, a cache line per call. On the Zen 3 the
-// hardware's own prefetcher left float32 weights streaming at 12-15 GB/s, 14-17 with this, and the
-// 12 x 768 model's decode 0-25% faster in every format (no clear change on the baby model). float32
-// weights at one row of activations do without it (tile_float).
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + 2048, _MM_HINT_T0); }
+// Asks for the weights ahead of the ones being read, a cache line per call: 8 KB ahead into L2, 1 KB
+// ahead into L1. On the Zen 3 the hardware's own prefetcher left float32 weights streaming at 12-15
+// GB/s, 14-17 with one request 2 KB ahead into L1, and the 12 x 768 model's decode 0-25% faster in
+// every format (no clear change on the baby model); on the README's Xeon with AMX the second request,
+// far ahead into L2, streamed SmolLM2-135M's float32 matrices 1.10-1.13x faster again than the one
+// (2 threads, paired rounds). Four float32 weight rows at a time do without it (tile_float).
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + 8192, _MM_HINT_T1);
+  _mm_prefetch(static_cast<const char*>(p) + 1024, _MM_HINT_T0);
+}
 
 // One row of K floats to int8 codes, a scale per block (absmax / 127) and each block's sum of codes
 // times its scale (what a weight block's minimum multiplies).
@@ -150,6 +155,30 @@ inline void tile_float(const W* w, const float* x, int64_t K, float (&total)[RW 
   if (k < K) step(k, 0);
   for (int i = 0; i < RW; ++i) {
     for (int r = 0; r < RX; ++r) total[i * RX + r] = hsum(_mm256_add_ps(acc[i][r][0], acc[i][r][1]));
+  }
+}
+
+// tile_rows computes RW x RX sums with one accumulator each (tile_float's two would not fit AVX2's 16
+// registers at 3 x 4): for inputs longer than a few rows (a prompt), where a weight block loaded once
+// feeds four activation rows and an activation block three weight rows. Every sum is one accumulator
+// in the same order whatever the tile, so a row's result does not depend on the other rows either.
+template <int RW, int RX, typename W>
+inline void tile_rows(const W* w, const float* x, int64_t K, float (&total)[RW * RX], const W* ahead) {
+  __m256 acc[RW][RX];
+  for (auto& row : acc) for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (ahead != nullptr && k % 16 == 0) {
+      for (int i = 0; i < RW; ++i) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * K + k), _MM_HINT_T0);
+    }
+    __m256 wv[RW];
+    for (int i = 0; i < RW; ++i) wv[i] = load8(w + i * K + k);
+    for (int r = 0; r < RX; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int i = 0; i < RW; ++i) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+    }
+  }
+  for (int i = 0; i < RW; ++i) {
+    for (int r = 0; r < RX; ++r) total[i * RX + r] = hsum(acc[i][r]);
   }
 }
 
@@ -273,6 +302,49 @@ int64_t float_rows(int64_t rows) {
   return rows ? float_rows_at_one.exchange(rows) : float_rows_at_one.load();
 }
 
+// Up to this many rows of activations are decoding rows (quantize.INT8_KERNEL_ROWS): tile_float's
+// sums, the same bit for bit at any number of rows up to it. More rows (a prompt) take tile_rows.
+constexpr int64_t kDecodingRows = 8;
+
+// out (M, N) = x (M, K) times weight (N, K) transposed, plus bias, for M > kDecodingRows: each thread
+// takes whole groups of three weight rows and, for each, every row of x four at a time (the three
+// rows' 3 K weights stay in L1 while x streams past them from L2).
+template <typename W>
+at::Tensor prompt_rows(const at::Tensor& x, const W* wp, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
+  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // RW weight rows from n against RX activation rows from m, into out
+  auto tile = [&](auto rw, auto rx, int64_t n, int64_t m) {
+    constexpr int RW = decltype(rw)::value, RX = decltype(rx)::value;
+    float total[RW * RX];
+    // a group's first tile asks for the next group's weights, in L1 by the time the group's last tile is done
+    tile_rows<RW, RX>(wp + n * K, xp + m * K, K, total, m == 0 && n + 2 * RW <= N ? wp + (n + RW) * K : nullptr);
+    for (int i = 0; i < RW; ++i) {
+      for (int r = 0; r < RX; ++r) op[(m + r) * N + n + i] = total[i * RX + r] + (bp ? bp[n + i] : 0.0f);
+    }
+  };
+  auto rows = [&](auto rw, int64_t n) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile(rw, std::integral_constant<int, 4>{}, n, m);
+    for (; m < M; ++m) tile(rw, std::integral_constant<int, 1>{}, n, m);
+  };
+  at::parallel_for(0, (N + 2) / 3, std::max<int64_t>(1, 4096 / (M * K / 64 + 1)), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n = 3 * g;
+      if (n + 3 <= N) {
+        rows(std::integral_constant<int, 3>{}, n);
+      } else {
+        for (int64_t i = n; i < N; ++i) rows(std::integral_constant<int, 1>{}, i);
+      }
+    }
+  });
+  return out;
+}
+
 at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_input(x_in, weight, K, 8);
@@ -289,6 +361,11 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
         },
         four...);
   };
+  if (x.size(0) > kDecodingRows) {
+    return dtype == at::kFloat ? prompt_rows(x, weight.data_ptr<float>(), N, bias)
+           : dtype == at::kHalf ? prompt_rows(x, weight.data_ptr<at::Half>(), N, bias)
+                                : prompt_rows(x, weight.data_ptr<at::BFloat16>(), N, bias);
+  }
   if (dtype == at::kFloat && float_rows_at_one == 4) {
     const float* wp = weight.data_ptr<float>();
     return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });

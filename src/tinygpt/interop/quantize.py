@@ -54,6 +54,11 @@ from ..errors import ConfigError
 
 FORMATS = ("fp32", "bf16", "fp16", "int8", "int4")
 INT8_KERNEL_ROWS = 8  # up to this many rows the int8 kernel beats dequantize + bf16 matmul (measured)
+# up to this many rows (a short prompt) float32 and float16 weights multiply on tinygpt's kernel, past it on
+# PyTorch's matmul, float16 widened for the call: SmolLM2-135M's matrices at 16 rows 46 against 53 ms on the
+# README's Xeon with AMX, at 32 rows 77 against 69 (bfloat16 weights take PyTorch's bfloat16 matmul past 8 rows
+# where the CPU multiplies it natively: 2.3x the kernel's speed at 16 rows there)
+FLOAT_KERNEL_ROWS = 16
 INT8_KERNEL_ALIGN = 16  # the CPU kernel needs in_features to be a multiple of 16
 INT4_GROUP = kernels.BLOCK  # inputs per scale and offset (llama.cpp's Q4_0 blocks are 32 long too)
 INT4_OUT_ALIGN = 16  # the int4 kernel packs 16 output channels together
@@ -282,8 +287,8 @@ class FloatLinear(nn.Module):
         if _decoding_rows(x):
             return kernels.lowbit().float_linear(x, self.weight, self.bias)
         rows = x.float().reshape(-1, self.in_features)
-        if _decoding_rows(rows):
-            y = self.forward(rows)
+        if rows.shape[0] <= (INT8_KERNEL_ROWS if self.native_bf16 else FLOAT_KERNEL_ROWS):
+            y = kernels.lowbit().float_linear(rows, self.weight, self.bias)
         elif self.native_bf16:
             y = F.linear(rows.bfloat16(), self.weight).float() + (self.bias if self.bias is not None else 0)
         else:
