@@ -274,8 +274,18 @@ def test_the_fast_decode_step_equals_the_model_s_own_path(fmt, arch):
     idx = torch.randint(0, 32, (2, 5))
     fast_cache, model_cache = KVCache.for_model(model, 2), KVCache.for_model(model, 2)
     with torch.inference_mode():
-        prefill(model, idx, fast_cache)
-        prefill(model, idx, model_cache)
+        # the prompt's 10 rows: one call into the plan too (fastpath.prompt), where the step is one; against
+        # the model's forward a token at a time (each row on the decoding rows' kernels: a whole prompt's
+        # forward multiplies int8 weights by the prompt quantized with one scale, bf16 ones in bfloat16)
+        assert (fastpath.prompt(model, idx, fast_cache) is not None) == one_call
+        first = prefill(model, idx, fast_cache)
+        ours = [model(idx[:, t:t + 1], model_cache, torch.tensor([t]))[:, -1] for t in range(5)][-1]
+        if one_call:
+            torch.testing.assert_close(first, ours, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fast_cache.k, model_cache.k, rtol=0, atol=1e-6)
+            torch.testing.assert_close(fast_cache.v, model_cache.v, rtol=0, atol=1e-6)
+        else:  # no plan: prefill is the model's forward, and the steps below start from its cache on both sides
+            prefill(model, idx, model_cache)
         for pos in range(5, 8):
             token = torch.randint(0, 32, (2,))
             assert fastpath.applies(model, token, fast_cache, pos)
@@ -336,6 +346,24 @@ def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatc
         model.eval()
     assert calls == [4, 6]
     assert not fastpath.applies(model, idx[:, 0], cache, 8)  # past block_size: the model raises its error
+
+
+def test_a_short_prompt_runs_in_one_call_and_a_longer_one_through_the_model():
+    if not _whole_step_in_one_call(None):
+        pytest.skip("tinygpt's kernels cannot be built here")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=29, block_size=40, n_layer=2, n_head=2, n_embd=16, init="torch")).eval()
+    rows = fastpath.PROMPT_ROWS
+    for shape, one_call in (((1, rows), True), ((2, rows // 2), True), ((1, rows + 1), False), ((2, rows // 2 + 1), False)):
+        idx = torch.randint(0, 29, shape)
+        want = model(idx)[:, -1]
+        forwards = []
+        hook = model.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
+        with torch.inference_mode():
+            logits = prefill(model, idx, KVCache.for_model(model, shape[0]))
+        hook.remove()
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        assert forwards == ([] if one_call else [shape])
 
 
 def test_a_model_in_training_mode_generates_without_dropout_and_keeps_its_mode():

@@ -30,14 +30,16 @@ import torch.nn.functional as F
 from . import kernels
 from .interop import quantize
 from .kv_cache import KVCache
-from .model import rope_frequencies
+from .model import GPT, rope_frequencies
 
 
 def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
     """Whether `step` computes this decode step: the model in eval mode and causal, on a CPU,
-    rows that fill the cache, a position inside it, and no torch.compile tracing."""
+    rows that fill the cache, a position inside it, and no torch.compile tracing; and the model's
+    forward GPT's own (a subclass that overrides it gets its forward called)."""
     return (
         token.device.type == "cpu"
+        and type(model).forward is GPT.forward
         and not model.training
         and getattr(model, "causal", False)
         and not torch.compiler.is_compiling()
@@ -75,6 +77,22 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tenso
         x = x + mlp.c_proj(F.gelu(h, approximate=mlp.gelu.approximate))
     ln = model.ln_f
     return model.lm_head(F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps))
+
+
+# a prompt of up to this many rows (sequences times tokens) runs as one call into the model's DecodePlan, as
+# a decode step does; longer ones take the model's forward, where PyTorch's matmuls are the faster
+PROMPT_ROWS = quantize.FLOAT_KERNEL_ROWS
+
+
+def prompt(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
+    """The logits (B, V) after a short prompt idx (B, T) at positions 0 .. T - 1, its keys and values
+    written to the cache, in one call into the model's DecodePlan; None where that does not apply (more
+    than PROMPT_ROWS rows, no plan for this model), and the model's forward is to run it."""
+    if not (idx.dim() == 2 and idx.numel() <= PROMPT_ROWS and kv_cache.k.dtype is torch.float32
+            and applies(model, idx[:, 0], kv_cache, idx.shape[1] - 1)):
+        return None
+    plan = _plan(model)
+    return None if plan is None else plan.step(idx, 0, kv_cache.k, kv_cache.v)
 
 
 def _plan(model):

@@ -30,7 +30,13 @@ from .sampling import choose, process_logits
 
 
 def prefill(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-    """Run the prompt idx (B, T) at positions 0..T-1, filling the cache. Returns the last logits (B, V)."""
+    """Run the prompt idx (B, T) at positions 0..T-1, filling the cache. Returns the last logits (B, V).
+
+    A short prompt on a CPU takes `fastpath.prompt`, one call for the whole forward pass.
+    """
+    logits = fastpath.prompt(model, idx, kv_cache)
+    if logits is not None:
+        return logits
     positions = torch.arange(idx.shape[1], device=idx.device)
     return model(idx, kv_cache, positions, last_only=True)[:, -1]
 

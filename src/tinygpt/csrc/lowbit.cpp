@@ -573,35 +573,37 @@ struct DecodePlan : torch::CustomClassHolder {
     }
   }
 
-  // q (B, n_head * head_dim), k and v (B, n_kv_head * head_dim), each row's heads side by side, at
-  // strides q_row and kv_row between rows. Writes k and v into the cache at pos and returns (B, n_head *
-  // head_dim) the heads' attention over positions 0 .. pos, side by side; query head h reads key/value
-  // head h / (n_head / n_kv_head), as model.attention.
-  at::Tensor attend(const float* qp, const float* kp_new, const float* vp_new, int64_t B, int64_t q_row,
+  // q (B T, n_head * head_dim), k and v (B T, n_kv_head * head_dim), each row's heads side by side, at
+  // strides q_row and kv_row between rows: row b T + t is sequence b's at position pos + t. Writes k and
+  // v into the cache there and returns (B T, n_head * head_dim) the heads' attention of each row over
+  // its sequence's positions 0 .. its own, side by side; query head h reads key/value head
+  // h / (n_head / n_kv_head), as model.attention.
+  at::Tensor attend(const float* qp, const float* kp_new, const float* vp_new, int64_t B, int64_t T, int64_t q_row,
                     int64_t kv_row, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t pos) const {
-    const int64_t H = n_head, KV = n_kv_head, D = head_dim, T = pos + 1, group = H / KV;
+    const int64_t H = n_head, KV = n_kv_head, D = head_dim, group = H / KV;
     float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
     const int64_t sb = k_buf.stride(0), sh = k_buf.stride(1), st = k_buf.stride(2);  // (B, KV, max_len, D)
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = 0; r < B * T; ++r) {
+      const int64_t at = (r / T) * sb + (pos + r % T) * st;
       for (int64_t h = 0; h < KV; ++h) {
-        std::copy_n(kp_new + b * kv_row + h * D, D, kp + b * sb + h * sh + pos * st);
-        std::copy_n(vp_new + b * kv_row + h * D, D, vp + b * sb + h * sh + pos * st);
+        std::copy_n(kp_new + r * kv_row + h * D, D, kp + at + h * sh);
+        std::copy_n(vp_new + r * kv_row + h * D, D, vp + at + h * sh);
       }
     }
-    at::Tensor out = at::empty({B, H * D}, wte.options());
+    at::Tensor out = at::empty({B * T, H * D}, wte.options());
     float* op = out.data_ptr<float>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, B * H, std::max<int64_t>(1, 16384 / (T * D)), [&](int64_t i0, int64_t i1) {
-      std::vector<float> p(T);
+    at::parallel_for(0, B * T * H, std::max<int64_t>(1, 16384 / ((pos + T) * D)), [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(pos + T);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / H, h = i % H, g = h / group;
-        const float *q = qp + b * q_row + h * D, *keys = kp + b * sb + g * sh, *values = vp + b * sb + g * sh;
+        const int64_t r = i / H, b = r / T, h = i % H, g = h / group, seen = pos + r % T + 1;
+        const float *q = qp + r * q_row + h * D, *keys = kp + b * sb + g * sh, *values = vp + b * sb + g * sh;
         float most = -INFINITY, total = 0.0f;
-        for (int64_t t = 0; t < T; ++t) most = std::max(most, p[t] = dot(q, keys + t * st, D) * scale);
-        for (int64_t t = 0; t < T; ++t) total += p[t] = std::exp(p[t] - most);
-        float* y = op + b * H * D + h * D;
+        for (int64_t t = 0; t < seen; ++t) most = std::max(most, p[t] = dot(q, keys + t * st, D) * scale);
+        for (int64_t t = 0; t < seen; ++t) total += p[t] = std::exp(p[t] - most);
+        float* y = op + r * H * D + h * D;
         std::fill_n(y, D, 0.0f);
-        for (int64_t t = 0; t < T; ++t) {
+        for (int64_t t = 0; t < seen; ++t) {
           const float* v = values + t * st;
           for (int64_t d = 0; d < D; ++d) y[d] += p[t] * v[d];
         }
@@ -611,27 +613,28 @@ struct DecodePlan : torch::CustomClassHolder {
     return out;
   }
 
-  // One block's attention on h (B, C), the block's ln_1 output: its output projection's input.
-  at::Tensor attention(const at::Tensor& h, const Linear* lin, const Norm* norm, const at::Tensor& keys,
+  // One block's attention on h (B T, C), the block's ln_1 output of B sequences' T rows at positions pos ..
+  // pos + T - 1: its output projection's input.
+  at::Tensor attention(const at::Tensor& h, int64_t B, const Linear* lin, const Norm* norm, const at::Tensor& keys,
                        const at::Tensor& values, int64_t pos) const {
-    const int64_t B = h.size(0), C = wte.size(1);
+    const int64_t R = h.size(0), T = R / B, C = wte.size(1);
     if (fused) {  // GPT-2's c_attn: each row q, k, v with the heads side by side
       const at::Tensor qkv = lin[0](h);
       const float* p = qkv.data_ptr<float>();
-      return attend(p, p + C, p + 2 * C, B, 3 * C, 3 * C, keys, values, pos);
+      return attend(p, p + C, p + 2 * C, B, T, 3 * C, 3 * C, keys, values, pos);
     }
     at::Tensor q = lin[0](h), k = lin[1](h);
     const at::Tensor v = lin[2](h);
     if (qk_norm) {  // over each head's features, before the rotation (Qwen3)
-      q = normed(q.view({-1, head_dim}), norm[2]).view({B, -1});
-      k = normed(k.view({-1, head_dim}), norm[3]).view({B, -1});
+      q = normed(q.view({-1, head_dim}), norm[2]).view({R, -1});
+      k = normed(k.view({-1, head_dim}), norm[3]).view({R, -1});
     }
-    for (int64_t b = 0; b < B; ++b) {
-      rotate(q.data_ptr<float>() + b * n_head * head_dim, n_head, pos);
-      rotate(k.data_ptr<float>() + b * n_kv_head * head_dim, n_kv_head, pos);
+    for (int64_t r = 0; r < R; ++r) {
+      rotate(q.data_ptr<float>() + r * n_head * head_dim, n_head, pos + r % T);
+      rotate(k.data_ptr<float>() + r * n_kv_head * head_dim, n_kv_head, pos + r % T);
     }
     const int64_t kv = n_kv_head * head_dim;
-    return attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, n_head * head_dim, kv, keys,
+    return attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, T, n_head * head_dim, kv, keys,
                   values, pos);
   }
 
@@ -649,38 +652,41 @@ struct DecodePlan : torch::CustomClassHolder {
     for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
   }
 
-  // The logits (B, vocab) after token (B,) int64 at position pos; keys and values (n_layer, B,
-  // n_kv_head, max_len, head_dim) float32 get this step's at pos.
+  // The logits (B, vocab) after tokens (B,) or (B, T) int64 at positions pos .. pos + T - 1 of each row (a
+  // decode step, or a short prompt at pos 0: its last position's logits); keys and values (n_layer, B,
+  // n_kv_head, max_len, head_dim) float32 get the tokens' there.
   at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& keys, const at::Tensor& values) const {
     const int64_t per_block = linears_per_block(), layers = static_cast<int64_t>(linears.size()) / per_block;
     TORCH_CHECK(static_cast<int64_t>(linears.size()) == per_block * layers + 1 &&
                     static_cast<int64_t>(norms.size()) == norms_per_block() * layers + 1,
                 "a decode plan needs each block's norms and linears, then a norm and the head");
-    const int64_t B = token.size(0), V = wte.size(0), C = wte.size(1);
+    const int64_t B = token.size(0), T = token.dim() == 2 ? token.size(1) : 1, V = wte.size(0), C = wte.size(1);
     TORCH_CHECK(keys.dim() == 5 && keys.sizes() == values.sizes() && keys.strides() == values.strides() &&
                     keys.size(0) == layers && keys.size(2) == n_kv_head && keys.size(4) == head_dim &&
                     keys.stride(4) == 1 && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
                 "keys and values must be (n_layer, B, n_kv_head, max_len, head_dim) float32");
-    TORCH_CHECK(token.dim() == 1 && keys.size(1) == B && pos >= 0 && pos < keys.size(3) &&
-                    (wpe.numel() == 0 || pos < wpe.size(0)),
-                "a token per cached row, at a position inside the cache");
+    TORCH_CHECK((token.dim() == 1 || token.dim() == 2) && T > 0 && keys.size(1) == B && pos >= 0 &&
+                    pos + T <= keys.size(3) && (wpe.numel() == 0 || pos + T <= wpe.size(0)),
+                "tokens for each cached row, at positions inside the cache");
     const at::Tensor ids = token.to(at::kLong).contiguous();
-    at::Tensor x = at::empty({B, C}, wte.options());
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t id = ids.data_ptr<int64_t>()[b];
+    at::Tensor x = at::empty({B * T, C}, wte.options());
+    for (int64_t r = 0; r < B * T; ++r) {  // row b T + t: sequence b's token at pos + t
+      const int64_t id = ids.data_ptr<int64_t>()[r];
       TORCH_CHECK(id >= 0 && id < V, "token id ", id, " is outside the vocabulary of ", V);
       const float* e = wte.data_ptr<float>() + id * C;
-      const float* p = wpe.numel() ? wpe.data_ptr<float>() + pos * C : nullptr;
-      float* xr = x.data_ptr<float>() + b * C;
+      const float* p = wpe.numel() ? wpe.data_ptr<float>() + (pos + r % T) * C : nullptr;
+      float* xr = x.data_ptr<float>() + r * C;
       for (int64_t c = 0; c < C; ++c) xr[c] = e[c] * static_cast<float>(embed_scale) + (p ? p[c] : 0.0f);
     }
     const int64_t mlp_at = fused ? 2 : 4;  // the first MLP linear of a block
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* lin = &linears[per_block * l];
       const Norm* norm = &norms[norms_per_block() * l];
-      add_into(x, lin[mlp_at - 1](attention(normed(x, norm[0]), lin, norm, keys.select(0, l), values.select(0, l), pos)));
+      const at::Tensor attended = attention(normed(x, norm[0]), B, lin, norm, keys.select(0, l), values.select(0, l), pos);
+      add_into(x, lin[mlp_at - 1](attended));
       add_into(x, lin[per_block - 1](hidden(normed(x, norm[1]), lin + mlp_at)));
     }
+    if (T > 1) x = x.view({B, T, C}).select(1, T - 1).contiguous();  // each sequence's last row
     return linears.back()(normed(x, norms.back()));
   }
 };
