@@ -328,6 +328,22 @@ def test_the_one_call_step_computes_each_row_alone_and_follows_the_model_s_layer
         assert torch.equal(fastpath.step(twin, token[1:2], alone, 30), after)
 
 
+def test_a_model_in_the_cpu_s_cache_reads_its_float32_weights_four_rows_at_a_time_to_the_same_sums(monkeypatch):
+    if not _whole_step_in_one_call(None):
+        pytest.skip("tinygpt's kernels cannot be built here")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=12, n_layer=2, n_head=2, n_embd=64)).eval()
+    specs = [fastpath._kernel_spec(m) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = sum(s[2].numel() * 4 + (s[4].numel() * 4 if s[4] is not None else 0) for s in specs)
+    steps = []
+    for cache, fits in ((2 * weights, True), (2 * weights - 4, False), (None, False)):
+        monkeypatch.setattr(fastpath, "last_level_cache", lambda: cache)
+        assert fastpath._in_cache(specs) == fits
+        plan, kv = fastpath._build(model), KVCache.for_model(model, 1)
+        steps.append(plan.step(torch.tensor([3]), 0, kv.k, kv.v))
+    assert torch.equal(steps[0], steps[1]) and torch.equal(steps[0], steps[2])  # 4 rows or 1: the same sums
+
+
 def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatch):
     calls = []
     real = fastpath.step

@@ -70,6 +70,19 @@ def cpu_flag_set(cpuinfo: str | None = None) -> set[str] | None:
     return None
 
 
+def last_level_cache() -> int | None:
+    """The bytes of this CPU's last-level cache, as Linux's sysfs gives cpu0's highest level (shared by
+    the cores listed there, and on a virtual machine by other guests); None where it cannot be read."""
+    levels = {}
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, size = int((index / "level").read_text()), (index / "size").read_text().strip()
+            levels[level] = int(size[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[size[-1]]
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return levels[max(levels)] if levels else None
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX tiles)."""
     cpu = getattr(torch, "cpu", None)

@@ -12,7 +12,8 @@ a reference before anything uses them. Where they cannot be built or do not agre
 CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize keeps PyTorch's
 kernels; TINYGPT_KERNELS=0 chooses that too.
 
-    float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0
+    float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0;
+                                          past 8 rows (a prompt) three weight rows by four of x at a time
     float_rows(n)                          float32 weight rows float_linear reads at a time at one row of x:
                                           1 or 4 (per CPU kind; the same sums), n = 0 reads it
     int8_linear(x, weight, scales, bias, N)   weight as int8_group lays it out, scales (N,) float32

@@ -345,7 +345,9 @@ at::Tensor prompt_rows(const at::Tensor& x, const W* wp, int64_t N, const c10::o
   return out;
 }
 
-at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// float_linear with float32 weights read `rows` (1 or 4) rows at a time at one row of x; 0: float_rows_at_one.
+at::Tensor float_linear_rows(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                             int64_t rows) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_input(x_in, weight, K, 8);
   const auto dtype = weight.scalar_type();
@@ -366,12 +368,16 @@ at::Tensor float_linear(const at::Tensor& x_in, const at::Tensor& weight, const 
            : dtype == at::kHalf ? prompt_rows(x, weight.data_ptr<at::Half>(), N, bias)
                                 : prompt_rows(x, weight.data_ptr<at::BFloat16>(), N, bias);
   }
-  if (dtype == at::kFloat && float_rows_at_one == 4) {
+  if (dtype == at::kFloat && (rows ? rows : float_rows_at_one.load()) == 4) {
     const float* wp = weight.data_ptr<float>();
     return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });
   }
   if (dtype == at::kFloat) return run(weight.data_ptr<float>());
   return dtype == at::kHalf ? run(weight.data_ptr<at::Half>()) : run(weight.data_ptr<at::BFloat16>());
+}
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return float_linear_rows(x, weight, bias, 0);
 }
 
 // out (M, N) for the integer kernels: each thread takes whole groups of eight weight rows, and for
@@ -459,9 +465,10 @@ struct Linear {
   int64_t out_features;
   at::Tensor weight, aux;
   c10::optional<at::Tensor> bias;
+  int64_t rows = 0;  // float32 weight rows at a time at one row of x (float_linear_rows); 0: the CPU's default
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == 0) return float_linear(x, weight, bias);
+    if (kind == 0) return float_linear_rows(x, weight, bias, rows);
     if (kind == 1) return int8_linear(x, weight, aux, bias, out_features);
     return int4_linear(x, weight, aux, bias, out_features);
   }
@@ -529,6 +536,13 @@ struct DecodePlan : torch::CustomClassHolder {
   void linear(int64_t kind, int64_t out_features, at::Tensor weight, at::Tensor aux, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (float), 1 (int8) or 2 (int4)");
     linears.push_back({kind, out_features, std::move(weight), std::move(aux), std::move(bias)});
+  }
+
+  // float32 weight rows each of the plan's float layers reads at a time at one row of activations: 1 or
+  // 4, or 0, the CPU's default (float_rows)
+  void float_rows(int64_t rows) {
+    TORCH_CHECK(rows == 0 || rows == 1 || rows == 4, "a plan's float_rows takes 0, 1 or 4");
+    for (Linear& l : linears) l.rows = rows;
   }
 
   int64_t norms_per_block() const { return qk_norm ? 4 : 2; }
@@ -702,6 +716,7 @@ TORCH_LIBRARY(tinygpt_lowbit, m) {
       .def(torch::init<at::Tensor, at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, std::string, bool, bool, bool>())
       .def("norm", &DecodePlan::norm)
       .def("linear", &DecodePlan::linear)
+      .def("float_rows", &DecodePlan::float_rows)
       .def("step", &DecodePlan::step);
 }
 
