@@ -370,7 +370,8 @@ def test_a_short_prompt_runs_in_one_call_and_a_longer_one_through_the_model():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=29, block_size=40, n_layer=2, n_head=2, n_embd=16, init="torch")).eval()
     rows = fastpath.PROMPT_ROWS
-    for shape, one_call in (((1, rows), True), ((2, rows // 2), True), ((1, rows + 1), False), ((2, rows // 2 + 1), False)):
+    for shape, one_call in (((1, rows), True), ((2, rows // 2), True), ((1, rows + 1), False),
+                            ((2, rows // 2 + 1), False)):
         idx = torch.randint(0, 29, shape)
         want = model(idx)[:, -1]
         forwards = []

@@ -127,7 +127,8 @@ def test_a_prompt_s_rows_compute_alike_in_any_number_of_them(dtype):
     # row's sums the same bit for bit with however many rows come with it, the weight rows' tail (301 =
     # 3 x 100 + 1) and the activation rows' (9, 10, 11 after tiles of four) included
     g = torch.Generator().manual_seed(2)
-    x, w, b = torch.randn(20, 264, generator=g), torch.randn(301, 264, generator=g).to(dtype), torch.randn(301, generator=g)
+    x, b = torch.randn(20, 264, generator=g), torch.randn(301, generator=g)
+    w = torch.randn(301, 264, generator=g).to(dtype)
     whole = ops.float_linear(x, w, b)
     torch.testing.assert_close(whole.double(), x.double() @ w.double().T + b.double(), atol=1e-4, rtol=1e-5)
     for rows in (9, 10, 11, 16):
@@ -143,7 +144,8 @@ def test_a_short_prompt_multiplies_on_the_kernel_and_a_longer_one_on_pytorch_s(m
     x = torch.randn(1, limit, 64)
     want = layer(x).detach()
     calls = []  # F is torch.nn.functional: every F.linear from here on
-    monkeypatch.setattr(quantize_module.F, "linear", lambda *a: calls.append(a[0].shape[0]) or torch.zeros(a[0].shape[0], 48))
+    monkeypatch.setattr(quantize_module.F, "linear",
+                        lambda *a: calls.append(a[0].shape[0]) or torch.zeros(a[0].shape[0], 48))
     monkeypatch.setattr(quantize_module, "cpu_has_native_bf16", lambda: False)
     for dtype in (torch.float32, torch.float16):
         q = FloatLinear(layer, dtype)

@@ -696,7 +696,8 @@ struct DecodePlan : torch::CustomClassHolder {
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* lin = &linears[per_block * l];
       const Norm* norm = &norms[norms_per_block() * l];
-      const at::Tensor attended = attention(normed(x, norm[0]), B, lin, norm, keys.select(0, l), values.select(0, l), pos);
+      const at::Tensor attended =
+          attention(normed(x, norm[0]), B, lin, norm, keys.select(0, l), values.select(0, l), pos);
       add_into(x, lin[mlp_at - 1](attended));
       add_into(x, lin[per_block - 1](hidden(normed(x, norm[1]), lin + mlp_at)));
     }
