@@ -13,7 +13,8 @@ when the model is converted (never assumed from the CPU's name):
 
 - fp32 and fp16 decoding rows on an x86 CPU with AVX2 go to tinygpt's own matrix-vector kernel
   (tinygpt.kernels, FloatLinear), which streams the weights at the memory's speed, float16 widened to
-  float32 in registers; longer inputs go to PyTorch's matmul. Where that kernel cannot be built,
+  float32 in registers, and so do a short prompt's rows (up to FLOAT_KERNEL_ROWS); longer inputs go
+  to PyTorch's matmul. Where that kernel cannot be built,
   fp32 weights are reordered into oneDNN's blocked layout (PackedLinear) and fp16 uses fbgemm's fp16
   kernel (F16C, on every AVX2 CPU).
 - Where tinygpt's kernels build, every format decodes in float32 around them, whether or not the CPU
@@ -255,10 +256,11 @@ class FloatLinear(nn.Module):
     """A Linear layer with float32, float16 or bfloat16 weights for tinygpt's own matrix-vector kernel (CPU).
 
     Up to INT8_KERNEL_ROWS rows (decoding) go to tinygpt.kernels' float_linear, which streams the
-    weights at the memory's speed (16-bit weights widened to float32 in registers); longer inputs (a
-    prompt, an evaluation batch) go to PyTorch's matmul: in bfloat16 for bfloat16 weights where the
-    CPU multiplies it natively (4x float32's rate on the README's Zen 5), else in float32 with 16-bit
-    weights widened for the call. Activations, outputs and bias are float32. Such a layer only runs
+    weights at the memory's speed (16-bit weights widened to float32 in registers), and up to
+    FLOAT_KERNEL_ROWS (a short prompt) too, but for bfloat16 weights where the CPU multiplies them
+    natively; longer inputs (a prompt, an evaluation batch) go to PyTorch's matmul: in bfloat16 for
+    bfloat16 weights where the CPU multiplies it natively (4x float32's rate on the README's Zen 5),
+    else in float32 with 16-bit weights widened for the call. Activations, outputs and bias are float32. Such a layer only runs
     forward, on the CPU.
 
     Args:
