@@ -240,6 +240,48 @@ def test_llama_cpp_decodes_tinygpt_s_gguf_export_beside_tinygpt():
     assert re.search(r"^lesson +llama\.cpp +q4_0 ", render(result), re.M)  # its row in the table
 
 
+def test_the_llama_cpp_comparison_gets_its_own_rounds_quiet_and_busy(monkeypatch, tmp_path):
+    # repeats_llama rounds of tinygpt's and llama.cpp's batch-1 rows, quiet (after the repeats_gen every
+    # engine takes) and busy; a fake llama.cpp counts them, so this runs without it
+    class Llama:
+        def close(self):
+            pass
+
+    measured = []
+
+    def generate_llama(llm, idx, new_tokens, use_cache=True):
+        measured.append((bench_module.busy_core.active, new_tokens))
+        clock = bench_module._Clock()
+        for _ in range(new_tokens):
+            clock.tick()
+        return clock.result(idx.shape[1], 1, [0] * new_tokens)
+
+    class Quiet:  # no spinning process: what the test counts is the rounds
+        active = False
+
+        def __enter__(self):
+            Quiet.active = True
+
+        def __exit__(self, *exc):
+            Quiet.active = False
+
+    monkeypatch.setattr(bench_module, "llama_available", lambda: True)
+    monkeypatch.setattr(bench_module, "llama_files", lambda model, folder, formats: {"f32": tmp_path / "f32.gguf"})
+    monkeypatch.setattr(bench_module, "llama_failure", lambda path, n_ctx: None)
+    monkeypatch.setattr(bench_module, "load_llama", lambda path, n_ctx: Llama())
+    monkeypatch.setattr(bench_module, "generate_llama", generate_llama)
+    monkeypatch.setattr(bench_module, "busy_core", Quiet)
+    plan = Plan(matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(), prompt=4,
+                new_tokens=3, no_cache_tokens=2, gen_models=(), gen_batches=(1,), peer_formats=(),
+                llama_models=("lesson",), llama_formats=("f32",), formats=("fp32",), busy=True, repeats_llama=3)
+    result = run(plan=plan, sections=("generate",), log=lambda line: None)
+    # each round a warm-up of 2 tokens and the measured 3: three rounds quiet, three busy
+    assert measured == [(False, 2), (False, 3)] * 3 + [(True, 2), (True, 3)] * 3
+    rows = {(r["impl"], r["condition"]) for r in result["generation"]}
+    both = {(impl, c) for impl in ("llama.cpp", "tinygpt") for c in ("quiet", "busy")}
+    assert rows == both | {("tinygpt.load", "quiet")}
+
+
 def test_cli_refuses_an_unknown_section():
     r = subprocess.run([sys.executable, "-m", "tinygpt", "bench", "--only", "nothing"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -94,6 +94,9 @@ class Plan:
     llama_models: tuple[str, ...] = ()  # decoded at batch 1 by tinygpt and llama.cpp (when installed)
     llama_formats: tuple[str, ...] = ("f32", "f16", "q8_0", "q4_0")
     busy: bool = False  # the llama.cpp comparison again beside a process spinning on a core
+    # rounds of the llama.cpp comparison (tinygpt's and llama.cpp's batch-1 rows; the quiet ones after the
+    # repeats_gen rounds every engine takes): two engines on the same kernels were 15% apart at best of 3
+    repeats_llama: int = 0
     formats: tuple[str, ...] = FORMATS  # tinygpt's weight formats (int4 only where the model is on a CPU)
     # (dtype, compile) of each training row; None: float32, and bfloat16 where it is native, eager
     train_modes: tuple[tuple[str, bool], ...] | None = None
@@ -107,7 +110,7 @@ FULL = Plan(
     matmul_n=2048, memory_mib=1024, repeats=5, repeats_gen=3, repeats_train=2,
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4), (SMOLLM, 4, 4)),
     prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2", SMOLLM), gen_batches=(1, 8),
-    peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k", SMOLLM), busy=True,
+    peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k", SMOLLM), busy=True, repeats_llama=5,
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
@@ -709,8 +712,8 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
                "tinygpt compiled": functools.partial(generate_tinygpt, compile=True)}
     best: dict[tuple, dict[str, Any]] = {}
 
-    def rounds(engines, condition: str) -> None:
-        for _ in range(plan.repeats_gen):  # interleaved, so a busy moment hits every engine alike
+    def rounds(engines, condition: str, count: int) -> None:
+        for _ in range(count):  # interleaved, so a busy moment hits every engine alike
             for impl, fmt, model, engine_cases in engines:
                 fn = runners[impl]
                 for use_cache, batch in engine_cases:
@@ -723,11 +726,15 @@ def _generation_rows(name: str, plan: Plan, device, lim, peers: bool, llama_dir:
                         best[key] = {"model": name, "impl": impl, "format": fmt, "batch": batch, "kv_cache": use_cache,
                                      "prompt": plan.prompt, "new_tokens": new, "condition": condition, **r}
 
-    rounds(engines, "quiet")
+    def at_batch_1(*impls: str) -> list:
+        return [(impl, fmt, model, [(True, 1)]) for impl, fmt, model, _ in engines if impl in impls]
+
+    rounds(engines, "quiet", plan.repeats_gen)
+    if llama_dir is not None:  # the llama.cpp comparison's rows get the rest of their rounds
+        rounds(at_batch_1("tinygpt", "tinygpt.load", "llama.cpp"), "quiet", plan.repeats_llama - plan.repeats_gen)
     if plan.busy and llama_dir is not None:  # tinygpt and llama.cpp at batch 1 again, a core taken
         with busy_core():
-            rounds([(impl, fmt, model, [(True, 1)]) for impl, fmt, model, _ in engines if impl in ("tinygpt", "llama.cpp")],
-                   "busy")
+            rounds(at_batch_1("tinygpt", "llama.cpp"), "busy", max(plan.repeats_gen, plan.repeats_llama))
     for impl, _, model, _ in engines:
         if impl == "llama.cpp":
             model.close()  # its threads and buffers, before the next model's
