@@ -241,6 +241,15 @@ void check_input(const at::Tensor& x, const at::Tensor& w, int64_t K, int64_t mu
               " (a multiple of ", multiple, ")");
 }
 
+// A layer's bias as the kernels add it: float32 and contiguous, `values` null where there is none.
+struct FloatBias {
+  at::Tensor tensor;
+  const float* values;
+  explicit FloatBias(const c10::optional<at::Tensor>& bias)
+      : tensor(bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor()),
+        values(tensor.defined() ? tensor.data_ptr<float>() : nullptr) {}
+};
+
 // out (M, N) = rows' sums plus bias[n] (when given), for tile_float. Each thread takes whole weight
 // rows, and for each one its M outputs up to 4 rows at a time: rows(n, m, total) fills total
 // (float[R], R = 4, 2 or 1) with the sums of outputs (m, n) .. (m + R - 1, n). Where M is 1 and
@@ -249,8 +258,8 @@ template <typename Rows, typename Four = std::nullptr_t>
 at::Tensor for_each_output(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options,
                            const c10::optional<at::Tensor>& bias, Rows rows, Four four = nullptr) {
   at::Tensor out = at::empty({M, N}, options);
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  const FloatBias b(bias);
+  const float* bp = b.values;
   float* op = out.data_ptr<float>();
   auto store = [&](int64_t n, int64_t m, const auto& total) {
     for (size_t r = 0; r < std::size(total); ++r) {
@@ -313,8 +322,8 @@ template <typename W>
 at::Tensor prompt_rows(const at::Tensor& x, const W* wp, int64_t N, const c10::optional<at::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  const FloatBias b(bias);
+  const float* bp = b.values;
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   // RW weight rows from n against RX activation rows from m, into out
@@ -363,17 +372,16 @@ at::Tensor float_linear_rows(const at::Tensor& x_in, const at::Tensor& weight, c
         },
         four...);
   };
-  if (x.size(0) > kDecodingRows) {
-    return dtype == at::kFloat ? prompt_rows(x, weight.data_ptr<float>(), N, bias)
-           : dtype == at::kHalf ? prompt_rows(x, weight.data_ptr<at::Half>(), N, bias)
-                                : prompt_rows(x, weight.data_ptr<at::BFloat16>(), N, bias);
-  }
+  auto with_weights = [&](auto f) {  // f(the weights' pointer in their dtype)
+    if (dtype == at::kFloat) return f(weight.data_ptr<float>());
+    return dtype == at::kHalf ? f(weight.data_ptr<at::Half>()) : f(weight.data_ptr<at::BFloat16>());
+  };
+  if (x.size(0) > kDecodingRows) return with_weights([&](const auto* wp) { return prompt_rows(x, wp, N, bias); });
   if (dtype == at::kFloat && (rows ? rows : float_rows_at_one.load()) == 4) {
     const float* wp = weight.data_ptr<float>();
     return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });
   }
-  if (dtype == at::kFloat) return run(weight.data_ptr<float>());
-  return dtype == at::kHalf ? run(weight.data_ptr<at::Half>()) : run(weight.data_ptr<at::BFloat16>());
+  return with_weights([&](const auto* wp) { return run(wp); });
 }
 
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -388,8 +396,8 @@ template <typename Group>
 at::Tensor for_each_group(int64_t M, int64_t N, int64_t K, const at::TensorOptions& options, const float* scale,
                           const c10::optional<at::Tensor>& bias, Group group) {
   at::Tensor out = at::empty({M, N}, options);
-  const at::Tensor b_t = bias.has_value() ? bias->contiguous().to(at::kFloat) : at::Tensor();
-  const float* bp = b_t.defined() ? b_t.data_ptr<float>() : nullptr;
+  const FloatBias b(bias);
+  const float* bp = b.values;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (N + 7) / 8, std::max<int64_t>(1, 4096 / K), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {

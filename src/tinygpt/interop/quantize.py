@@ -260,8 +260,8 @@ class FloatLinear(nn.Module):
     FLOAT_KERNEL_ROWS (a short prompt) too, but for bfloat16 weights where the CPU multiplies them
     natively; longer inputs (a prompt, an evaluation batch) go to PyTorch's matmul: in bfloat16 for
     bfloat16 weights where the CPU multiplies it natively (4x float32's rate on the README's Zen 5),
-    else in float32 with 16-bit weights widened for the call. Activations, outputs and bias are float32. Such a layer only runs
-    forward, on the CPU.
+    else in float32 with 16-bit weights widened for the call. Activations, outputs and bias are
+    float32. Such a layer only runs forward, on the CPU.
 
     Args:
         linear: the layer to convert; `FloatLinear.fits(linear)` must hold.
