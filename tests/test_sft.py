@@ -154,7 +154,8 @@ def test_the_reference_loss_of_a_chat_base_is_scored_as_eval_scores_chat_data(tu
     quick = TrainConfig(max_iters=1, batch_size=2, eval_interval=1, eval_iters=1)
     report = tinygpt.finetune(run, data, tmp_path / "more", FinetuneConfig(), quick).report
     reference = report["before"]["reference"]
-    assert reference["loss"] == pytest.approx(evaluated["loss"], rel=1e-6)
+    # the same sum in another batching: equal to float32's rounding (2.6e-6 apart on an AVX2-only Zen 3)
+    assert reference["loss"] == pytest.approx(evaluated["loss"], rel=1e-5)
     assert reference["tokens"] == evaluated["tokens"] and "the assistant's tokens" in reference["text"]
     assert reference["loss"] == report["before"]["data"]["loss"]  # the same split, fine-tuned on and referred to
 
