@@ -485,7 +485,8 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     captured = capsys.readouterr()
     assert captured.out.count("bot> ") == 3
     assert "(system message set)" in captured.err and "(conversation reset)" in captured.err
-    assert "(dropped the 2 oldest messages to stay within the model's context of 48 tokens)" in captured.err
+    assert ("(dropped the 1 oldest exchange (2 messages; a message goes with its reply) to stay within the model's "
+            "context of 48 tokens)") in captured.err
     assert "unknown command /nope" in captured.err
     # an empty reply (here: no room for any) is a turn like another: the next message still goes
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
@@ -507,6 +508,71 @@ def test_cli_chat_interactive_resets_sets_the_system_and_trims_history(tmp_path,
     for flag in ("--prompt", "--system"):
         assert main(["chat", str(tmp_path / "run"), flag, "hi \udcff"]) == 2
         assert capsys.readouterr().err == f"tinygpt: error: {flag}: not valid UTF-8 text (byte 0xff at character 4)\n"
+
+
+# Llama 2's template in short: the system message folds into the first user turn, and the roles must alternate
+ALTERNATING = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + ('<<SYS>>' + system + '<</SYS>>' if loop.first "
+    "and system else '') + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def alternating_tokenizer():
+    """A Hugging Face model's tokenizer (byte-level BPE, <s> and </s>) with ALTERNATING as its template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from tinygpt.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT] * 20, trainer=trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>")])
+    return HFTokenizer(json.loads(tok.to_str()), {"bos_token": "<s>", "eos_token": "</s>"}, ALTERNATING)
+
+
+def test_trimming_drops_whole_exchanges_so_a_template_that_wants_alternating_roles_still_renders():
+    # once one message at a time: the kept history began with a reply and the template raised
+    from tinygpt.tokenizer import fit_chat_prompt
+
+    tok = alternating_tokenizer()
+    turns = [{"role": role, "content": f"{role} message number {i}, in a few words"}
+             for i in range(3) for role in ("user", "assistant")]
+    messages = [{"role": "system", "content": "Be brief."}, *turns, {"role": "user", "content": "and now?"}]
+    whole = len(render_chat_prompt(tok, messages))
+    last_two = len(render_chat_prompt(tok, [messages[0], *messages[5:]]))
+    for budget, dropped in ((whole, 0), (whole - 1, 2), (last_two, 4), (last_two - 1, 6), (5, 6)):
+        kept, ids, n = fit_chat_prompt(tok, messages, budget)
+        assert n == dropped and kept == [messages[0], *messages[1 + dropped:]] and kept[1]["role"] == "user"
+        assert ids == render_chat_prompt(tok, kept) and (len(ids) <= budget or len(kept) == 2)
+    with pytest.raises(ChatError, match="roles must alternate"):  # what dropping one message would have left
+        render_chat_prompt(tok, [messages[0], *messages[2:]])
+
+
+def test_cli_chat_goes_on_past_the_context_under_a_template_that_wants_alternating_roles(tmp_path, capsys,
+                                                                                        monkeypatch):
+    # once every message after the first trim was refused ("roles must alternate") until /reset
+    import io
+
+    import tinygpt
+    from tinygpt.cli import main
+
+    tok = alternating_tokenizer()
+    tinygpt.save(GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)),
+                 tmp_path / "run", tok)
+    lines = ["say now", "the quick brown fox", "jumps over the lazy dog", "be brief", "abc"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["chat", str(tmp_path / "run"), "--system", "Be brief.", "--max-new-tokens", "8", "--seed", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "cannot send" not in captured.err and captured.out.count("bot> ") == len(lines)
+    assert ("(dropped the 1 oldest exchange (2 messages; a message goes with its reply) to stay within the model's "
+            "context of 64 tokens)") in captured.err
 
 
 def test_cli_chat_note_on_a_long_prompt_says_what_the_reply_sees(tmp_path, capsys):
@@ -582,7 +648,8 @@ def test_cli_chat_prints_its_notes_before_the_reply_not_inside_it(tmp_path, caps
     monkeypatch.setattr("sys.stderr", terminal)
     assert main(["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "8"]) == 0
     shown = terminal.getvalue()
-    assert "you> (dropped the 2 oldest messages to stay within the model's context of 48 tokens)\n(the prompt is " in shown
+    assert ("you> (dropped the 1 oldest exchange (2 messages; a message goes with its reply) to stay within the "
+            "model's context of 48 tokens)\n(the prompt is ") in shown
     assert "bot> (" not in shown and shown.count("bot> ") == 2
     assert "you> (cannot send that: 1 character not in the tokenizer's vocabulary" in shown  # no "bot> " before it
 

@@ -1388,8 +1388,10 @@ def fit_chat_prompt(
     tokenizer: Tokenizer, messages: list[dict[str, str]], max_tokens: int
 ) -> tuple[list[dict[str, str]], list[int], int]:
     """The conversation trimmed oldest-first until its prompt (render_chat_prompt) holds at most
-    `max_tokens` ids: a leading system message stays, and so does the last message, even alone
-    over the limit (generation then sees the prompt's last tokens only).
+    `max_tokens` ids, a whole exchange at a time: the oldest message and what follows it up to the next
+    user message go together, so what is kept starts with a user's turn, as templates that require the
+    roles to alternate (Llama 2's, Mistral's, Gemma's) demand. A leading system message stays, and so
+    does the last exchange, even alone over the limit (generation then sees the prompt's last tokens only).
 
     Args:
         tokenizer: a tokenizer with a chat template.
@@ -1404,9 +1406,10 @@ def fit_chat_prompt(
     dropped = 0
     while True:
         ids = render_chat_prompt(tokenizer, system + rest)
-        if len(ids) <= max_tokens or len(rest) <= 1:
+        following = next((i for i in range(1, len(rest)) if rest[i].get("role") == "user"), None)
+        if len(ids) <= max_tokens or following is None:
             return system + rest, ids, dropped
-        rest, dropped = rest[1:], dropped + 1
+        rest, dropped = rest[following:], dropped + following
 
 
 def _render(tokenizer: Tokenizer, template: ChatTemplate, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:

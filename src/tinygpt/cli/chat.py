@@ -26,9 +26,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     Interactively: type a message and press Enter. Ctrl-C stops a reply (what was written stays in
     the conversation) without leaving; Ctrl-D quits. /reset forgets the conversation, /system TEXT
     sets the system message; a message that starts with / is typed with two (//etc sends /etc).
-    The conversation is kept within the model's context: when it grows past it, the oldest messages
-    are dropped (the system message stays) and a note says so; a message longer than the context
-    alone is answered from its end, with a note.
+    The conversation is kept within the model's context: when it grows past it, the oldest exchanges
+    (a user's message and the reply to it) are dropped whole, so the kept part starts with a user's
+    turn as templates that require alternating roles demand (the system message stays), and a note
+    says so; a message longer than the context alone is answered from its end, with a note.
 
     With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
     same reply `tinygpt serve` gives).
@@ -84,9 +85,11 @@ class _Session:
         self.history.append({"role": "user", "content": text})
         kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget)
         if dropped:
+            exchanges = sum(m["role"] == "user" for m in self.history[:dropped])
             self.history = kept[1:] if self.system else kept
-            print(f"(dropped the {plural(dropped, 'oldest message')} to stay within the model's "
-                  f"context of {self.model.config.block_size} tokens)", file=sys.stderr)
+            print(f"(dropped the {plural(exchanges, 'oldest exchange')} ({plural(dropped, 'message')}; a message "
+                  f"goes with its reply) to stay within the model's context of {self.model.config.block_size} tokens)",
+                  file=sys.stderr)
         block, first = self.model.config.block_size, ", the system message first" if self.system else ""
         # the last message alone is too long: generation's window holds the last `block` tokens
         if len(ids) > block:
