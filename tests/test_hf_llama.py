@@ -136,6 +136,31 @@ def test_import_keeps_the_tokenizer_and_template_whole(folders, loaded, tmp_path
     assert r.returncode == 0 and r.stdout.startswith("Hello"), r.stderr
 
 
+def test_the_public_load_tokenizer_opens_the_folders_load_opens(folders, loaded, tmp_path):
+    # once tinygpt.load opened a Hugging Face folder and tinygpt.load_tokenizer refused it ("no format:
+    # tinygpt-tokenizer")
+    import shutil
+
+    import tinygpt
+
+    for name in ("smollm2", "tinyllama"):
+        tok = tinygpt.load_tokenizer(folders[name])
+        assert tok.kind == "hf" and tok.fingerprint() == loaded[name][1].fingerprint()
+        assert tok.encode(TEXTS[0]) == loaded[name][3].encode(TEXTS[0], add_special_tokens=False)
+    run = tmp_path / "run"
+    tinygpt.save(loaded["qwen3"][0], run, loaded["qwen3"][1])  # a run and its tokenizer.json, as before
+    assert tinygpt.load_tokenizer(run).fingerprint() == tinygpt.load_tokenizer(run / "tokenizer.json").fingerprint() \
+        == loaded["qwen3"][1].fingerprint()
+    bare = tmp_path / "bare"  # a folder load opens without a tokenizer: one line says so
+    bare.mkdir()
+    for file in ("config.json", "model.safetensors"):
+        shutil.copy(folders["qwen3"] / file, bare / file)
+    assert tinygpt.load(bare).config.arch == "llama"
+    with pytest.raises(TokenizerError, match="no tokenizer.json in") as e:
+        tinygpt.load_tokenizer(bare)
+    assert "\n" not in str(e.value)
+
+
 def _assert_one_line(r, *fragments):
     assert r.returncode != 0
     lines = [line for line in r.stderr.strip().splitlines() if line.strip()]

@@ -54,7 +54,7 @@ _HOME = {
     "finetune": "finetune",
     "save": "checkpoint",
     "load": "checkpoint",
-    "load_tokenizer": "tokenizer",
+    "load_tokenizer": "checkpoint",  # a Hugging Face folder's tokenizer too, as `load` opens the folder
     "quantize": "interop.quantize",
     "TinyGPTError": "errors",
     "ConfigError": "errors",
@@ -65,7 +65,7 @@ _HOME = {
 }
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ imports on first use
-    from .checkpoint import load, save
+    from .checkpoint import load, load_tokenizer, save
     from .config import FinetuneConfig, GPTConfig, SampleConfig, TrainConfig
     from .data import prepare
     from .finetune import finetune
@@ -74,7 +74,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ im
     from .kv_cache import KVCache
     from .model import GPT
     from .interop.quantize import quantize
-    from .tokenizer import load_tokenizer
     from .train import train
 
 

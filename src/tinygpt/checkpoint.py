@@ -57,7 +57,8 @@ from .interop.peft import lora_from_peft, peft_config, to_peft_state_dict
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
 from .lora import merge as merge_lora
 from .model import GPT
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer
+from .tokenizer import load_tokenizer as read_tokenizer
 from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights, reconfigured
 
 CONFIG = "config.json"
@@ -276,11 +277,26 @@ def folder_tokenizer(path: str | Path, base: str | Path | None = None) -> Tokeni
     if is_hf_folder(path):
         return load_hf_tokenizer(path)
     if (path / TOKENIZER).exists():
-        return load_tokenizer(path)
+        return read_tokenizer(path)
     if is_adapter_run(path):
         base = read_adapter_config(path, base).base
         return None if is_adapter_run(base) else folder_tokenizer(base)
     return None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of what `load` opens (a run, a Hugging Face folder, an adapter run: its base's), of a
+    data folder, or a tokenizer JSON file.
+
+    Args:
+        path: the folder or file.
+
+    Raises:
+        TokenizerError: no tokenizer there, or one that does not load.
+    """
+    path = Path(path).expanduser()
+    found = folder_tokenizer(path) if path.is_dir() else None
+    return found if found is not None else read_tokenizer(path)
 
 
 def save_adapter_run(
