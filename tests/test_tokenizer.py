@@ -405,3 +405,81 @@ def test_fingerprint_is_the_same_for_the_same_tokenizer_however_it_was_made(tmp_
     assert GPT2Tokenizer.from_file(tmp_path / "gpt2" / "merges.txt").fingerprint() == gpt2.fingerprint()
     assert GPT2Tokenizer(ranks, {EOT: len(ranks)}, pat_str=r"\s+|\S+").fingerprint() != gpt2.fingerprint()
     assert gpt2.describe() == f"gpt2, {gpt2.vocab_size:,} tokens, {gpt2.fingerprint()[:19]}"
+
+
+def fingerprint_before(tok) -> str:
+    """An hf tokenizer's fingerprint as tinygpt recorded it before the rules were written as a bpe tokenizer's:
+    its tokenizer.json as the folder had it, tokenizer_config.json's settings and the template."""
+    import hashlib
+
+    inner = {k: v for k, v in tok.to_dict()["tokenizer"].items() if k not in ("version", "truncation", "padding")}
+    canonical = {"kind": "hf", "tokenizer": inner, "config": tok.to_dict()["config"], "jinja_chat_template": None}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def test_a_bpe_tokenizer_exported_as_a_gpt2_and_as_a_qwen3_folder_reads_back_as_one(tmp_path, bpe):
+    # once 'bpe' and 'hf' kinds with two fingerprints: data prepared with one export was refused for the other
+    from tinygpt import GPT, GPTConfig
+    from tinygpt.checkpoint import folder_tokenizer as load_any
+    from tinygpt.data import load_data, prepare
+    from tinygpt.errors import DataError
+    from tinygpt.interop.hf import export_hf
+    from tinygpt.train import check_data_for_run
+
+    small = dict(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=bpe.vocab_size)
+    gpt2, qwen3 = tmp_path / "gpt2", tmp_path / "qwen3"
+    export_hf(GPT(GPTConfig(**small)), bpe, gpt2)
+    export_hf(GPT(GPTConfig(arch="llama", qk_norm=True, **small)), bpe, qwen3)
+    assert json.loads((qwen3 / "config.json").read_text())["model_type"] == "qwen3"
+    via_gpt2, via_qwen3 = load_any(gpt2), load_any(qwen3)
+    assert (via_gpt2.kind, via_qwen3.kind) == ("bpe", "hf")
+    assert via_gpt2.fingerprint() == via_qwen3.fingerprint() == bpe.fingerprint()
+    (tmp_path / "a.txt").write_text(CORPUS)
+    (tmp_path / "b.txt").write_text(CORPUS.upper())
+    for prepared_with, used_with in ((gpt2, qwen3), (qwen3, gpt2)):
+        data = tmp_path / f"data-{prepared_with.name}"
+        prepare([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], data, tokenizer=None, tokenizer_file=prepared_with)
+        check_data_for_run(used_with, load_data(data), load_any(used_with))  # the same ids: accepted
+    assert np.array_equal(load_data(tmp_path / "data-gpt2").train, load_data(tmp_path / "data-qwen3").train)
+
+    # a rule a bpe tokenizer never has still tells them apart: without an eos, no separator between documents
+    settings = json.loads((qwen3 / "tokenizer_config.json").read_text())
+    del settings["eos_token"]
+    (qwen3 / "tokenizer_config.json").write_text(json.dumps(settings))
+    assert load_any(qwen3).eot_id is None and load_any(qwen3).fingerprint() != bpe.fingerprint()
+    with pytest.raises(DataError, match="another tokenizer"):
+        check_data_for_run(qwen3, load_data(tmp_path / "data-gpt2"), load_any(qwen3))
+
+
+def test_fingerprints_an_earlier_tinygpt_recorded_for_an_hf_tokenizer_still_match(tmp_path):
+    # data folders and runs written before an hf tokenizer's fingerprint followed its rules keep working
+    import shutil
+
+    from tinygpt.data import load_data, prepare
+    from tinygpt.errors import DataError
+    from tinygpt.tokenizer import HFTokenizer
+    from tinygpt.train import check_data_for_run
+
+    bos = BPETokenizer.train([CORPUS], 300).hf_tokenizer  # an hf tokenizer a bpe one is not: a BOS before each text
+    bos.post_processor = __import__("tokenizers").processors.TemplateProcessing(
+        single=f"{EOT}:0 $A:0", special_tokens=[(EOT, bos.token_to_id(EOT))])
+    tok = HFTokenizer(json.loads(bos.to_str()), {"bos_token": EOT, "eos_token": EOT})
+    before = fingerprint_before(tok)
+    assert tok.fingerprint() != before and tok.fingerprints() == (tok.fingerprint(), before)
+    (tmp_path / "a.txt").write_text(CORPUS)
+    prepare([str(tmp_path / "a.txt")], tmp_path / "new", tokenizer=tok)
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / "meta.json").read_text())
+    (tmp_path / "old" / "meta.json").write_text(json.dumps({**meta, "tokenizer_fingerprint": before}))
+    run = tmp_path / "run"  # a run begun on the old folder: its train_config.json recorded the old fingerprint
+    run.mkdir()
+    tok.save(run / "tokenizer.json")
+    (run / "train_config.json").write_text(json.dumps({"tokenizer_fingerprint": before}))
+    for data in ("old", "new"):  # data prepared before and after, for the run and for a folder that records
+        check_data_for_run(run, load_data(tmp_path / data))  # nothing (a Hugging Face one: its tokenizer decides)
+        check_data_for_run(tmp_path / "hf", load_data(tmp_path / data), tok)
+    # a recorded fingerprint that is none of the tokenizer's is refused as before
+    (tmp_path / "old" / "meta.json").write_text(json.dumps({**meta, "tokenizer_fingerprint": "sha256:" + "0" * 64}))
+    with pytest.raises(DataError, match="another tokenizer"):
+        check_data_for_run(run, load_data(tmp_path / "old"))

@@ -1312,6 +1312,24 @@ class DataSet:
         older prepare wrote without one, its tokenizer.json's."""
         return self.meta.get("tokenizer_fingerprint") or self.tokenizer.fingerprint()
 
+    @property
+    def fingerprints(self) -> set[str]:
+        """Every fingerprint the data's tokenizer goes by (known_fingerprints)."""
+        return known_fingerprints(self.fingerprint, self.tokenizer)
+
+
+def known_fingerprints(fingerprint: str, tokenizer: Tokenizer | None) -> set[str]:
+    """The fingerprints a recorded one stands for: all of its tokenizer's (Tokenizer.fingerprints: those
+    an earlier tinygpt gave it too) where it is one of them, else itself alone (its tokenizer is not at
+    hand, or a `tokenizers` release spells the rules otherwise).
+
+    Args:
+        fingerprint: the fingerprint recorded (meta.json's, train_config.json's) or computed.
+        tokenizer: the tokenizer stored beside it, if any.
+    """
+    names = set(tokenizer.fingerprints()) if tokenizer is not None else set()
+    return names if fingerprint in names else {fingerprint}
+
 
 def check_same_tokenizer(
     dataset: DataSet, tokenizer: Tokenizer | None, owner: str, *, fingerprint: str | None = None,
@@ -1329,7 +1347,8 @@ def check_same_tokenizer(
         owner: where that tokenizer lives (a run folder), for the message.
         fingerprint: the fingerprint recorded where the tokenizer lives, if any; else computed
             from `tokenizer`. Fingerprints recorded when they were written are compared as they
-            are, so a later `tokenizers` release cannot turn a match into a mismatch.
+            are, so a later `tokenizers` release cannot turn a match into a mismatch; each also
+            stands for the others its tokenizer goes by (known_fingerprints: an earlier tinygpt's).
         remedy: what the message tells the user to do (default: prepare with --tokenizer-file owner).
 
     Raises:
@@ -1337,6 +1356,8 @@ def check_same_tokenizer(
     """
     theirs = fingerprint or (tokenizer.fingerprint() if tokenizer is not None else None)
     if theirs is None or theirs == dataset.fingerprint:
+        return
+    if not dataset.fingerprints.isdisjoint(known_fingerprints(theirs, tokenizer)):  # an earlier tinygpt's name
         return
     from .tokenizer import short_fingerprint
 

@@ -320,7 +320,7 @@ def data_tokenizer_for(from_: Path, dataset: DataSet, tokenizer: Tokenizer) -> T
         return tokenizer
     except DataError:
         template = dataset.tokenizer.chat_template if dataset.is_chat else None
-        if template is None or with_chat_template(tokenizer, template).fingerprint() != dataset.fingerprint:
+        if template is None or dataset.fingerprints.isdisjoint(with_chat_template(tokenizer, template).fingerprints()):
             raise
     return dataset.tokenizer
 

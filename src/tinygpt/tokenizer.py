@@ -61,6 +61,9 @@ BPE_MIN_VOCAB = 257  # the 256 byte tokens + <|endoftext|>
 BPE_MAX_VOCAB = 1 << 20
 DEFAULT_BPE_VOCAB = 4096
 MAX_CODEPOINT = 0x10FFFF
+# a tokenizer.json BPE model's options and the values that leave its merges to decide alone
+BPE_OPTIONS = {"dropout": None, "unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
+               "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
 
 
 @runtime_checkable
@@ -90,10 +93,16 @@ class Tokenizer(Protocol):
 
     def fingerprint(self) -> str: ...
 
+    def fingerprints(self) -> tuple[str, ...]: ...
+
 
 def _canonical_json(value: Any) -> bytes:
     """One byte string per value: keys sorted, no whitespace, ASCII escapes (so no encoding choice)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _digest(canonical: dict[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(_canonical_json(canonical)).hexdigest()
 
 
 class _TokenizerBase:
@@ -157,20 +166,29 @@ class _TokenizerBase:
         """"sha256:" and 64 hex digits: the SHA-256 of this tokenizer's canonical form.
 
         The canonical form holds what decides the ids of a text and the text of ids, and nothing
-        else: the kind and, for char, the characters in id order; for bpe, each id's bytes, the
-        merges (spelled "a b", whichever way the `tokenizers` release writes them), the normalizer,
-        the pre-tokenizer and the added tokens; for gpt2, the ranks, the special tokens and the
-        split pattern. It is serialized as JSON with sorted keys, no whitespace and ASCII escapes.
-        So the same tokenizer gives the same fingerprint whether it was just trained or loaded
-        from a file, whatever the file's key order, spacing or format version; a vocabulary of
-        the same kind and size with other characters (text upper-cased) gives another.
+        else, whatever route the tokenizer took: for char, the characters in id order; for BPE as
+        `tokenizers` runs it (bpe and hf alike), each id's bytes, the merges (spelled "a b", whichever
+        way the `tokenizers` release writes them), the normalizer, the pre-tokenizer and the added
+        tokens, and for hf the rules a bpe tokenizer never has, each only where it has it (BPE options,
+        a decoder that is not byte-level, an eos other than <|endoftext|>, ids added around a text),
+        so a bpe tokenizer exported as a GPT-2 folder and as a Llama-family one reads back as one;
+        for gpt2, the ranks, the special tokens and the split pattern; and the chat template. It is
+        serialized as JSON with sorted keys, no whitespace and ASCII escapes. So the same tokenizer
+        gives the same fingerprint whether it was just trained or loaded from a file, whatever the
+        file's key order, spacing or format version; a vocabulary of the same kind and size with
+        other characters (text upper-cased) gives another.
         """
         if self._fingerprint is None:
             canonical = self._canonical()
             if self.chat_template is not None:  # it decides the ids a conversation renders to
                 canonical["chat_template"] = self.chat_template.to_dict()
-            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(canonical)).hexdigest()
+            self._fingerprint = _digest(canonical)
         return self._fingerprint
+
+    def fingerprints(self) -> tuple[str, ...]:
+        """Every fingerprint this tokenizer goes by: fingerprint() first, then those earlier releases of
+        tinygpt gave it, which the data folders and runs they wrote still hold."""
+        return (self.fingerprint(),)
 
     def describe(self) -> str:
         """A short label for messages: kind, size and the fingerprint's first 12 hex digits."""
@@ -416,6 +434,25 @@ class _TokenizersKind(_TokenizerBase):
     def special_ids(self) -> dict[str, int]:
         return {t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
+    def _canonical(self) -> dict[str, Any]:
+        return self._rules(json.loads(self._tok.to_str()))
+
+    def _rules(self, pipeline: dict[str, Any]) -> dict[str, Any]:
+        """The byte-pair encoding `pipeline` (tokenizer.json's form) runs, as the fingerprint holds it."""
+        # tokenizers 0.20 began writing a merge as ["a", "b"] instead of "a b"; byte-level tokens hold
+        # no space, so "a b" is the same merge either way
+        merges = [m if isinstance(m, str) else " ".join(m) for m in (pipeline.get("model") or {}).get("merges", [])]
+        added = sorted([t.get("id"), t.get("content"), bool(t.get("special"))]
+                       for t in pipeline.get("added_tokens") or [])
+        return {
+            "kind": "bpe",  # the scheme, whichever kind runs it
+            "tokens": [base64.b64encode(b).decode("ascii") for b in self._bytes],
+            "merges": merges,
+            "added": added,
+            "normalizer": pipeline.get("normalizer"),
+            "pre_tokenizer": pipeline.get("pre_tokenizer"),
+        }
+
     def _with_added_specials(self, tokens: list[str]) -> Any:
         """A copy of the `tokenizers.Tokenizer` with `tokens` added as special tokens where it lacks them,
         one by one in order, so each lands on the next id."""
@@ -513,21 +550,6 @@ class BPETokenizer(_TokenizersKind):
 
     def to_dict(self) -> dict[str, Any]:
         return {**self._header(), "eot": EOT, "tokenizer": json.loads(self._tok.to_str())}
-
-    def _canonical(self) -> dict[str, Any]:
-        inner = json.loads(self._tok.to_str())
-        # tokenizers 0.20 began writing a merge as ["a", "b"] instead of "a b"; byte-level tokens hold
-        # no space, so "a b" is the same merge either way
-        merges = [m if isinstance(m, str) else " ".join(m) for m in (inner.get("model") or {}).get("merges", [])]
-        added = sorted([t.get("id"), t.get("content"), bool(t.get("special"))] for t in inner.get("added_tokens") or [])
-        return {
-            "kind": self.kind,
-            "tokens": [base64.b64encode(b).decode("ascii") for b in self._bytes],
-            "merges": merges,
-            "added": added,
-            "normalizer": inner.get("normalizer"),
-            "pre_tokenizer": inner.get("pre_tokenizer"),
-        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
@@ -993,14 +1015,30 @@ class HFTokenizer(_TokenizersKind):
         return {**header, "tokenizer": self._data, "config": self.config, "jinja_chat_template": template}
 
     def _canonical(self) -> dict[str, Any]:
-        inner = {k: v for k, v in self._data.items() if k not in ("version", "truncation", "padding")}
-        return {"kind": self.kind, "tokenizer": inner, "config": self.config,
-                "jinja_chat_template": self.chat_template.source if self.chat_template is not None else None}
+        pipeline = json.loads(self._tok.to_str())  # as it runs: after _as_transformers_builds
+        rules, model = self._rules(pipeline), pipeline.get("model") or {}
+        # the rules a bpe tokenizer never has, each only where this one has it: without them, it is the
+        # bpe tokenizer of the same vocabulary (a tinygpt run's, exported to a Llama-family folder)
+        options = {k: model.get(k, v) for k, v in BPE_OPTIONS.items() if model.get(k, v) != v}
+        if options:
+            rules["options"] = options
+        if not _is_byte_level(pipeline):
+            rules["decoder"] = pipeline.get("decoder")
+        if self.eot_id != self._tok.token_to_id(EOT):
+            rules["eot_id"] = self.eot_id
+        if any(self._added):
+            rules["added_ids"] = [list(self._added[0]), list(self._added[1])]
+        if self.chat_template is not None:  # what the template sees, and how its text is encoded
+            rules["template_tokens"] = self.template_tokens()
+            rules["split_special_tokens"] = bool(self.config.get("split_special_tokens", False))
+        return rules
 
-    def fingerprint(self) -> str:
-        if self._fingerprint is None:  # the template is in the canonical form already, as Jinja
-            self._fingerprint = "sha256:" + hashlib.sha256(_canonical_json(self._canonical())).hexdigest()
-        return self._fingerprint
+    def fingerprints(self) -> tuple[str, ...]:
+        # before the rules above, an hf tokenizer's fingerprint took its files as they were
+        inner = {k: v for k, v in self._data.items() if k not in ("version", "truncation", "padding")}
+        template = self.chat_template.source if self.chat_template is not None else None
+        return self.fingerprint(), _digest({"kind": self.kind, "tokenizer": inner, "config": self.config,
+                                            "jinja_chat_template": template})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HFTokenizer:
