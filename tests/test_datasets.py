@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tinygpt import data
 from tinygpt.checkpoint import load, load_training
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.data import get_batch, load_data, prepare
@@ -25,6 +26,14 @@ from tinygpt.train import Stream, TrainCallback, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing é 日本 songs".split()
 SHARD = 1_000  # tokens per shard: several shards of each split from a small dataset
+FLOOR = data.MIN_SHARD_TOKENS  # prepare's smallest shard, lowered for this file's small shards
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_shards():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(data, "MIN_SHARD_TOKENS", 1)
+        yield
 
 
 def make_docs(n: int = 500, seed: int = 0) -> list[str]:
@@ -138,6 +147,7 @@ KILLED = """
 import os, signal, sys
 from tinygpt import data, shards
 
+data.MIN_SHARD_TOKENS = 1
 finish = shards.ShardWriter._finish
 def killed_at_third_shard(self, split):
     if split == "train" and self.open[split].index == 2:
@@ -223,6 +233,12 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
     text = tmp_path / "notes.txt"
     text.write_text("plain text\n")
     refused(text, "--shard-tokens applies to datasets", shard_tokens=10)
+    monkeypatch.setattr(data, "MIN_SHARD_TOKENS", FLOOR)  # 10 tokens a shard set out to write ~44,000 files
+    assert FLOOR >= 1 << 16
+    for doc in ("tutorials/train.md", "reference/formats.md"):
+        assert f"at least {FLOOR:,}" in (Path(__file__).parents[1] / "docs" / doc).read_text(), doc
+    refused(dataset["parquet"], f"--shard-tokens 10 is below the floor of {FLOOR:,} tokens a shard: each shard is "
+            "a file synced to disk, 100,000 files a million tokens", shard_tokens=10)
     with pytest.raises(DataError, match="prepare them apart"):
         prepare([str(text), str(dataset["jsonl"])], tmp_path / "out", tokenizer=None, tokenizer_file=tok)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -231,7 +247,7 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
     refused("hf:not a name", "not a Hugging Face dataset name")
 
 
-def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli):
+def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli, monkeypatch):
     out = tmp_path / "data"
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--shard-tokens", "4,000",
             "--workers", "2", "--out", out)
@@ -240,6 +256,9 @@ def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli):
     assert "shards" in r.stdout and (out / "train_00000.bin").stat().st_size == 4000 * 2
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--text-column", "body", "--out", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "its columns: text, id" in r.stderr
+    monkeypatch.setattr(data, "MIN_SHARD_TOKENS", FLOOR)
+    r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--shard-tokens", "10", "--out", out)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"below the floor of {FLOOR:,} tokens" in r.stderr
     assert load_data(out).meta["shard_tokens"] == 4000  # the folder that was there is untouched
 
 

@@ -816,6 +816,9 @@ def _replace_folder(new: Path, out: Path) -> None:
 # prepare from datasets (see the module docstring)
 
 STATE_FILE = "prepare-state.json"  # in the work folder: where an interrupted prepare got to
+# the smallest --shard-tokens: each shard is a file synced to disk, and --shard-tokens 10 set out to write ~44,000
+# of them without a word; 65,536 uint16 tokens are a shard of 128 KiB (tests patch it to cut small shards)
+MIN_SHARD_TOKENS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -831,6 +834,10 @@ class _DatasetArgs:
                             ("--workers", self.workers)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise DataError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.shard_tokens is not None and self.shard_tokens < MIN_SHARD_TOKENS:
+            files = -(-1_000_000 // self.shard_tokens)
+            raise DataError(f"--shard-tokens {self.shard_tokens:,} is below the floor of {MIN_SHARD_TOKENS:,} tokens a "
+                            f"shard: each shard is a file synced to disk, {files:,} files a million tokens")
         if self.resume and self.shard_tokens is None:
             raise DataError("--resume continues from the last complete shard: give --shard-tokens")
 
