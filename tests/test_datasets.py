@@ -233,6 +233,7 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
     text = tmp_path / "notes.txt"
     text.write_text("plain text\n")
     refused(text, "--shard-tokens applies to datasets", shard_tokens=10)
+    refused(text, "--errors skip applies to datasets .* is text", errors="skip")
     monkeypatch.setattr(data, "MIN_SHARD_TOKENS", FLOOR)  # 10 tokens a shard set out to write ~44,000 files
     assert FLOOR >= 1 << 16
     for doc in ("tutorials/train.md", "reference/formats.md"):
@@ -260,6 +261,99 @@ def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli, mon
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--shard-tokens", "10", "--out", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"below the floor of {FLOOR:,} tokens" in r.stderr
     assert load_data(out).meta["shard_tokens"] == 4000  # the folder that was there is untouched
+
+
+def test_files_without_rows_are_skipped_and_counted(dataset, sharded, tmp_path, cli):
+    """An empty parquet file as pandas writes one (its column of None typed null) and a JSONL file of blank
+    lines, among a folder's files, are left out and counted: the shards are those of the folder without
+    them. An empty file alone is an empty dataset, said so (it was '... near row 1 (StopIteration)')."""
+    import shutil
+
+    import pandas as pd
+
+    folder = Path(shutil.copytree(dataset["parquet"], tmp_path / "folder"))
+    pd.DataFrame({"text": pd.Series([], dtype=object)}).to_parquet(folder / "part-1a.parquet")
+    assert pq.read_schema(folder / "part-1a.parquet").field("text").type == pa.null()
+    (folder / "part-1b.jsonl").write_text("\n \n")
+    out = tmp_path / "data"
+    r = cli("prepare", folder, "--tokenizer-file", dataset["tok"], "--shard-tokens", SHARD, "--workers", 2,
+            "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "documents  450 train, 50 val (2 rows without text skipped, 2 files without rows skipped)" in r.stdout
+    meta = load_data(out).meta
+    assert meta["sources"][0]["files"] == 3 and meta["sources"][0]["empty_files"] == 2
+    assert all_bytes(out) == all_bytes(sharded[0]) and meta["shards"] == sharded[1]["shards"]
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("empty.csv", "")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DataError, match=f"{tmp_path / name} holds no rows: an empty dataset"):
+            prepare([str(tmp_path / name)], tmp_path / "none", tokenizer=None, tokenizer_file=dataset["tok"])
+
+
+def test_other_formats_give_the_same_rows_from_any_row_on(dataset, tmp_path):
+    """CSV (a header, a document a record, quotes and line breaks inside one), a .json file that is one
+    array, and gzip-compressed JSONL read the same documents as JSONL, from the first row or from any
+    row a resumed prepare starts at."""
+    import csv
+    import gzip
+
+    from tinygpt.datasources import dataset_source
+
+    docs = dataset["docs"][:60] + ['a "quoted"\nline, broken']
+    with open(tmp_path / "docs.csv", "w", newline="") as f:
+        csv.writer(f).writerows([["id", "text"], *([i, d] for i, d in enumerate(docs))])
+    (tmp_path / "docs.json").write_text(json.dumps([{"text": d} for d in docs], indent=1))
+    with gzip.open(tmp_path / "docs.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+    for name in ("docs.csv", "docs.json", "docs.jsonl.gz"):
+        src = dataset_source(name, tmp_path / name, [tmp_path / name], "text")
+        src.check()
+        assert [t for b in src.rows() for t in b.texts] == docs, name
+        assert [t for b in src.rows((0, 37)) for t in b.texts] == docs[37:], name
+    out = tmp_path / "csv"
+    meta = prepare([str(tmp_path / "docs.csv")], out, tokenizer=None, tokenizer_file=dataset["tok"])
+    val = load_data(out).tokenizer.decode(joined(out, "val").tolist())
+    assert meta["documents"] == len(docs) and val == "<|endoftext|>".join(docs[::10])
+
+
+def test_a_row_that_is_not_utf8_is_named_by_its_line_and_skipped_or_replaced(dataset, tmp_path, cli):
+    """Invalid UTF-8 in one JSONL row: strict names its line (the blank first line counted; it said 'near row
+    1' of the batch), skip leaves that row out and replace puts one U+FFFD for each invalid sequence, each
+    giving the tokens of the same file with the row so written; a CSV record is named by its first line."""
+    docs = dataset["docs"][:40]
+    lines = [json.dumps({"text": d}).encode() for d in docs]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\n" + b"\n".join(lines[:5] + [b'{"text": "caf\xe9 au lait \xe2\x82"}'] + lines[5:]) + b"\n")
+
+    def same_tokens(out, rows):
+        want = tmp_path / f"want-{out.name}.jsonl"
+        want.write_text("".join(json.dumps({"text": d}) + "\n" for d in rows))
+        prepare([str(want)], tmp_path / f"want-{out.name}", tokenizer=None, tokenizer_file=dataset["tok"])
+        for split in ("train", "val"):
+            np.testing.assert_array_equal(joined(out, split), joined(tmp_path / f"want-{out.name}", split))
+
+    with pytest.raises(DataError, match=rf"{bad} line 7: invalid UTF-8 \(e9\); use --errors replace .* "
+                                        "--errors skip to leave such rows out"):
+        prepare([str(bad)], tmp_path / "strict", tokenizer=None, tokenizer_file=dataset["tok"])
+    skip = prepare([str(bad)], tmp_path / "skip", tokenizer=None, tokenizer_file=dataset["tok"], errors="skip")
+    assert skip["documents"] == 40 and skip["invalid_rows"] == 1 and skip["invalid_lines"] == [f"{bad} line 7"]
+    assert skip["sources"][0]["skipped"] == 0  # a row left out is not a row without text
+    same_tokens(tmp_path / "skip", docs)
+    replace = prepare([str(bad)], tmp_path / "replace", tokenizer=None, tokenizer_file=dataset["tok"],
+                      errors="replace")
+    assert replace["documents"] == 41 and replace["replacements"] == 2  # e9, and e2 82 cut short: one each
+    same_tokens(tmp_path / "replace", docs[:5] + ["caf\ufffd au lait \ufffd"] + docs[5:])
+
+    r = cli("prepare", bad, "--tokenizer-file", dataset["tok"], "--errors", "skip", "--out", tmp_path / "cli")
+    assert r.returncode == 0, r.stderr
+    assert f"  skipped 1 row not UTF-8: {bad} line 7" in r.stdout.splitlines()
+    r = cli("prepare", bad, "--tokenizer-file", dataset["tok"], "--out", tmp_path / "cli")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"{bad} line 7: invalid UTF-8" in r.stderr
+    table = tmp_path / "bad.csv"
+    table.write_bytes(b'id,text\n1,"two\nlines"\n2,caf\xe9\n3,plain\n')
+    with pytest.raises(DataError, match=rf"{table} line 4: invalid UTF-8"):
+        prepare([str(table)], tmp_path / "csv", tokenizer=None, tokenizer_file=dataset["tok"])
+    meta = prepare([str(table)], tmp_path / "csv", tokenizer=None, tokenizer_file=dataset["tok"], errors="skip")
+    assert meta["documents"] == 2 and meta["invalid_lines"] == [f"{table} line 4"]
 
 
 # ---------------------------------------------------------------------------------------------

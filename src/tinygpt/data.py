@@ -576,8 +576,9 @@ def prepare(
             "gpt2" (GPT-2's BPE), a ready Tokenizer, or None to take the kind from `tokenizer_file`.
         vocab_size: the BPE vocabulary to train (default 4096).
         val_fraction: the share of characters, from the end, held out for validation (0 to 0.5).
-        errors: "strict" stops at invalid UTF-8 naming the file and byte offset; "replace"
-            substitutes U+FFFD and counts the substitutions.
+        errors: "strict" stops at invalid UTF-8 naming the file and byte offset (a dataset's: its line);
+            "replace" substitutes U+FFFD and counts the substitutions; "skip", for a dataset, leaves a
+            row that is not UTF-8 out and counts it.
         tokenizer_file: GPT-2's vocab.json + merges.txt or .tiktoken file (gpt2), a tinygpt
             tokenizer.json / data or run folder to reuse its tokenizer (char, bpe), or a Hugging
             Face GPT-2 folder (its tokenizer, as `tinygpt.load` reads the folder).
@@ -598,12 +599,10 @@ def prepare(
         if not all(datasets):
             text = names[datasets.index(False)]
             raise DataError(f"{text} is text and {names[datasets.index(True)]} a dataset: prepare them apart")
-        if errors != "strict":
-            raise DataError("--errors replace applies to text files; a dataset's text is decoded by its reader")
         return _prepare_dataset(names, out, tokenizer, vocab_size, val_fraction, tokenizer_file, progress,
-                                _DatasetArgs(text_column, max_tokens, shard_tokens, workers, resume))
+                                _DatasetArgs(text_column, max_tokens, shard_tokens, workers, resume, errors))
     for flag, value in (("--max-tokens", max_tokens), ("--shard-tokens", shard_tokens), ("--workers", workers),
-                        ("--resume", resume or None)):
+                        ("--resume", resume or None), ("--errors skip", errors if errors == "skip" else None)):
         if value is not None:
             raise DataError(f"{flag} applies to datasets (hf:NAME, parquet, JSONL or CSV files); {names[0]} is text")
     srcs = resolve_sources(names, exclude=[out])
@@ -647,8 +646,8 @@ def _check_prepare_args(val_fraction: float, errors: str) -> None:
         or math.isnan(val_fraction)
     ):
         raise DataError(f"val fraction must be between 0 and {MAX_VAL_FRACTION}, got {val_fraction}")
-    if errors not in ("strict", "replace"):
-        raise DataError(f"errors must be 'strict' or 'replace', got {errors!r}")
+    if errors not in ("strict", "replace", "skip"):
+        raise DataError(f"errors must be 'strict' or 'replace' (or 'skip', for a dataset), got {errors!r}")
 
 
 class _Reader:
@@ -828,6 +827,7 @@ class _DatasetArgs:
     shard_tokens: int | None
     workers: int | None
     resume: bool
+    errors: str
 
     def check(self) -> None:
         for flag, value in (("--max-tokens", self.max_tokens), ("--shard-tokens", self.shard_tokens),
@@ -852,17 +852,17 @@ def is_dataset(source: str) -> bool:
     return path.is_dir() and is_dataset_folder(_walk_files(path.resolve(), []))
 
 
-def _dataset_sources(names: list[str], out: Path, column: str) -> list[DatasetSource]:
+def _dataset_sources(names: list[str], out: Path, column: str, errors: str) -> list[DatasetSource]:
     srcs = []
     for name in names:
         if is_hub_name(name):
-            srcs.append(dataset_source(name, None, [], column))
+            srcs.append(dataset_source(name, None, [], column, errors))
             continue
         path = Path(name).expanduser().resolve()
         if out in (path, *path.parents):
             raise DataError(f"source {name} is the output folder {out} or inside it: give another --out")
         files = [path] if path.is_file() else [f for f in _walk_files(path, [out]) if data_kind(f)]
-        srcs.append(dataset_source(name, path, files, column))
+        srcs.append(dataset_source(name, path, files, column, errors))
     for src in srcs:
         src.check()
     return srcs
@@ -870,8 +870,8 @@ def _dataset_sources(names: list[str], out: Path, column: str) -> list[DatasetSo
 
 def _dataset_texts(srcs: list[DatasetSource]) -> Iterator[str]:
     for src in srcs:
-        for _, _, texts in src.rows():
-            yield from (t for t in texts if t)
+        for batch in src.rows():
+            yield from (t for t in batch.texts if t)
 
 
 def _dataset_tokenizer(srcs: list[DatasetSource], tok_or_kind: Tokenizer | str, bpe_vocab: int,
@@ -896,11 +896,12 @@ def _prepare_dataset(names: list[str], out: Path, tokenizer: str | Tokenizer | N
                      args: _DatasetArgs) -> dict[str, Any]:
     """prepare() for datasets: one streaming pass (after a first one that learns a char or BPE vocabulary)."""
     args.check()
-    srcs = _dataset_sources(names, out, args.column)
+    srcs = _dataset_sources(names, out, args.column, args.errors)
     work = _work_folder(out)
     settings = {"sources": [s.describe_files() for s in srcs], "column": args.column, "tokenizer": str(tokenizer),
                 "vocab_size": vocab_size, "tokenizer_file": None if tokenizer_file is None else str(tokenizer_file),
-                "val_fraction": val_fraction, "max_tokens": args.max_tokens, "shard_tokens": args.shard_tokens}
+                "val_fraction": val_fraction, "max_tokens": args.max_tokens, "shard_tokens": args.shard_tokens,
+                "errors": args.errors}
     state = None
     if args.resume and (work / STATE_FILE).is_file():
         state = read_json(work / STATE_FILE, DataError)
@@ -954,7 +955,8 @@ class _DatasetPass:
         self.at: dict[str, Any] = state["at"] if state else {
             "position": [0, 0, 0], "emitted": 0, "documents": 0, "tokens": 0,
             **{f"{split}_{k}": 0 for split in ("train", "val") for k in ("documents", "chars", "bytes")},
-            "read": [[0, 0, 0] for _ in srcs],  # per source: documents, empty rows, text bytes
+            # per source: documents, empty rows, text bytes, rows not UTF-8, their invalid sequences
+            "read": [[0, 0, 0, 0, 0] for _ in srcs], "invalid_lines": [],  # where the first rows not UTF-8 are
         }
         self.snapshot = dict(self.at)
         self.writer = ShardWriter(work, token_dtype(tok.vocab_size), args.shard_tokens, on_shard=self._record,
@@ -967,21 +969,30 @@ class _DatasetPass:
         write_json(self.work / STATE_FILE, {"settings": self.settings, "at": self.snapshot,
                                             "emitted": self.writer.emitted, "writer": self.writer.state()})
 
-    def _batches(self) -> Iterator[tuple[int, int, int, list[Any]]]:
-        """(source, part, first row, texts) in order, a batch at most ENCODE_CHARS characters (or one
-        document): a source's batch is rows, and 1,024 rows of long documents (books, source files) at
-        once would hold gigabytes of encodings in each worker."""
+    def _batches(self) -> Iterator[tuple[int, int, int, list[Any], list[tuple[int, str, int]]]]:
+        """(source, part, first row, texts, invalid as Rows has it) in order, a batch at most ENCODE_CHARS
+        characters (or one document): a source's batch is rows, and 1,024 rows of long documents (books,
+        source files) at once would hold gigabytes of encodings in each worker."""
         s0, p0, r0 = self.at["position"]
         for i in range(s0, len(self.srcs)):
-            for part, row, texts in self.srcs[i].rows((p0, r0) if i == s0 else (0, 0)):
+            for part, row, texts, invalid in self.srcs[i].rows((p0, r0) if i == s0 else (0, 0)):
                 start = 0
                 while start < len(texts):
                     end, chars = start + 1, len(texts[start] or "")
                     while end < len(texts) and chars + len(texts[end] or "") <= ENCODE_CHARS:
                         chars += len(texts[end] or "")
                         end += 1
-                    yield i, part, row + start, texts[start:end]
+                    yield i, part, row + start, texts[start:end], [(k - start, *rest) for k, *rest in invalid
+                                                                   if start <= k < end]
                     start = end
+
+    def _count_rows(self, i: int, texts: list[Any], invalid: list[tuple[int, str, int]]) -> None:
+        """A batch's rows without text, and its rows that were not UTF-8 (left out: not counted as empty)."""
+        read, lines = self.at["read"][i], self.at["invalid_lines"]
+        read[1] += sum(1 for t in texts if not t) - (len(invalid) if self.args.errors == "skip" else 0)
+        read[3] += len(invalid)
+        read[4] += sum(n for _, _, n in invalid)
+        lines += [where for _, where, _ in invalid][: SHOW_BAD_LINES - len(lines)]
 
     def run(self, progress: ProgressFn | None) -> dict[str, Any]:
         tok, at, writer = self.tok, self.at, self.writer
@@ -992,12 +1003,13 @@ class _DatasetPass:
         total = sum(s.size for s in self.srcs if s.hub is None)
         try:
             with Encoder(tok, workers) as encoder:
-                for (i, part, row, texts), arrays in encoder.map(self._batches(), lambda b: [t for t in b[3] if t]):
+                batches = encoder.map(self._batches(), lambda b: [t for t in b[3] if t])
+                for (i, part, row, texts, invalid), arrays in batches:
                     at["position"] = [i, part, row]
                     at["emitted"] = writer.emitted
                     self.snapshot = json_round_trip(at)
+                    self._count_rows(i, texts, invalid)
                     read = at["read"][i]
-                    read[1] += sum(1 for t in texts if not t)
                     for text, ids in zip((t for t in texts if t), arrays):
                         k = at["documents"]
                         split = "val" if (k * self.val_num) % self.val_den < self.val_num else "train"
@@ -1031,13 +1043,15 @@ class _DatasetPass:
             raise DataError(f"{', '.join(s.name for s in self.srcs)} holds no text: every {self.args.column!r} "
                             "is empty")
         index = writer.close()
-        for src, (docs, empty, size) in zip(self.srcs, at["read"]):
-            src.documents, src.empty, src.text_bytes = docs, empty, size
+        for src, (docs, empty, size, invalid, replaced) in zip(self.srcs, at["read"]):
+            src.documents, src.empty, src.text_bytes, src.invalid, src.replaced = docs, empty, size, invalid, replaced
         counts = {f"{split}_{k}": at[f"{split}_{k}"] for split in ("train", "val") for k in ("chars", "bytes")}
         counts.update({f"{split}_tokens": sum(s["tokens"] for s in index[split]) for split in ("train", "val")})
         counts.update(documents=at["documents"], train_documents=at["train_documents"],
                       val_documents=at["val_documents"], max_tokens=limit,
-                      truncated=limit is not None and at["tokens"] >= limit)
+                      truncated=limit is not None and at["tokens"] >= limit, errors=self.args.errors,
+                      replacements=sum(r[4] for r in at["read"]), invalid_rows=sum(r[3] for r in at["read"]),
+                      invalid_lines=at["invalid_lines"])
         if self.args.shard_tokens is not None:
             counts.update(shard_tokens=self.args.shard_tokens, shards=index)
         return counts

@@ -2,10 +2,15 @@
 parquet, JSONL and CSV files and folders of them, one document a row of a text column.
 
 - Parquet is read with pyarrow, a row group at a time (a file's schema and row count come from its
-  footer, so a missing or non-text column is refused before anything is written); JSONL and CSV
-  with the `datasets` library's streaming builders; a Hub dataset with `datasets.load_dataset(...,
-  streaming=True)`, so nothing is downloaded whole. Rows whose text is empty or null are skipped
-  and counted.
+  footer, so a missing or non-text column is refused before anything is written); JSON lines and CSV
+  line by line, here (a row is a non-blank line, or a CSV record after the header line; a .json file
+  that is one JSON array is read whole, an item a row); a Hub dataset with
+  `datasets.load_dataset(..., streaming=True)`, so nothing is downloaded whole. Rows whose text is
+  empty or null are skipped and counted; so are files with no rows (an empty parquet file's column
+  has no type to check).
+- Text that is not UTF-8 (a JSON lines or CSV row's) stops naming the file and line (errors="strict"),
+  has each invalid sequence replaced by U+FFFD and counted ("replace"), or leaves its row out,
+  counted ("skip"). Parquet and the Hub's text is UTF-8 by their format.
 - Files are read in sorted path order, a folder's too. A folder is a dataset when it holds data
   files and nothing else but documentation (README, LICENSE, *.md, dataset_info.json), as a Hub
   snapshot does; a folder with other text files is text, read as it always was.
@@ -20,14 +25,19 @@ Needs the `data` extra (`pip install 'tinygpt[data]'`): datasets and pyarrow.
 from __future__ import annotations
 
 import contextlib
+import csv
+import gzip
+import io
+import json
 import logging
 import os
 import re
 import socket
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TextIO
 from urllib.parse import urlparse
 
 from .errors import DataError, MissingDependencyError
@@ -40,6 +50,10 @@ DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv
 _DOC_FILE = re.compile(r"(readme|license|licence|copying|notice)(\..*)?|.*\.md|dataset_infos?\.json|dataset_dict\.json",
                        re.IGNORECASE)
 BATCH_ROWS = 1024  # rows per batch read from a file
+ERRORS = ("strict", "replace", "skip")  # what text that is not UTF-8 does (see the module docstring)
+# csv's default limit on a field, 131,072 characters, would refuse a book; it is the process's, raised not lowered
+CSV_FIELD_CHARS = (1 << 31) - 1
+_UNDECODED = re.compile("[\udc80-\udcff]+")  # bytes that are not UTF-8, as errors="surrogateescape" reads them
 HUB_TIMEOUT_S = 5.0  # seconds to wait for the Hub's address to answer
 
 
@@ -88,6 +102,16 @@ class HubName:
         return HUB_PREFIX + self.name + (f":{self.config}" if self.config else "") + f"/{self.split}"
 
 
+class Rows(NamedTuple):
+    """A batch of a source's rows: its file (part) and first row, each row's text (None where it has none
+    or was left out), and the rows whose text was not UTF-8, as (index in texts, where, invalid sequences)."""
+
+    part: int
+    row: int
+    texts: list[Any]
+    invalid: Sequence[tuple[int, str, int]] = ()
+
+
 @dataclass
 class DatasetSource:
     """A dataset SOURCE: its files (or Hub name), the column read, and what reading it found."""
@@ -97,9 +121,13 @@ class DatasetSource:
     files: list[Path] = field(default_factory=list)
     hub: HubName | None = None
     path: Path | None = None
+    errors: str = "strict"  # what a row's text that is not UTF-8 does: strict, replace or skip
     documents: int = 0  # rows read with text, counted as they are read
     empty: int = 0  # rows whose text is empty or null, skipped
     text_bytes: int = 0  # UTF-8 bytes of the documents read
+    empty_files: int = 0  # files with no rows, left out
+    invalid: int = 0  # rows whose text was not UTF-8 (replaced or left out)
+    replaced: int = 0  # invalid UTF-8 sequences those rows held
 
     @property
     def size(self) -> int:
@@ -112,7 +140,8 @@ class DatasetSource:
 
     def to_meta(self) -> dict[str, Any]:
         meta = {"name": printable_path(self.name), "kind": "dataset", "column": self.column,
-                "files": len(self.files), "bytes": self.size, "documents": self.documents, "skipped": self.empty}
+                "files": len(self.files), "bytes": self.size, "documents": self.documents, "skipped": self.empty,
+                "empty_files": self.empty_files, "invalid_rows": self.invalid, "replacements": self.replaced}
         if self.hub is not None:
             meta.update(dataset=self.hub.name, config=self.hub.config, split=self.hub.split)
         else:
@@ -126,38 +155,41 @@ class DatasetSource:
         return [[str(f), (st := f.stat()).st_size, st.st_mtime_ns] for f in self.files]
 
     def check(self) -> None:
-        """Refuse a missing or non-text column, or an empty dataset, before anything is written: from
-        the parquet footers (no data read), else the first rows."""
+        """Refuse a missing or non-text column, or an empty dataset, before anything is written (from
+        the parquet footers, no data read; else the first rows), and leave out the files with no rows."""
         _require()
         if self.hub is not None:
             self._hub_dataset()  # opens it: a name that is not there, offline, a bad config or split
             return
-        rows = 0
-        for f in self.files:
-            if data_kind(f) == "parquet":
-                pf = _parquet_file(f)
-                _check_arrow_column(pf.schema_arrow, self.column, f)
-                rows += pf.metadata.num_rows
-            else:
-                rows += 1  # read lazily: checked on its first batch
-        if not rows:
+        kept = [f for f in self.files if self._has_rows(f)]
+        if not kept:
             raise DataError(f"{self.name} holds no rows: an empty dataset")
+        self.files, self.empty_files = kept, len(self.files) - len(kept)
 
-    def rows(self, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[int, int, list[Any]]]:
-        """(part, first row, texts) batches from position `start` (part, row) on, in order; each value
-        is the row's text, or None where it has none."""
+    def _has_rows(self, path: Path) -> bool:
+        if data_kind(path) != "parquet":
+            return next(_read_lines(path, self.column, 0, self.errors), None) is not None
+        pf = _parquet_file(path)
+        if not pf.metadata.num_rows:  # its column may have no type to check (pandas writes an empty one as null)
+            return False
+        _check_arrow_column(pf.schema_arrow, self.column, path)
+        return True
+
+    def rows(self, start: tuple[int, int] = (0, 0)) -> Iterator[Rows]:
+        """Batches of rows from position `start` (part, row) on, in order."""
         _require()
         part0, row0 = start
         with _quiet_datasets():
             if self.hub is not None:
-                yield from ((0, r, texts) for r, texts in self._read_hub(row0))
+                yield from (Rows(0, r, texts) for r, texts in self._read_hub(row0))
                 return
             for part in range(part0, len(self.files)):
                 f = self.files[part]
                 first = row0 if part == part0 else 0
-                read = _read_parquet if data_kind(f) == "parquet" else _read_builder
-                for r, texts in read(f, self.column, first):
-                    yield part, r, texts
+                if data_kind(f) == "parquet":
+                    yield from (Rows(part, r, texts) for r, texts in _read_parquet(f, self.column, first))
+                else:
+                    yield from (Rows(part, *batch) for batch in _read_lines(f, self.column, first, self.errors))
 
     # -- the Hub
 
@@ -205,13 +237,25 @@ class DatasetSource:
             raise DataError(f"{self.hub}: reading row {row:,} failed: {_first_line(e)}") from None
 
 
-def dataset_source(name: str, path: Path | None, files: list[Path], column: str) -> DatasetSource:
-    """A local dataset (its data files, in order) or a Hub one (`path` None, `name` hf:...)."""
+def dataset_source(name: str, path: Path | None, files: list[Path], column: str,
+                   errors: str = "strict") -> DatasetSource:
+    """A local dataset (its data files, in order) or a Hub one (`path` None, `name` hf:...).
+
+    Args:
+        name: the SOURCE as given.
+        path: the file or folder (None for a Hub dataset).
+        files: its data files, in the order they are read.
+        column: the column of text.
+        errors: text that is not UTF-8: "strict" stops naming the line, "replace" substitutes U+FFFD,
+            "skip" leaves the row out.
+    """
     if not isinstance(column, str) or not column:
         raise DataError("--text-column must name a column")
+    if errors not in ERRORS:
+        raise DataError(f"errors must be one of {', '.join(ERRORS)} for a dataset, got {errors!r}")
     if path is None:
-        return DatasetSource(name, column, hub=HubName.parse(name))
-    return DatasetSource(name, column, files=files, path=path)
+        return DatasetSource(name, column, hub=HubName.parse(name), errors=errors)
+    return DatasetSource(name, column, files=files, path=path, errors=errors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,11 +306,14 @@ def _not_text(where: str, column: str, kind: str, text_columns: list[str]) -> Da
 
 
 def _check_arrow_column(schema: Any, column: str, where: Path | str) -> None:
+    import pyarrow as pa
+
     names = list(schema.names)
     if column not in names:
         raise _no_column(str(where), column, names)
     t = schema.field(column).type
-    if not _is_text_type(t):
+    # null: no row has a value (pandas writes a column of None so): rows without text, skipped and counted
+    if not _is_text_type(t) and not pa.types.is_null(t):
         raise _not_text(str(where), column, str(t), [n for n in names if _is_text_type(schema.field(n).type)])
 
 
@@ -278,7 +325,7 @@ def _check_features(features: Any, column: str, where: str) -> None:
     def dtype(f: Any) -> str:
         return getattr(f, "dtype", None) or type(f).__name__
 
-    if dtype(features[column]) not in ("string", "large_string"):
+    if dtype(features[column]) not in ("string", "large_string", "null"):
         texts = [n for n in names if dtype(features[n]) in ("string", "large_string")]
         raise _not_text(where, column, dtype(features[column]), texts)
 
@@ -330,25 +377,105 @@ def _read_parquet(path: Path, column: str, first: int) -> Iterator[tuple[int, li
         raise DataError(f"{path}: not a readable parquet file ({_first_line(e)})") from None
 
 
-def _read_builder(path: Path, column: str, first: int) -> Iterator[tuple[int, list[Any]]]:
-    """A JSONL or CSV file's texts from row `first` on, through datasets' streaming builder."""
-    import datasets
-
-    kind = data_kind(path)
-    label = {"json": "JSON lines", "csv": "CSV"}[kind]
-    row = first
+def _read_lines(path: Path, column: str, first: int, errors: str) -> Iterator[tuple[int, list[Any], list]]:
+    """A JSON lines or CSV file's texts from row `first` on, BATCH_ROWS at a time, as (first row, texts,
+    invalid) with Rows' meaning; a row's text that is not UTF-8 is refused, replaced or left out (`errors`)."""
+    csv_file, name = data_kind(path) == "csv", printable_path(path)  # a name that is not UTF-8 goes to meta.json
+    row, texts, invalid = 0, [], []
     try:
-        ds = datasets.load_dataset(kind, data_files=[str(path)], split="train", streaming=True)
-        if first:
-            ds = ds.skip(first)
-        for batch in ds.iter(batch_size=BATCH_ROWS):
-            texts = _column_of(batch, column, str(path))
-            yield row, texts
-            row += len(texts)
-    except DataError:
-        raise
-    except Exception as e:  # pyarrow's parse errors, datasets' own, a file that vanished
-        raise DataError(f"{path}: not readable as {label} near row {row + 1:,} ({_first_line(e)})") from None
+        with _open_text(path) as f:
+            for row, (where, text) in enumerate(_csv_texts(f, name, column) if csv_file
+                                                else _json_texts(f, name, column)):
+                if row < first:
+                    continue
+                if text is not None and not text.isascii():
+                    text, n = _decoded(text, errors, where)
+                    if n:
+                        invalid.append((len(texts), where, n))
+                texts.append(text)
+                if len(texts) == BATCH_ROWS:
+                    yield row + 1 - len(texts), texts, invalid
+                    texts, invalid = [], []
+        if texts:
+            yield row + 1 - len(texts), texts, invalid
+    except (OSError, EOFError, zlib.error, csv.Error) as e:  # a file that vanished, a corrupt .gz, a CSV quote
+        raise DataError(f"{name}: not readable as {'CSV' if csv_file else 'JSON lines'} ({_first_line(e)})") from None
+
+
+def _open_text(path: Path) -> TextIO:
+    """A JSON lines or CSV file (gzip-compressed where its name ends .gz) as text: UTF-8, a leading BOM
+    dropped, line endings as they are; bytes that are not UTF-8 read as lone surrogates (surrogateescape),
+    so that a row holding them is refused, replaced or skipped by itself (_decoded)."""
+    raw = gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline="")
+
+
+def _decoded(text: str, errors: str, where: str) -> tuple[str | None, int]:
+    """A row's text as UTF-8 text, and how many invalid sequences it held: refused naming `where` (strict),
+    the row left out (skip: None), or each invalid sequence one U+FFFD, as Python's "replace" makes it."""
+    bad = _UNDECODED.search(text)
+    if bad is None:
+        return text, 0
+    if errors == "strict":
+        shown = bad.group().encode("utf-8", "surrogateescape")[:4].hex(" ")
+        raise DataError(f"{where}: invalid UTF-8 ({shown}); use --errors replace to substitute U+FFFD or "
+                        "--errors skip to leave such rows out")
+    fixed = _UNDECODED.sub(lambda m: m.group().encode("utf-8", "surrogateescape").decode("utf-8", "replace"), text)
+    return None if errors == "skip" else fixed, fixed.count("\ufffd") - text.count("\ufffd")
+
+
+def _json_texts(f: TextIO, name: str, column: str) -> Iterator[tuple[str, str | None]]:
+    """(where, text or None) of each row of JSON lines file `name`; the first row must have the column."""
+    for k, (where, obj) in enumerate(_json_rows(f, name)):
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: not a JSON object (a row is one, its text in {column!r})")
+        if not k and column not in obj:
+            raise _no_column(name, column, list(obj))
+        text = obj.get(column)
+        if text is not None and not isinstance(text, str):
+            raise _not_text(where, column, type(text).__name__, [c for c, v in obj.items() if isinstance(v, str)])
+        yield where, text
+
+
+def _json_rows(f: TextIO, name: str) -> Iterator[tuple[str, Any]]:
+    """(where, value) of each non-blank line, or of each item of a file that is one JSON array (read
+    whole, as the `datasets` library reads one)."""
+    first = True
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        if first and line.lstrip().startswith("["):
+            items = _json_value(line + f.read(), name, n)
+            yield from ((f"{name} item {k:,}", item) for k, item in enumerate(items, 1))
+            return
+        first = False
+        yield f"{name} line {n:,}", _json_value(line, name, n)
+
+
+def _json_value(text: str, name: str, line: int) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        at = line + getattr(e, "lineno", 1) - 1
+        raise DataError(f"{name} line {at:,}: not JSON ({getattr(e, 'msg', None) or _first_line(e)})") from None
+
+
+def _csv_texts(f: TextIO, name: str, column: str) -> Iterator[tuple[str, str | None]]:
+    """(where, text or None where the record is short) of each record of CSV file `name` after the header
+    line; blank lines are no records."""
+    csv.field_size_limit(max(csv.field_size_limit(), CSV_FIELD_CHARS))
+    reader = csv.reader(f)
+    header = next(reader, None)
+    if header is None:
+        return
+    if column not in header:
+        raise _no_column(name, column, header)
+    i = header.index(column)
+    line = reader.line_num + 1  # a record's first line: a quoted field may hold line breaks
+    for record in reader:
+        if record:
+            yield f"{name} line {line:,}", record[i] if i < len(record) else None
+        line = reader.line_num + 1
 
 
 def _env_offline() -> bool:

@@ -23,7 +23,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     (a Hugging Face dataset, streamed), or parquet, JSONL or CSV files or folders of them. A dataset
     is read in one pass and encoded on --workers threads; --shard-tokens writes train_00000.bin, ...
     and val shards, indexed in meta.json, and --resume continues an interrupted prepare from its last
-    complete shard; --max-tokens takes the first N tokens.
+    complete shard; --max-tokens takes the first N tokens. A row that is not UTF-8 stops naming its
+    line, unless --errors replace or skip; files with no rows are skipped and counted.
 
     With --format chat, SOURCE is one JSONL file of conversations; each is written with the
     tokenizer's chat template and a loss mask (train.mask, val.mask) so training learns the
@@ -35,9 +36,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     if args.format == "chat":
         return _prepare_chat(args)
-    if args.errors == "skip":
-        raise ConfigError("--errors skip applies to --format chat (malformed or unencodable conversation lines); "
-                          "text takes strict or replace")
     out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
     progress, close = _progress_bars() if args.progress else (None, lambda: None)
@@ -63,8 +61,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     size = sum(s["bytes"] for s in meta["sources"])
     names = ", ".join(s["name"] for s in meta["sources"])
     seconds = time.perf_counter() - start
-    plural = "s" if files != 1 else ""
-    print(f"prepared {out} in {seconds:.1f}s from {names} ({files:,} file{plural}, {size / 1e6:.1f} MB)")
+    print(f"prepared {out} in {seconds:.1f}s from {names} ({plural(files, 'file')}, {size / 1e6:.1f} MB)")
     vocab = f"{meta['vocab_size']:,}"
     if meta.get("requested_vocab_size", meta["vocab_size"]) != meta["vocab_size"]:
         vocab += f" (of {meta['requested_vocab_size']:,} asked: the corpus had no more merges)"
@@ -77,18 +74,30 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     skipped = sum(s["skipped"] for s in meta["sources"])
     datasets = any(s.get("kind") == "dataset" for s in meta["sources"])
     if datasets:
-        docs = f"  documents  {meta['train_documents']:,} train, {meta['val_documents']:,} val"
-        if skipped:
-            docs += f" ({skipped:,} rows without text skipped)"
-        print(docs + (f"; stopped at --max-tokens {meta['max_tokens']:,}" if meta["truncated"] else ""))
-        if "shards" in meta:
-            print(f"  shards     {len(meta['shards']['train']):,} train, {len(meta['shards']['val']):,} val "
-                  f"of {meta['shard_tokens']:,} tokens")
+        _print_dataset_counts(meta, skipped)
     elif skipped:
         print(f"  skipped {skipped:,} files (binary, or not decodable as Python source)")
     if meta.get("errors") == "replace":
         print(f"  replaced {meta['replacements']:,} invalid byte sequences with U+FFFD")
     return 0
+
+
+def _print_dataset_counts(meta: dict, skipped: int) -> None:
+    """A dataset's documents, the rows and files left out, and its shards."""
+    docs = f"  documents  {meta['train_documents']:,} train, {meta['val_documents']:,} val"
+    empty_files = sum(s["empty_files"] for s in meta["sources"])
+    notes = [f"{skipped:,} rows without text skipped"] * bool(skipped)
+    notes += [f"{plural(empty_files, 'file')} without rows skipped"] * bool(empty_files)
+    if notes:
+        docs += f" ({', '.join(notes)})"
+    print(docs + (f"; stopped at --max-tokens {meta['max_tokens']:,}" if meta["truncated"] else ""))
+    if meta["errors"] == "skip" and meta["invalid_rows"]:
+        more = meta["invalid_rows"] - len(meta["invalid_lines"])
+        print(f"  skipped {plural(meta['invalid_rows'], 'row')} not UTF-8: {', '.join(meta['invalid_lines'])}"
+              + (f" and {more:,} more" if more else ""))
+    if "shards" in meta:
+        print(f"  shards     {len(meta['shards']['train']):,} train, {len(meta['shards']['val']):,} val "
+              f"of {meta['shard_tokens']:,} tokens")
 
 
 def _prepare_chat(args: argparse.Namespace) -> int:
@@ -174,8 +183,8 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--errors", choices=("strict", "replace", "skip"), default="strict",
-        help="invalid UTF-8: stop (default) or put U+FFFD; --format chat: stop at malformed lines and "
-             "conversations the tokenizer cannot encode, listing them (default), or skip them"
+        help="invalid UTF-8: stop (default), put U+FFFD, or (a dataset) skip the row; --format chat: stop at "
+             "malformed lines and conversations the tokenizer cannot encode, listing them (default), or skip them"
     )
     p.add_argument("--format", choices=("text", "chat"), default="text",
                    help="text (default), or chat: one JSONL file, a conversation per line "
