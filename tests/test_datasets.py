@@ -244,8 +244,95 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
         prepare([str(text), str(dataset["jsonl"])], tmp_path / "out", tokenizer=None, tokenizer_file=tok)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     refused("hf:someone/stories:tiny/train", r"hf:someone/stories:tiny/train: the Hugging Face Hub cannot be "
-            r"reached \(offline\); .*`hf download someone/stories --repo-type dataset")
+            r"reached \(offline\); .*`hf download someone/stories --repo-type dataset --include 'tiny/\*' "
+            r"--include '\*/tiny/\*' --local-dir data/hf/stories` \(a guess")
     refused("hf:not a name", "not a Hugging Face dataset name")
+
+
+FINEWEB_CARD = """---
+license: odc-by
+configs:
+- config_name: default
+  data_files:
+  - split: train
+    path: data/*/*
+- config_name: sample-10BT
+  data_files:
+  - split: train
+    path: sample/10BT/*
+- config_name: tiny
+  data_files:
+  - split: train
+    path: tiny/train-*
+  - split: test
+    path: tiny/test-*
+---
+# a dataset card
+"""
+
+
+def test_the_offline_hint_downloads_the_config_asked_for(tmp_path, monkeypatch):
+    """Offline, the `hf download` command fetches the config asked for (it fetched every config: terabytes
+    for fineweb-edu): the data_files the dataset card names, when the card is in the Hugging Face cache,
+    the split's where it names splits, the default config's without one; else, plainly a guess, the
+    folder named after the config. hf's own parser reads each command as those patterns."""
+    import shlex
+
+    import huggingface_hub.constants
+    from huggingface_hub.cli import download, hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    def hint(name: str) -> str:
+        with pytest.raises(DataError) as e:
+            prepare([name], tmp_path / "out", tokenizer="char")
+        assert "\n" not in str(e.value) and "cannot be reached (offline)" in str(e.value)
+        return str(e.value).split("`")[1]
+
+    class Fetched(Exception):
+        pass
+
+    def fetched(command: str) -> list[str] | None:
+        """The patterns `hf download` fetches for the command (its download functions replaced)."""
+        def snapshot(**kw):
+            raise Fetched(kw["allow_patterns"])
+
+        def one_file(**kw):
+            raise AssertionError(f"hf reads {kw['filename']!r} as a file name")
+
+        monkeypatch.setattr(download, "snapshot_download", snapshot)
+        monkeypatch.setattr(download, "hf_hub_download", one_file)
+        monkeypatch.setattr(sys, "argv", shlex.split(command))
+        with pytest.raises(Fetched) as e:
+            hf.main()
+        return e.value.args[0]
+
+    fineweb = "hf download HuggingFaceFW/fineweb-edu --repo-type dataset"
+    guess = hint("hf:HuggingFaceFW/fineweb-edu:sample-10BT")
+    assert guess == f"{fineweb} --include 'sample-10BT/*' --include '*/sample-10BT/*' --local-dir data/hf/fineweb-edu"
+    assert fetched(guess) == ["sample-10BT/*", "*/sample-10BT/*"]
+    with pytest.raises(DataError, match=r"--local-dir data/hf/fineweb-edu` \(a guess, a folder named sample-10BT: "
+                                        r"the dataset card's configs: section names the config's files; `hf download "
+                                        r"HuggingFaceFW/fineweb-edu README.md --repo-type dataset` fetches the card\)"):
+        prepare(["hf:HuggingFaceFW/fineweb-edu:sample-10BT"], tmp_path / "out", tokenizer="char")
+    everything = hint("hf:HuggingFaceFW/fineweb-edu")  # no config named: the whole dataset, as asked
+    assert everything == f"{fineweb} --local-dir data/hf/fineweb-edu" and fetched(everything) is None
+
+    repo = tmp_path / "hub" / "datasets--HuggingFaceFW--fineweb-edu"
+    (repo / "snapshots" / "c0ffee").mkdir(parents=True)
+    (repo / "snapshots" / "c0ffee" / "README.md").write_text(FINEWEB_CARD)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    card = hint("hf:HuggingFaceFW/fineweb-edu:sample-10BT")
+    assert card == f"{fineweb} --include 'sample/10BT/*' --local-dir data/hf/fineweb-edu"
+    assert fetched(card) == ["sample/10BT/*"]
+    with pytest.raises(DataError, match=r"` \(config sample-10BT's train files, as the dataset card in the Hugging "
+                                        r"Face cache names them\) and prepare"):
+        prepare(["hf:HuggingFaceFW/fineweb-edu:sample-10BT"], tmp_path / "out", tokenizer="char")
+    assert fetched(hint("hf:HuggingFaceFW/fineweb-edu:tiny/test")) == ["tiny/test-*"]
+    assert fetched(hint("hf:HuggingFaceFW/fineweb-edu")) == ["data/*/*"]  # the card's default config
+    assert fetched(hint("hf:HuggingFaceFW/fineweb-edu:other")) == ["other/*", "*/other/*"]  # not in the card
 
 
 def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli, monkeypatch):

@@ -17,7 +17,8 @@ parquet, JSONL and CSV files and folders of them, one document a row of a text c
 - A position in a source is (file, row): `rows(start)` begins there, which is how an interrupted
   prepare resumes.
 - Offline (HF_HUB_OFFLINE set, or the Hub unreachable) a Hub name is one line that prints the
-  download command; with HF_HUB_OFFLINE=1 a copy in the `datasets` cache is used when there is one.
+  download command of the config's files (_hub_files); with HF_HUB_OFFLINE=1 a copy in the `datasets`
+  cache is used when there is one.
 
 Needs the `data` extra (`pip install 'tinygpt[data]'`): datasets and pyarrow.
 """
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import socket
 import zlib
 from collections.abc import Iterator, Sequence
@@ -497,6 +499,42 @@ def _hub_reachable(timeout: float = HUB_TIMEOUT_S) -> bool:
 
 def _offline_message(hub: HubName) -> str:
     folder = f"data/hf/{hub.name.rsplit('/', 1)[-1]}"
+    patterns, whose = _hub_files(hub)
+    # one pattern a flag: hf reads a second word after --include as a file name, and then ignores --include
+    include = "".join(f" --include {shlex.quote(p)}" for p in patterns)
     return (f"{hub}: the Hugging Face Hub cannot be reached (offline); on a machine online, download it with "
-            f"`hf download {hub.name} --repo-type dataset --local-dir {folder}` and prepare the folder of its "
-            "parquet or JSONL files from there (or, with HF_HUB_OFFLINE=1, a copy in the datasets cache is read)")
+            f"`hf download {hub.name} --repo-type dataset{include} --local-dir {folder}`{whose} and prepare the "
+            "folder of its parquet or JSONL files from there (or, with HF_HUB_OFFLINE=1, a copy in the datasets "
+            "cache is read)")
+
+
+def _hub_files(hub: HubName) -> tuple[list[str], str]:
+    """The `hf download --include` patterns of the config (and split) asked for, and where they come from.
+
+    A config's files are the `data_files` of its entry in the dataset card's `configs:` (README.md's YAML;
+    fineweb-edu's sample-10BT is sample/10BT/*), read from the Hugging Face cache when the dataset was
+    opened here before. Without the card, the files of a folder named after the config are a guess, said
+    so: the whole repository would be every config (terabytes for fineweb-edu). No config named and none
+    in the card: the whole dataset, as asked."""
+    try:
+        from datasets.data_files import sanitize_patterns
+        from datasets.utils.metadata import MetadataConfigs
+        from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.repocard import metadata_load
+
+        card = try_to_load_from_cache(hub.name, "README.md", repo_type="dataset")
+        configs = MetadataConfigs.from_dataset_card_data(metadata_load(card) or {}) if isinstance(card, str) else {}
+        config = hub.config or (configs.get_default_config_name() if configs else None)
+        splits = sanitize_patterns(configs[config]["data_files"]) if configs.get(config, {}).get("data_files") else {}
+    except Exception:  # a card datasets cannot read, or a datasets release whose internals differ: guess
+        config, splits = hub.config, {}
+    if splits:
+        named = hub.split in splits
+        patterns = splits[hub.split] if named else [p for files in splits.values() for p in files]
+        return patterns, (f" (config {config}'s {hub.split + ' ' if named else ''}files, as the dataset card in the "
+                          "Hugging Face cache names them)")
+    if config is None:
+        return [], ""
+    return [f"{config}/*", f"*/{config}/*"], (f" (a guess, a folder named {config}: the dataset card's configs: "
+                                              f"section names the config's files; `hf download {hub.name} README.md "
+                                              "--repo-type dataset` fetches the card)")
