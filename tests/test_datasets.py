@@ -276,10 +276,8 @@ def test_the_offline_hint_downloads_the_config_asked_for(tmp_path, monkeypatch):
     for fineweb-edu): the data_files the dataset card names, when the card is in the Hugging Face cache,
     the split's where it names splits, the default config's without one; else, plainly a guess, the
     folder named after the config. hf's own parser reads each command as those patterns."""
-    import shlex
-
     import huggingface_hub.constants
-    from huggingface_hub.cli import download, hf
+    from hf_cli import fetched_patterns
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -290,23 +288,8 @@ def test_the_offline_hint_downloads_the_config_asked_for(tmp_path, monkeypatch):
         assert "\n" not in str(e.value) and "cannot be reached (offline)" in str(e.value)
         return str(e.value).split("`")[1]
 
-    class Fetched(Exception):
-        pass
-
     def fetched(command: str) -> list[str] | None:
-        """The patterns `hf download` fetches for the command (its download functions replaced)."""
-        def snapshot(**kw):
-            raise Fetched(kw["allow_patterns"])
-
-        def one_file(**kw):
-            raise AssertionError(f"hf reads {kw['filename']!r} as a file name")
-
-        monkeypatch.setattr(download, "snapshot_download", snapshot)
-        monkeypatch.setattr(download, "hf_hub_download", one_file)
-        monkeypatch.setattr(sys, "argv", shlex.split(command))
-        with pytest.raises(Fetched) as e:
-            hf.main()
-        return e.value.args[0]
+        return fetched_patterns(command, monkeypatch)
 
     fineweb = "hf download HuggingFaceFW/fineweb-edu --repo-type dataset"
     guess = hint("hf:HuggingFaceFW/fineweb-edu:sample-10BT")

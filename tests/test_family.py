@@ -294,7 +294,8 @@ def test_a_hub_id_offline_is_one_line_with_the_download_command_and_nothing_writ
         r = cli(*args)
         assert r.returncode != 0 and r.stderr.count("\n") == 1, (args[0], r.stderr)
         assert "offline, and it is not in the cache" in r.stderr, (args[0], r.stderr)
-        assert f"hf download {repo} --include '*.safetensors' '*.json' '*.jinja' --local-dir hf/SmolLM2-135M-Instruct" in r.stderr
+        assert (f"hf download {repo} --include '*.safetensors' --include '*.json' --include '*.jinja' "
+                "--local-dir hf/SmolLM2-135M-Instruct") in r.stderr
     assert not any(path.exists() for path in written)
     # a missing run is a missing run, never a repository
     r = cli("sample", tmp_path / "runs" / "mine")
@@ -317,6 +318,8 @@ def test_a_hub_id_in_the_cache_is_used_offline_as_its_folder(world, base, hub_ca
 
 
 def test_what_counts_as_a_hub_id(tmp_path, monkeypatch):
+    from hf_cli import fetched_patterns
+
     from tinygpt.interop.hub import download_command, looks_like_hub_id
 
     monkeypatch.chdir(tmp_path)
@@ -325,5 +328,9 @@ def test_what_counts_as_a_hub_id(tmp_path, monkeypatch):
     # a path here, or under a folder here, is never a repository; nor is what the Hub cannot name
     for text in ("runs/mine", "runs", "gpt2", "a/b/c", str(tmp_path / "x" / "y"), "../up", "owner/name.", "a/..b"):
         assert not looks_like_hub_id(text), text
-    assert download_command("Qwen/Qwen3-0.6B") == \
-        "hf download Qwen/Qwen3-0.6B --include '*.safetensors' '*.json' '*.jinja' --local-dir hf/Qwen3-0.6B"
+    command = download_command("Qwen/Qwen3-0.6B")
+    assert command == ("hf download Qwen/Qwen3-0.6B --include '*.safetensors' --include '*.json' --include '*.jinja' "
+                       "--local-dir hf/Qwen3-0.6B")
+    # hf's own parser reads every pattern: after one --include, a second word was a file name and the weights
+    # ('*.safetensors') were never fetched
+    assert fetched_patterns(command, monkeypatch) == ["*.safetensors", "*.json", "*.jinja"]

@@ -35,9 +35,10 @@ def looks_like_hub_id(source: str | os.PathLike) -> bool:
 
 
 def download_command(repo_id: str) -> str:
-    """The `hf download` command that fetches what tinygpt reads of `repo_id` into hf/NAME."""
-    patterns = " ".join(f"'{p}'" for p in HUB_FILES)
-    return f"hf download {repo_id} --include {patterns} --local-dir hf/{repo_id.split('/')[1]}"
+    """The `hf download` command that fetches what tinygpt reads of `repo_id` into hf/NAME: an --include a pattern
+    (hf reads a second word after one --include as a file name, and then ignores the patterns)."""
+    patterns = " ".join(f"--include '{p}'" for p in HUB_FILES)
+    return f"hf download {repo_id} {patterns} --local-dir hf/{repo_id.split('/')[1]}"
 
 
 def _offline() -> bool:
