@@ -773,7 +773,7 @@ def test_prompt_scoring_holds_its_place_and_stops_when_its_client_leaves(model, 
     place, so a full server still let any number of them in, and it ran on after its client had left."""
     import time
 
-    from tinygpt.server import app as server_app
+    from tinygpt.server import completions
 
     calls = []
 
@@ -782,8 +782,8 @@ def test_prompt_scoring_holds_its_place_and_stops_when_its_client_leaves(model, 
         time.sleep(0.05)
         return real(*args, **kwargs)
 
-    real = server_app.score_windows
-    monkeypatch.setattr(server_app, "score_windows", slow)
+    real = completions.score_windows
+    monkeypatch.setattr(completions, "score_windows", slow)
     body = {**COMP, "prompt": "ab" * 20_000, "echo": True, "logprobs": 0, "max_tokens": 0}  # 39,968 windows
     with running(create_app(model, tok, model_name=NAME, max_concurrency=1, max_queue=0)) as base:
         def leaving_client():
@@ -810,16 +810,16 @@ def test_a_whole_answer_is_built_off_the_event_loop(model, tok, monkeypatch):
     event loop, and every other request, /health included, waited for it."""
     import time
 
-    from tinygpt.server.app import _Reply
+    from tinygpt.server.reply import Reply
 
-    real, formatting = _Reply.format_logprobs, threading.Event()
+    real, formatting = Reply.format_logprobs, threading.Event()
 
     def slow(self, tokens):
         formatting.set()
         time.sleep(1.5)
         return real(self, tokens)
 
-    monkeypatch.setattr(_Reply, "format_logprobs", slow)
+    monkeypatch.setattr(Reply, "format_logprobs", slow)
     with running(create_app(model, tok, model_name=NAME)) as base:
         answers = []
         client = threading.Thread(target=lambda: answers.append(

@@ -17,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 MAX_STOP = 64
 MAX_CHOICES = 16
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_BODY_BYTES = 2 * 1024 * 1024  # larger bodies get 413
+
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"  # the routes that generate
 
 # The plain-text chat template for base models: one "Role: content" line per message, then
 # "Assistant:" for the model to continue. Generation also stops where the model starts the
