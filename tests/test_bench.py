@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from tinygpt import GPT, GPTConfig
-from tinygpt.lab.bench import (
-    GPU, SMOKE, Plan, bench_config, bytes_per_token, cpu_flags, describe_cpu, llama_available, llama_failure,
-    machine, plan_for, ratios, render, run, peer_formats, train_dtypes,
-)
+from tinygpt.lab.bench import GPU, SMOKE, Plan, plan_for, ratios, render, run
+from tinygpt.lab.bench import generation, measure, peers, plans, training
+from tinygpt.lab.bench.clock import Clock
+from tinygpt.lab.bench.generation import bytes_per_token
+from tinygpt.lab.bench.machine import cpu_flags, describe_cpu, machine, peak_bandwidth, peak_flops
+from tinygpt.lab.bench.peers import llama_available, llama_failure
+from tinygpt.lab.bench.plans import bench_config, peer_formats, train_dtypes
 from tinygpt.calc.hardware import gpu_peaks
 from tinygpt.interop.quantize import quantize
-
-bench_module = importlib.import_module("tinygpt.lab.bench")
 needs_transformers = pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="transformers is not installed")
 
 
@@ -35,9 +36,18 @@ def test_training_rows_use_a_char_vocabulary_and_short_context():
     assert (cfg.vocab_size, cfg.block_size) == (50257, 1024)
 
 
+def test_the_documented_entry_points_are_the_package_s():
+    # docs/tutorials/finetune.md names tinygpt.lab.bench.run, and tinygpt bench calls run and render from
+    # the package: they stay there now that the bench is a module a part (issue 56)
+    import tinygpt.lab.bench
+    from tinygpt.lab.bench import report
+
+    assert tinygpt.lab.bench.run is measure.run and tinygpt.lab.bench.render is report.render
+
+
 def test_each_device_gets_its_plan_and_a_gpu_its_datasheet_peaks():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert plan_for(cuda) is GPU and plan_for(cpu) is bench_module.FULL and plan_for(cpu, quick=True) is bench_module.QUICK
+    assert plan_for(cuda) is GPU and plan_for(cpu) is plans.FULL and plan_for(cpu, quick=True) is plans.QUICK
     assert plan_for(cuda, smoke=True) is SMOKE is plan_for(cpu, quick=True, smoke=True)
     assert ("gpt2", 16, 10) in GPU.train and ("bfloat16", True) in GPU.train_modes and ("bf16", 1) in GPU.gen_compiled
     assert gpu_peaks("NVIDIA H200") == (989, 4800) and gpu_peaks("NVIDIA H200 NVL") == (835, 4800)
@@ -48,9 +58,9 @@ def test_each_device_gets_its_plan_and_a_gpu_its_datasheet_peaks():
 def test_a_gpu_run_is_read_against_its_peaks_and_targets():
     lim = {"matmul_float32_gflops": 400e3, "matmul_bfloat16_gflops": 790e3, "memory_read_gbs": 4300.0,
            "peak_bf16_gflops": 989e3, "peak_memory_gbs": 4800.0, "peak_source": "datasheet: NVIDIA H200"}
-    assert bench_module.peak_flops(lim, "float32") == 989e12 and bench_module.peak_bandwidth(lim) == 4800e9
+    assert peak_flops(lim, "float32") == 989e12 and peak_bandwidth(lim) == 4800e9
     cpu_lim = {"matmul_float32_gflops": 200.0, "matmul_bfloat16_gflops": 400.0, "memory_read_gbs": 40.0}
-    assert bench_module.peak_flops(cpu_lim, "float32") == 200e9 and bench_module.peak_bandwidth(cpu_lim) == 40e9
+    assert peak_flops(cpu_lim, "float32") == 200e9 and peak_bandwidth(cpu_lim) == 40e9
     train = dict(model="gpt2", dtype="bfloat16", batch=16, seq_len=1024, vocab=50257)
     decode = dict(model="gpt2", format="bf16", kv_cache=True, prompt=64, new_tokens=128, prefill_tokens_per_s=1e5,
                   ttft_s=0.01)
@@ -102,13 +112,13 @@ def test_a_tiny_run_measures_every_row_and_ratio():
 
 
 def test_bfloat16_training_is_measured_only_where_it_is_native(monkeypatch):
-    monkeypatch.setattr(bench_module, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(plans, "cpu_has_native_bf16", lambda: True)
     assert train_dtypes(torch.device("cpu")) == ("float32", "bfloat16")
-    monkeypatch.setattr(bench_module, "cpu_has_native_bf16", lambda: False)  # emulated: minutes a step
+    monkeypatch.setattr(plans, "cpu_has_native_bf16", lambda: False)  # emulated: minutes a step
     assert train_dtypes(torch.device("cpu")) == ("float32",)
-    assert peer_formats(bench_module.FULL, torch.device("cpu")) == ("fp32",)  # and transformers decodes in fp32
+    assert peer_formats(plans.FULL, torch.device("cpu")) == ("fp32",)  # and transformers decodes in fp32
     assert train_dtypes(torch.device("cuda")) == ("float32", "bfloat16")
-    assert peer_formats(bench_module.FULL, torch.device("cuda")) == ("fp32", "bf16")
+    assert peer_formats(plans.FULL, torch.device("cuda")) == ("fp32", "bf16")
 
 
 def test_ratios_read_the_best_format_against_each_target():
@@ -173,7 +183,7 @@ def test_busy_core_spins_a_process_while_its_block_runs():
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    with bench_module.busy_core() as busy:
+    with generation.busy_core() as busy:
         start = cpu_seconds(busy.spinner.pid)
         time.sleep(1.0)
         assert cpu_seconds(busy.spinner.pid) - start > 0.1  # working, not asleep (a loaded machine shares its core)
@@ -182,12 +192,12 @@ def test_busy_core_spins_a_process_while_its_block_runs():
 
 def test_decode_speed_is_the_whole_call_s_wall_clock_as_a_user_times_it():
     # issue 40: the median step hid what a user's clock sees (the prompt, a cache zeroed at every call, stalls)
-    clock = bench_module._Clock()
+    clock = Clock()
     clock.times = [0.5, 0.6, 0.7, 2.0]  # the first token after the prompt, then a step that stalled
     r = clock.result(16, 1, [1, 2, 3, 4])
     assert r["decode_tokens_per_s"] == 4 / 2.0 and r["wall_s"] == 2.0 and r["ttft_s"] == 0.5
     assert clock.result(16, 8, [1, 2, 3, 4])["decode_tokens_per_s"] == 8 * 4 / 2.0  # every row's tokens
-    assert bench_module.FULL.prompt == bench_module.QUICK.prompt == 16  # the issue's harness's prompt
+    assert plans.FULL.prompt == plans.QUICK.prompt == 16  # the issue's harness's prompt
 
 
 def test_cpu_flags_and_torch_s_view_of_them_head_every_report():
@@ -210,15 +220,13 @@ def test_cpu_flags_and_torch_s_view_of_them_head_every_report():
 
 def test_a_llama_cpp_file_is_tried_in_a_child_so_a_crash_there_is_reported_not_suffered(monkeypatch, tmp_path):
     # llama.cpp 0.3.36's AMX kernels fault on some virtual Xeons: it took the whole bench down with them
-    from tinygpt.lab import bench
-
     path = tmp_path / "q8_0.gguf"
-    monkeypatch.setattr(bench, "LLAMA_PROBE", "import os, signal, sys; assert sys.argv[1:3] == [%r, '64']; "
+    monkeypatch.setattr(peers, "LLAMA_PROBE", "import os, signal, sys; assert sys.argv[1:3] == [%r, '64']; "
                         "os.kill(os.getpid(), signal.SIGSEGV)" % str(path))
     assert llama_failure(path, 64) == f"it crashed with signal {signal.SIGSEGV.value}"
-    monkeypatch.setattr(bench, "LLAMA_PROBE", "raise ValueError('not a GGUF file')")
+    monkeypatch.setattr(peers, "LLAMA_PROBE", "raise ValueError('not a GGUF file')")
     assert llama_failure(path, 64) == "it failed: ValueError: not a GGUF file"
-    monkeypatch.setattr(bench, "LLAMA_PROBE", "import sys; sys.exit(0)")
+    monkeypatch.setattr(peers, "LLAMA_PROBE", "import sys; sys.exit(0)")
     assert llama_failure(path, 64) is None
 
 
@@ -250,8 +258,8 @@ def test_the_llama_cpp_comparison_gets_its_own_rounds_quiet_and_busy(monkeypatch
     measured = []
 
     def generate_llama(llm, idx, new_tokens, use_cache=True):
-        measured.append((bench_module.busy_core.active, new_tokens))
-        clock = bench_module._Clock()
+        measured.append((generation.busy_core.active, new_tokens))
+        clock = Clock()
         for _ in range(new_tokens):
             clock.tick()
         return clock.result(idx.shape[1], 1, [0] * new_tokens)
@@ -265,12 +273,12 @@ def test_the_llama_cpp_comparison_gets_its_own_rounds_quiet_and_busy(monkeypatch
         def __exit__(self, *exc):
             Quiet.active = False
 
-    monkeypatch.setattr(bench_module, "llama_available", lambda: True)
-    monkeypatch.setattr(bench_module, "llama_files", lambda model, folder, formats: {"f32": tmp_path / "f32.gguf"})
-    monkeypatch.setattr(bench_module, "llama_failure", lambda path, n_ctx: None)
-    monkeypatch.setattr(bench_module, "load_llama", lambda path, n_ctx: Llama())
-    monkeypatch.setattr(bench_module, "generate_llama", generate_llama)
-    monkeypatch.setattr(bench_module, "busy_core", Quiet)
+    monkeypatch.setattr(measure, "llama_available", lambda: True)
+    monkeypatch.setattr(generation, "llama_files", lambda model, folder, formats: {"f32": tmp_path / "f32.gguf"})
+    monkeypatch.setattr(generation, "llama_failure", lambda path, n_ctx: None)
+    monkeypatch.setattr(generation, "load_llama", lambda path, n_ctx: Llama())
+    monkeypatch.setattr(generation, "generate_llama", generate_llama)
+    monkeypatch.setattr(generation, "busy_core", Quiet)
     plan = Plan(matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(), prompt=4,
                 new_tokens=3, no_cache_tokens=2, gen_models=(), gen_batches=(1,), peer_formats=(),
                 llama_models=("lesson",), llama_formats=("f32",), formats=("fp32",), busy=True, repeats_llama=3)
@@ -314,7 +322,7 @@ def test_a_plan_s_compiled_rows_are_measured_beside_the_eager_ones(monkeypatch):
     import dataclasses
 
     asked = []
-    real_train, real_stream = bench_module.train_tinygpt, bench_module.generate_stream
+    real_train, real_stream = training.train_tinygpt, generation.generate_stream
 
     def train_tinygpt(*args, compile=False, **kwargs):
         asked.append(("train", compile))
@@ -324,8 +332,8 @@ def test_a_plan_s_compiled_rows_are_measured_beside_the_eager_ones(monkeypatch):
         asked.append(("decode", compile))
         return real_stream(*args, **kwargs)
 
-    monkeypatch.setattr(bench_module, "train_tinygpt", train_tinygpt)
-    monkeypatch.setattr(bench_module, "generate_stream", generate_stream)
+    monkeypatch.setattr(training, "train_tinygpt", train_tinygpt)
+    monkeypatch.setattr(generation, "generate_stream", generate_stream)
     plan = dataclasses.replace(SMOKE, train_modes=(("float32", False), ("float32", True)), formats=("fp32", "int8"),
                                gen_compiled=(("fp32", 1), ("int8", 2), ("bf16", 1)))
     result = run(plan=plan, peers=False, device="cpu", log=lambda line: None)
@@ -351,7 +359,8 @@ def test_the_smollm2_rows_are_its_shape_and_its_cache_holds_the_key_value_heads(
 @needs_transformers
 def test_a_llama_layout_row_measures_against_transformers_llama(monkeypatch):
     tiny = GPTConfig(arch="llama", vocab_size=77, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
-    monkeypatch.setattr(bench_module, "bench_config", lambda name, **kwargs: GPTConfig(**tiny.to_dict()))
+    for rows in (training, generation):  # the training and the generation rows each build their model
+        monkeypatch.setattr(rows, "bench_config", lambda name, **kwargs: GPTConfig(**tiny.to_dict()))
     plan = Plan(matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("smollm2", 2, 1),),
                 prompt=4, new_tokens=3, no_cache_tokens=2, gen_models=("smollm2",), gen_batches=(1,),
                 peer_formats=("fp32",), formats=("fp32", "int8"))

@@ -211,7 +211,7 @@ def run(
     Raises:
         ConfigError: an unknown recipe, fewer than two steps per evaluation, a recipe named twice.
     """
-    from .bench import load_average, machine
+    from .bench.machine import load_average, machine
     from ..device import resolve_device
 
     recipes = list(recipes)
