@@ -190,3 +190,10 @@ def test_fewshot_plot(tmp_path):
     assert png_size(tmp_path / "fs.png") == (550, 400)
     with pytest.raises(ConfigError):
         viz.plot_fewshot([0, 1], [0.5], tmp_path / "bad.png")
+
+
+def test_the_package_gives_the_names_the_tutorial_uses():
+    # docs/tutorials/inside.md calls these on `from tinygpt.lab import viz`, a package of a module a kind of
+    # picture since issue 56
+    for name in ("attention_weights", "plot_attention", "token_labels", "plot_loss", "read_metrics"):
+        assert name in viz.__all__ and callable(getattr(viz, name))
