@@ -226,26 +226,13 @@ def run(
     dataset = load_data(data)
     val_chars, val_tokens = dataset.meta.get("val_chars"), dataset.meta.get("val_tokens")
     chars_per_token = val_chars / val_tokens if val_chars and val_tokens else None
-    bits_per_nat = 1 / math.log(2) / (chars_per_token or 1)
     over = dict(batch_size=batch_size, max_iters=steps, eval_interval=interval, eval_iters=eval_iters,
                 device=device)
     configs = {name: recipe_configs(name, dataset.vocab_size, shape, over) for name in recipes}
     started = time.perf_counter()
     info = machine(resolve_device(device))
-    result_runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="tinygpt-recipes-") as tmp:
-        for seed in range(1, seeds + 1):
-            for name in recipes:
-                model, cfg = configs[name]
-                cfg = from_mapping(TrainConfig, {**cfg.to_dict(), "seed": seed})
-                clock = _Curve()
-                log(f"recipe {name}, seed {seed}: {steps} steps ...")
-                res = train(data, Path(tmp) / f"{name}-{seed}", model, cfg, callbacks=[clock])
-                evals_ = clock.evals
-                result_runs.append({"recipe": name, "seed": seed, "evals": evals_, "stopped": res.stopped})
-                log(f"recipe {name}, seed {seed}: val loss {evals_[-1]['val_loss']:.4f} "
-                    f"in {evals_[-1]['seconds']:.1f} s of training")
-    target, summary = summarize(result_runs, recipes, recipes[0], bits_per_nat)
+    runs = _train_runs(data, configs, seeds, steps, log)
+    target, summary = summarize(runs, recipes, recipes[0], 1 / math.log(2) / (chars_per_token or 1))
     info["load_average_end"] = load_average()
     return {
         "machine": info, "data": str(data), "tokenizer": dataset.meta.get("tokenizer"),
@@ -255,8 +242,26 @@ def run(
         "recipes": {name: {"about": RECIPES[name].about, "params": count_params(configs[name][0]).total,
                            "model": configs[name][0].to_dict(), "train": configs[name][1].to_dict()}
                     for name in recipes},
-        "runs": result_runs, "summary": summary, "seconds": time.perf_counter() - started,
+        "runs": runs, "summary": summary, "seconds": time.perf_counter() - started,
     }
+
+
+def _train_runs(data: str | Path, configs: dict[str, tuple[GPTConfig, TrainConfig]], seeds: int, steps: int,
+                log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Every recipe trained from seeds 1 .. seeds, interleaved (seed 1's recipes, then seed 2's, ...) so that
+    a shared machine's load falls on every recipe alike; each run's evaluations, timed by a _Curve."""
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="tinygpt-recipes-") as tmp:
+        for seed in range(1, seeds + 1):
+            for name, (model, cfg) in configs.items():
+                cfg = from_mapping(TrainConfig, {**cfg.to_dict(), "seed": seed})
+                clock = _Curve()
+                log(f"recipe {name}, seed {seed}: {steps} steps ...")
+                res = train(data, Path(tmp) / f"{name}-{seed}", model, cfg, callbacks=[clock])
+                runs.append({"recipe": name, "seed": seed, "evals": clock.evals, "stopped": res.stopped})
+                log(f"recipe {name}, seed {seed}: val loss {clock.evals[-1]['val_loss']:.4f} "
+                    f"in {clock.evals[-1]['seconds']:.1f} s of training")
+    return runs
 
 
 def _fmt(value: float | None, spec: str, none: str = "not reached") -> str:
