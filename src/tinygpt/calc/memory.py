@@ -247,78 +247,107 @@ def _block_bytes(
     and whether its queries or keys need a gradient (their rotary positions keep cos and sin).
     `flows`: the block's input needs a gradient; `ln`: its norms train; `kept`: the matmuls
     that keep their input (their weight trains, or LoRA adapts them)."""
-    d, H, D, H_kv = config.n_embd, config.n_head, config.head_dim, config.kv_heads
-    shapes = projections(config)
-    r, c = dtype_bytes(param_dtype), dtype_bytes(dtype)
-    BT = B * T
-    dropout = config.dropout > 0
-    total = casts = 0
-    autocast = dtype != param_dtype
-    shared: set[str] = set()  # inputs kept once for every matmul that reads them (q, k, v; gate, up)
+    block = _Block(config, B, T, dtype, param_dtype, ln, kept, method)
+    total = block.norm(flows)  # ln_1
+    attention, flows, rotates = block.attention(flows or ln)
+    total += attention + block.norm(flows)  # ln_2
+    mlp, flows = block.mlp(flows or ln)
+    return total + mlp, flows, block.casts, rotates
 
-    def matmul(name: str, grad_in: bool, reads: str | None = None) -> int:
+
+class _Block:
+    """What one block keeps, counted tensor by tensor in the order its forward pass makes them. Its
+    matmuls add to `casts` the weight elements whose compute-dtype copy autocast keeps."""
+
+    def __init__(self, config: GPTConfig, B: int, T: int, dtype: str, param_dtype: str, ln: bool,
+                 kept: frozenset[str], method: _Method) -> None:
+        self.config, self.B, self.T, self.BT = config, B, T, B * T
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.r, self.c = dtype_bytes(param_dtype), dtype_bytes(dtype)
+        self.ln, self.kept, self.method = ln, kept, method
+        self.shapes = projections(config)
+        self.dropout = config.dropout > 0
+        self.casts = 0
+        self.shared: set[str] = set()  # inputs kept once for every matmul that reads them (q, k, v; gate, up)
+
+    def norm(self, flows: bool) -> int:
+        """ln_1 or ln_2 over the residual stream (`flows`: their input needs a gradient)."""
+        return _norm_bytes(self.config, self.BT, self.config.n_embd, self.r, flows, self.ln)
+
+    def matmul(self, name: str, grad_in: bool, reads: str | None = None) -> int:
         """What a matmul keeps: its input for its weight's gradient (LoRA: A's input and B's, rank
         wide), and its weight's copy when its input needs a gradient. Matmuls that read the same
         input (`reads`) keep it once, unless autocast casts it for each, or LoRA dropout drops it for each."""
-        nonlocal casts
+        method, BT, c = self.method, self.BT, self.c
         rank = method.lora.rank if name in method.adapted else 0
-        fan_in, fan_out = shapes[name]
-        casts += (fan_in * fan_out + rank * fan_in if grad_in else 0) + rank * fan_out
-        if name not in kept:
+        fan_in, fan_out = self.shapes[name]
+        self.casts += (fan_in * fan_out + rank * fan_in if grad_in else 0) + rank * fan_out
+        if name not in self.kept:
             return 0
-        own = autocast or (rank and method.lora.dropout > 0)
-        if reads is not None and not own:
-            if reads in shared:
+        dropped = rank and method.lora.dropout > 0
+        if reads is not None and not (self.dtype != self.param_dtype or dropped):
+            if reads in self.shared:
                 return BT * rank * c
-            shared.add(reads)
+            self.shared.add(reads)
         # with LoRA dropout A's input is the dropped copy, kept with its mask
-        return BT * rank * c + (2 if rank and method.lora.dropout > 0 else 1) * BT * fan_in * c
+        return BT * rank * c + (2 if dropped else 1) * BT * fan_in * c
 
-    total += _norm_bytes(config, BT, d, r, flows, ln)
-    flows = flows or ln  # ln_1's output
-    if config.arch == "gpt2":
-        total += matmul("attn.c_attn", flows)
-        grads = dict.fromkeys("qkv", flows or "attn.c_attn" in kept)
-        out = "attn.c_proj"
-    else:
-        for name in "qkv":
-            total += matmul(f"attn.{name}_proj", flows, "ln_1")
-        grads = {name: flows or f"attn.{name}_proj" in kept for name in "qkv"}
-        if config.qk_norm:
-            total += _norm_bytes(config, BT * H, D, r, grads["q"], ln) + _norm_bytes(config, BT * H_kv, D, r,
-                                                                                     grads["k"], ln)
-            grads["q"], grads["k"] = grads["q"] or ln, grads["k"] or ln
-        out = "attn.o_proj"
-    flows = grads["q"] or grads["k"] or grads["v"]  # attention's output
-    matmul_path = dtype == "bfloat16" and param_dtype == "float32" and B * H * T * T <= MATH_ATTENTION_MAX_SCORES
-    if flows:
-        total += _attention_bytes(config, B, T, dtype, matmul_path)
-    if out not in kept and flows and not dropout and not matmul_path:
-        total += BT * H * D * c  # the fused kernel keeps its output, which is the projection's input
-    total += matmul(out, flows)
-    flows = flows or out in kept
-    if dropout and flows:
-        total += BT * d * c  # the mask after the attention's projection
-    total += _norm_bytes(config, BT, d, r, flows, ln)
-    flows = flows or ln  # ln_2's output
-    hidden = BT * config.mlp_width * c
-    if config.mlp == "swiglu":
-        total += matmul("mlp.gate_proj", flows, "ln_2") + matmul("mlp.up_proj", flows, "ln_2")
-        gate, up = flows or "mlp.gate_proj" in kept, flows or "mlp.up_proj" in kept
-        # silu keeps its input; silu(g) * u keeps u where silu(g) needs a gradient, silu(g) where u does
-        total += 2 * hidden * gate + hidden * up
-        flows, down = gate or up, "mlp.down_proj"
-    else:
-        up, down = ("mlp.c_fc", "mlp.c_proj") if config.arch == "gpt2" else ("mlp.up_proj", "mlp.down_proj")
-        total += matmul(up, flows)
-        flows = flows or up in kept
+    def attention(self, flows: bool) -> tuple[int, bool, bool]:
+        """From ln_1's output (`flows`: it needs a gradient) to the attention's projection and its dropout:
+        the bytes kept, whether the residual stream after it needs a gradient, and whether the queries
+        or keys do."""
+        cfg, kept, ln = self.config, self.kept, self.ln
+        H, D = cfg.n_head, cfg.head_dim
+        total = 0
+        if cfg.arch == "gpt2":
+            total += self.matmul("attn.c_attn", flows)
+            grads = dict.fromkeys("qkv", flows or "attn.c_attn" in kept)
+            out = "attn.c_proj"
+        else:
+            for name in "qkv":
+                total += self.matmul(f"attn.{name}_proj", flows, "ln_1")
+            grads = {name: flows or f"attn.{name}_proj" in kept for name in "qkv"}
+            if cfg.qk_norm:
+                total += (_norm_bytes(cfg, self.BT * H, D, self.r, grads["q"], ln)
+                          + _norm_bytes(cfg, self.BT * cfg.kv_heads, D, self.r, grads["k"], ln))
+                grads["q"], grads["k"] = grads["q"] or ln, grads["k"] or ln
+            out = "attn.o_proj"
+        flows = grads["q"] or grads["k"] or grads["v"]  # attention's output
+        matmul_path = (self.dtype == "bfloat16" and self.param_dtype == "float32"
+                       and self.B * H * self.T * self.T <= MATH_ATTENTION_MAX_SCORES)
         if flows:
-            total += hidden  # GELU's input
-    total += matmul(down, flows)
-    flows = flows or down in kept
-    if dropout and flows:
-        total += BT * d * c  # the mask after the MLP
-    return total, flows, casts, grads["q"] or grads["k"]
+            total += _attention_bytes(cfg, self.B, self.T, self.dtype, matmul_path)
+        if out not in kept and flows and not self.dropout and not matmul_path:
+            total += self.BT * H * D * self.c  # the fused kernel keeps its output, which is the projection's input
+        total += self.matmul(out, flows)
+        flows = flows or out in kept
+        return total + self.dropout_mask(flows), flows, grads["q"] or grads["k"]
+
+    def mlp(self, flows: bool) -> tuple[int, bool]:
+        """From ln_2's output (`flows`: it needs a gradient) to the MLP's down projection and its dropout:
+        the bytes kept and whether the residual stream after it needs a gradient."""
+        cfg, kept = self.config, self.kept
+        hidden = self.BT * cfg.mlp_width * self.c
+        if cfg.mlp == "swiglu":
+            total = self.matmul("mlp.gate_proj", flows, "ln_2") + self.matmul("mlp.up_proj", flows, "ln_2")
+            gate, up = flows or "mlp.gate_proj" in kept, flows or "mlp.up_proj" in kept
+            # silu keeps its input; silu(g) * u keeps u where silu(g) needs a gradient, silu(g) where u does
+            total += 2 * hidden * gate + hidden * up
+            flows, down = gate or up, "mlp.down_proj"
+        else:
+            up, down = ("mlp.c_fc", "mlp.c_proj") if cfg.arch == "gpt2" else ("mlp.up_proj", "mlp.down_proj")
+            total = self.matmul(up, flows)
+            flows = flows or up in kept
+            if flows:
+                total += hidden  # GELU's input
+        total += self.matmul(down, flows)
+        flows = flows or down in kept
+        return total + self.dropout_mask(flows), flows
+
+    def dropout_mask(self, flows: bool) -> int:
+        """The mask of the dropout after a projection back into the residual stream (the attention's, the
+        MLP's), kept where a gradient flows through it."""
+        return self.BT * self.config.n_embd * self.c if self.dropout and flows else 0
 
 
 def _attention_bytes(config: GPTConfig, B: int, T: int, dtype: str, matmul_path: bool) -> int:
