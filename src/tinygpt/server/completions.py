@@ -62,7 +62,15 @@ async def score(state: ServerState, request: Request, prompts: list[list[int]], 
     """Each prompt token's logprob and `top` alternatives, each predicted from as much of the
     prompt before it as the context holds (scoring_windows); the first token has none. The
     request holds its places in the scheduler meanwhile (a full server answers 429), and a client
-    that leaves stops the scoring (raises ClientGone)."""
+    that leaves stops the scoring (raises ClientGone).
+
+    Args:
+        state: the server's state.
+        request: the HTTP request, asked between turns whether its client is still there.
+        prompts: each prompt's token ids ([] for an empty prompt: nothing to score).
+        top: alternatives per token (the request's logprobs).
+        n: choices per prompt, each carrying its prompt's logprobs (counted against SCORE_MAX_TOKENS).
+    """
     total = sum(len(ids) for ids in prompts) * n  # every choice carries its prompt's logprobs
     if total > SCORE_MAX_TOKENS:
         raise invalid_value("prompt", f"echo with logprobs scores at most {SCORE_MAX_TOKENS:,} "

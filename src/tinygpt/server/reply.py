@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from .protocol import APIError
+from .protocol import APIError, ChatRequest, CompletionRequest
 from .refusals import scheduler_errors
 from .scheduler import Event, Sequence, TokenInfo
 from .state import ServerState
@@ -25,10 +25,22 @@ from .state import ServerState
 _GONE = object()  # queued when the client disconnects
 
 
-async def generate(state: ServerState, request: Request, req, prompts: list[list[int]], settings: dict, *,
-                   chat: bool, echo: list[str] | None = None, scored: list[list[TokenInfo]] | None = None) -> Response:
+async def generate(state: ServerState, request: Request, req: CompletionRequest | ChatRequest, prompts: list[list[int]],
+                   settings: dict, *, chat: bool, echo: list[str] | None = None,
+                   scored: list[list[TokenInfo]] | None = None) -> Response:
     """Hand a request's sequences (n choices of each prompt) to the scheduler and answer with their text:
-    a stream of server-sent events, or the whole answer once every choice has finished."""
+    a stream of server-sent events, or the whole answer once every choice has finished.
+
+    Args:
+        state: the server's state (its scheduler, block size).
+        request: the HTTP request, watched for the client leaving.
+        req: the validated body (n, seed, stream and stream_options are read here).
+        prompts: each prompt's token ids; longer than the context, a prompt keeps its last block_size.
+        settings: what every sequence shares (ServerState.settings, with stop strings and logprobs).
+        chat: answer as /v1/chat/completions does (a message), else as /v1/completions (text).
+        echo: with echo, each prompt's text, written before its choices' text.
+        scored: with echo and logprobs, each prompt's tokens' logprobs.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
 
