@@ -32,8 +32,16 @@ Engine = tuple[str, str, Any, list[tuple[bool, int]]]  # (impl, weight format, m
 
 def generation_rows(plan: Plan, device: torch.device, lim: dict[str, Any], peers: bool, llama: bool,
                     log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Every generation row of the plan, model by model; with `peers` transformers' rows, with `llama`
-    (on a CPU) llama.cpp's."""
+    """Every generation row of the plan, model by model.
+
+    Args:
+        plan: the models, batches, formats, tokens and rounds to measure.
+        device: where to decode.
+        lim: the machine's limits (machine.limits), which bandwidth use divides by.
+        peers: measure transformers on the plan's generation models.
+        llama: measure llama.cpp on the plan's llama models (on a CPU).
+        log: called with each row's line, and with what is left out and why.
+    """
     rows = []
     if peers and "bf16" in plan.peer_formats and "bf16" not in peer_formats(plan, device):
         log("generate: transformers' bf16 rows left out: this CPU emulates bfloat16")

@@ -58,7 +58,15 @@ def train_tinygpt(
 def training_rows(plan: Plan, device: torch.device, lim: dict[str, Any], peers: bool,
                   log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Tokens/s and MFU of each model of the plan trained by tinygpt (eager, or compiled where the plan
-    says) and, with `peers`, by transformers, in each dtype: interleaved rounds, the best of each kept."""
+    says) and, with `peers`, by transformers, in each dtype: interleaved rounds, the best of each kept.
+
+    Args:
+        plan: the models, batches, steps, rounds and modes to measure.
+        device: where to train.
+        lim: the machine's limits (machine.limits), which MFU divides by.
+        peers: measure transformers beside tinygpt.
+        log: called with each row's line.
+    """
     rows = []
     dtypes = train_dtypes(device)
     modes = plan.train_modes or tuple((d, False) for d in dtypes)
