@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import make_text
+from safetensors.torch import save_file
 
 import tinygpt
 from tinygpt import ConfigError, DataError, FinetuneConfig, GPTConfig, TrainConfig
@@ -61,6 +62,16 @@ def world(tmp_path_factory):
     export_hf(checkpoint.load(root / "base"), checkpoint.folder_tokenizer(root / "base"), root / "hf")
     prepare([str(root / "b.txt")], root / "data-b", tokenizer=None, tokenizer_file=root / "hf")
     return root
+
+
+@pytest.fixture(scope="module")
+def bf16_base(world):
+    """The base with its weights stored in bfloat16, as SmolLM2's and Qwen's are published."""
+    shutil.copytree(world / "base", world / "base-bf16")
+    weights, meta = read_weights(world / "base-bf16" / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, world / "base-bf16" / "model.safetensors",
+              metadata=meta)
+    return world / "base-bf16"
 
 
 def tensors(folder, name="model.safetensors"):
@@ -210,19 +221,38 @@ def test_keep_best_keeps_from_when_no_step_beats_it(world, tmp_path, method):
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_resume_is_bitwise(world, tmp_path, method):
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
+def test_resume_is_bitwise(world, bf16_base, tmp_path, method, stored):
+    # a bfloat16 base trains in float32: a full run saved in bfloat16 resumes from the float32 weights its state
+    # keeps, LoRA's float32 adapters come back unrounded onto it
+    base = bf16_base if stored == "bfloat16" else world / "base"
     cfg = FinetuneConfig(method=method, dropout=0.1, lora_dropout=0.1 if method == "lora" else 0.0, block_size=24)
     name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
     whole = tmp_path / "whole"
-    tinygpt.finetune(world / "base", world / "data-b", whole, cfg, quick(eval_interval=5))
+    tinygpt.finetune(base, world / "data-b", whole, cfg, quick(eval_interval=5))
     cut = tmp_path / "cut"
-    tinygpt.finetune(world / "base", world / "data-b", cut, cfg, quick(eval_interval=5), should_stop=lambda s: s == 7)
+    tinygpt.finetune(base, world / "data-b", cut, cfg, quick(eval_interval=5), should_stop=lambda s: s == 7)
     assert checkpoint.weights_step(cut) == 7 and checkpoint.is_adapter_run(cut) == (method == "lora")
     assert has_checkpoint(cut)
-    result = tinygpt.finetune(world / "base", world / "data-b", cut, cfg, quick(eval_interval=5), resume=True)
+    result = tinygpt.finetune(base, world / "data-b", cut, cfg, quick(eval_interval=5), resume=True)
     assert result.train.step == 20
     a, b = tensors(whole, name), tensors(cut, name)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert {str(t.dtype) for t in a.values()} == {"torch.float32" if method == "lora" else f"torch.{stored}"}
+
+
+def test_a_run_fine_tuned_in_bfloat16_before_the_float32_weights_still_resumes(world, bf16_base, tmp_path):
+    # a bfloat16 base's run as fine-tuning wrote it then: trained in bfloat16, its AdamW moments too, no float32 weights
+    run = tmp_path / "bf16"
+    tinygpt.finetune(bf16_base, world / "data-b", run, FinetuneConfig(), quick(max_iters=4))
+    state = torch.load(run / "train_state.pt", weights_only=True)
+    del state["master"]
+    for moments in state["optimizer"]["state"].values():
+        moments.update({k: v.to(torch.bfloat16) for k, v in moments.items() if k != "step"})
+    torch.save(state, run / "train_state.pt")
+    result = tinygpt.finetune(bf16_base, world / "data-b", run, FinetuneConfig(), quick(max_iters=8), resume=True)
+    assert result.train.step == 8 and {t.dtype for t in tensors(run).values()} == {torch.bfloat16}
+    assert "master" in torch.load(run / "train_state.pt", weights_only=True)
 
 
 def test_data_of_another_tokenizer_is_refused_with_the_prepare_command(world, tmp_path):

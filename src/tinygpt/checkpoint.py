@@ -494,7 +494,7 @@ def load_adapter_run(
     device: str | torch.device = "cpu",
     allow_nonfinite: bool = False,
     merge_adapters: bool = False,
-    base: str | Path | None = None,
+    base: str | Path | None = None, dtype: torch.dtype | None = None,
 ) -> GPT:
     """The model of an adapter run, in eval mode: its base, checked, with the adapters applied.
 
@@ -505,6 +505,7 @@ def load_adapter_run(
         merge_adapters: fold the adapters into the weights (a plain GPT, as fast as the base).
         base: the base model's folder, where it is not the one the run names (a base moved, or
             exported): its weights are checked against the run's checksum all the same.
+        dtype: the model's, adapters included (default: the base's); float32 keeps float32 adapters unrounded.
 
     Raises:
         CheckpointError: a damaged adapter file, or a base that is missing, is not a full model, or
@@ -527,6 +528,7 @@ def load_adapter_run(
         raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
                               f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_BASE} expects "
                               f"{info.checksum[:19]}...)")
+    model = model if dtype is None else model.to(dtype)  # after the checksum, which is of the weights as stored
     model = reconfigured(model, _check_same_architecture(run, shown, model), shown)  # a cropped context
     tensors, _ = read_weights(info.weights)
     tensors = {info.names.get(k, k): t for k, t in tensors.items()}

@@ -11,10 +11,17 @@ Chat data prepared with the base's tokenizer (`prepare FILE.jsonl --format chat 
 FROM`) is supervised fine-tuning: the base's tokenizer plus a chat template, whose special tokens
 get new embedding rows (the mean of the old ones), and the loss mask of the assistant's tokens.
 
-finetune hands train() a train.Start: how to build the starting model (the base, its context cropped,
-its dropout set, adapters added or layers frozen), how to load it back from a checkpoint on resume,
-and, for LoRA, that checkpoints are adapter runs naming the base. LoRA's adapters live in
-tinygpt.lora; adapter runs are written and read by tinygpt.checkpoint.
+finetune hands train() a train.Start: how to build the starting model (the base in float32, its
+context cropped, its dropout set, adapters added or layers frozen), how to load it back from a
+checkpoint on resume, the dtypes to save in (the base's), and, for LoRA, that checkpoints are
+adapter runs naming the base. LoRA's adapters live in tinygpt.lora; adapter runs are written and
+read by tinygpt.checkpoint.
+
+A base stored in bfloat16 (SmolLM2's and Qwen's published weights) trains in float32 all the same,
+weights and AdamW's moments: in bfloat16 most updates at a fine-tuning rate are below half a step of
+the weight they change and round away. A full run is saved in the base's dtype (its float32 weights
+kept in train_state.pt for a resume); LoRA's adapters are saved in float32, as PEFT keeps them, and a
+merge folds them into the base's dtype.
 """
 
 from __future__ import annotations
@@ -135,7 +142,7 @@ def finetune(
         config: what trains and how (FinetuneConfig()).
         train_config: the optimization (default: DEFAULT_TRAIN's recipe). Its lr left None is the
             method's fine-tuning rate (FinetuneConfig.default_lr), far below pretraining's.
-        resume: continue the run in `out` from its checkpoint (bitwise on CPU in float32).
+        resume: continue the run in `out` from its checkpoint (bitwise on CPU, a bfloat16 base's too).
         merge: with lora, also write the adapters folded into the base as a plain run here.
         progress, callbacks, should_stop: as for train().
 
@@ -143,9 +150,9 @@ def finetune(
     loss (on chat data the assistant's tokens' only) and bits per char (char tokenizer) or per
     byte; the same prompts sampled with the same seed (on chat data, replies); the loss on a
     reference text (config.reference, default the base's own validation data when it is a tinygpt
-    run that records it) as a measure of forgetting; trainable and total parameters; the process's
-    peak memory; the time. "After" is the checkpoint kept in `out` (kept_step: its step), with keep
-    best the one of the lowest validation loss, FROM's own evaluated at step 0 included: when no step
+    run that records it) as a measure of forgetting; trainable and total parameters; peak memory;
+    the time; the dtypes. "After" is the checkpoint kept in `out` as saved (kept_step: its step), with
+    keep best the one of the lowest validation loss, FROM's own at step 0 included: when no step
     beats FROM, `out` holds FROM itself (a full run its weights, an adapter run its adapters at zero).
 
     Raises:
@@ -178,18 +185,18 @@ def finetune(
         model_config = _finetune_config(base.config, cfg, from_, new_ids)
         texts = _report_texts(from_, dataset, cfg, tokenizer)
         prompts = _sample_prompts(texts[0], data_tokenizer, cfg)  # refused here, before any measuring or training
-        start = _start(from_, base_checksum, model_config, cfg, new_ids)
+        dtypes = {name: t.dtype for name, t in base.state_dict().items()}  # the base's, to save the run in
+        start = _start(from_, base_checksum, model_config, cfg, new_ids, dtypes)
         before = _measure(_shaped(base, model_config, from_, new_ids), texts, prompts, data_tokenizer, cfg)
         del base  # the training builds its own copy: do not hold two through the run
-        counter = _CountParams()
-        started = time.perf_counter()
+        counter, started = _CountParams(), time.perf_counter()
         result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
                        should_stop=should_stop)
         ctx.barrier()  # rank 0 has written the checkpoint the others read
         after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
         after = _measure(after_model, texts, prompts, data_tokenizer, cfg)
         report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started,
-                         checkpoint.weights_step(out))
+                         checkpoint.weights_step(out), _dtype_names(dtypes.values()))
         if ctx.is_main:
             write_json(out / REPORT, report)
             if merge is not None:
@@ -200,8 +207,8 @@ def finetune(
 
 def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:
     """The model finetune() starts from, and the data's tokenizer: the base with its context cropped,
-    its dropout set and (chat data) its vocabulary grown as fine-tuning does, in eval mode. What a
-    comparison of a model before and after fine-tuning measures as "before".
+    its dropout set and (chat data) its vocabulary grown as fine-tuning does, in eval mode, in its own
+    dtype. What a comparison of a model before and after fine-tuning measures as "before".
 
     Args:
         from_, data, config: as for finetune().
@@ -246,7 +253,7 @@ _MEASURED = {"data": _SCORE, "reference?": _SCORE, "samples": [{"prompt": str, "
 _REPORT_SHAPE = {
     "from": str, "method": str, "keep": str, "steps": _COUNT, "tokens": _COUNT, "before": _MEASURED,
     "after": _MEASURED, "params": {"trainable": _COUNT, "total": _COUNT}, "memory": {"peak_rss_bytes": _COUNT},
-    "seconds": _NUMBER, "train_seconds": _NUMBER, "kept_step?": _COUNT,
+    "seconds": _NUMBER, "train_seconds": _NUMBER, "kept_step?": _COUNT, "dtype?": {"base": str, "saved": str},
 }
 
 
@@ -381,7 +388,9 @@ def _shaped(model: GPT, config: GPTConfig, from_: Path, new_ids: range) -> GPT:
 
 
 def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
-    """What trains: adapters (LoRA) or everything not frozen; activation checkpointing when asked."""
+    """What trains: adapters (LoRA) or everything not frozen, in float32 whatever the base stores (new
+    adapters too); activation checkpointing when asked."""
+    model = model.float()
     if cfg.method == "lora" and adapters:
         lora = cfg.lora
         apply_lora(model, lora.rank, lora.alpha, lora.targets, lora.dropout)
@@ -421,7 +430,7 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
 
 
 def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
-           new_ids: range) -> Start:
+           new_ids: range, dtypes: dict[str, torch.dtype]) -> Start:
     lora = cfg.method == "lora"
     if lora and checkpoint.is_adapter_run(from_):
         raise ConfigError(f"{from_} is an adapter run: LoRA needs a full model as its base (tinygpt merge it first)")
@@ -430,13 +439,15 @@ def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg:
         return _prepare(_shaped(_load_base(from_), model_config, from_, new_ids), cfg, adapters=True)
 
     def load(run: Path) -> GPT:
-        # an adapter run comes back with its adapters, on the base given now (checked against the checksum)
-        model = checkpoint.load_adapter_run(run, base=from_) if lora else checkpoint.load(run)
+        # an adapter run comes back with its adapters, on the base given now (checked against the checksum),
+        # in float32 from the start so that its float32 adapters are not rounded to a bfloat16 base's
+        model = checkpoint.load_adapter_run(run, base=from_, dtype=torch.float32) if lora else checkpoint.load(run)
         return _prepare(model, cfg, adapters=False)
 
     record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum}}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
-                 base_checksum=base_checksum, keep=cfg.keep, record=record)
+                 base_checksum=base_checksum, keep=cfg.keep, record=record,
+                 dtypes=None if lora else dtypes)  # LoRA saves its adapters as trained, in float32
 
 
 class _CountParams(TrainCallback):
@@ -580,7 +591,7 @@ def peak_memory() -> int:
 
 
 def _report(from_: Path, cfg: FinetuneConfig, result: TrainResult, before: dict, after: dict, counter: _CountParams,
-            seconds: float, kept_step: int) -> dict[str, Any]:
+            seconds: float, kept_step: int, base_dtype: str) -> dict[str, Any]:
     change = {name: after[name]["loss"] - before[name]["loss"] for name in before if name != "samples"}
     memory: dict[str, Any] = {"peak_rss_bytes": peak_memory()}
     if torch.cuda.is_available():
@@ -594,4 +605,11 @@ def _report(from_: Path, cfg: FinetuneConfig, result: TrainResult, before: dict,
         # a resumed run's whole time: the earlier invocations' training, and this one's training and measuring
         "memory": memory, "seconds": seconds + result.total_elapsed - result.elapsed,
         "train_seconds": result.total_elapsed,
+        # trained in float32 whatever FROM stores; saved in FROM's dtype, LoRA's adapters in float32
+        "dtype": {"base": base_dtype, "saved": "float32" if cfg.method == "lora" else base_dtype},
     }
+
+
+def _dtype_names(dtypes) -> str:
+    """A model's dtypes in words: "bfloat16", or "bfloat16 and float32" where its weights mix them."""
+    return " and ".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))

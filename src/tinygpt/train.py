@@ -89,6 +89,9 @@ class Start:
             a step beats it: a run that only gets worse keeps the model it started from (a full run its
             weights, an adapter run its adapters at zero), never a worse one.
         record: JSON-ready settings kept in train_config.json beside the training's.
+        dtypes: each weight's dtype in the checkpoints (a bfloat16 base's, so its run is saved in
+            bfloat16), where the model trains in float32; the float32 weights a save rounds are kept
+            in the training state, and a resume goes on from them. None: saved as trained.
     """
 
     config: GPTConfig
@@ -99,6 +102,7 @@ class Start:
     base_checksum: str | None = None
     keep: str = "last"
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] | None = None
 
 
 @dataclass(frozen=True)
@@ -787,6 +791,7 @@ class _Run:
         weights, optimizer_state = distributed.full_state(self.model, self.optimizer, ctx)  # gathered under FSDP
         if not ctx.is_main:
             return
+        weights, master = self.stored(weights)
         train_state = {
             "step": self.step, "tokens": self.tokens, "elapsed": self.seconds(), "max_iters": self.horizon,
             "optimizer": optimizer_state,
@@ -797,6 +802,8 @@ class _Run:
         }
         if self.keep_best:
             train_state["best_val"] = self.best
+        if master is not None:
+            train_state["master"] = master
         base, checksum = (self.start.adapter_base, self.start.base_checksum) if self.start else (None, None)
         if folder is not None:
             folder.mkdir(exist_ok=True)
@@ -804,6 +811,16 @@ class _Run:
                 atomic_write(folder / name, lambda tmp, name=name: shutil.copyfile(self.folder / name, tmp))
         checkpoint.save_training(folder or self.folder, self.model, train_state, self.dataset.tokenizer,
                                  state_dict=weights, adapter_base=base, base_checksum=checksum)
+
+    def stored(self, weights: dict[str, torch.Tensor] | None) -> tuple[dict | None, dict | None]:
+        """The weights to save (full_state's: None for the model's own) in the Start's dtypes, and the
+        float32 weights they were rounded from, or None where nothing was rounded: an update smaller
+        than half a bfloat16 step is kept there until the steps add up to one."""
+        dtypes = self.start.dtypes if self.start is not None else None
+        trained = self.model.state_dict() if weights is None else weights
+        if not dtypes or all(dtypes.get(k, v.dtype) == v.dtype for k, v in trained.items()):
+            return weights, None
+        return {k: v.to(dtypes.get(k, v.dtype)) for k, v in trained.items()}, {k: v.cpu() for k, v in trained.items()}
 
     def decide(self, stop: _Stop, should_stop: Callable[[int], bool] | None, pace: _Pace, now: float) -> str | None:
         """Phase 5: whether to stop after this step, the same in every process: why, or None to go on."""
@@ -840,13 +857,19 @@ class _Run:
 
 
 def _build_model(setup: _Setup, folder: Path, home: torch.device) -> GPT:
-    """The model a run starts from: new from the seed (the same in every process), or the checkpoint's;
-    a Start's own (a pretrained model) when it has one."""
-    if setup.start is not None:
-        return (setup.start.build() if setup.state is None else setup.start.load(folder)).to(home)
+    """The model a run starts from: new from the seed (the same in every process), or the checkpoint's
+    (its float32 weights, where the checkpoint kept them beside rounded ones); a Start's own (a
+    pretrained model) when it has one."""
     if setup.state is None:
-        return GPT(setup.model_config).to(home)
-    return checkpoint.load(folder, device=home)
+        return (setup.start.build() if setup.start is not None else GPT(setup.model_config)).to(home)
+    model = setup.start.load(folder) if setup.start is not None else checkpoint.load(folder)
+    if setup.state.get("master") is not None:
+        try:
+            model.float().load_state_dict(setup.state["master"])
+        except RuntimeError as e:
+            raise CheckpointError(f"{folder / checkpoint.STATE}: its float32 weights do not fit the run's model "
+                                  f"({' '.join(str(e).split())[:300]})") from None
+    return model.to(home)
 
 
 def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | None,
@@ -1006,6 +1029,9 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
         "schedule": schedule is None or isinstance(schedule, dict) and fraction(schedule.get("warm"))
         and fraction(schedule.get("progress")),
         "optimizer_kind": state.get("optimizer_kind") in (None, *OPTIMIZERS),
+        "master": state.get("master") is None or isinstance(state["master"], dict)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
+                for k, v in state["master"].items()),
         "data": data is None or isinstance(data, dict) and data.get("order") in DATA_ORDERS
         and (data["order"] == "random" or all(count(data.get(k)) for k in ("position", "epoch", "shard", "offset"))),
     }

@@ -74,7 +74,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     weight (less --freeze-embeddings and the first --freeze-layers N blocks); --method lora trains
     low-rank adapters alone and RUN stores only them, naming FROM (`tinygpt merge` folds them in).
     The learning rate defaults far below pretraining's (3e-5 full, 2e-4 LoRA), held constant after
-    a short warmup. At the end it prints, and keeps in RUN/finetune_report.json, what changed: the
+    a short warmup. Training is in float32 whatever FROM stores (a bfloat16 FROM's updates would
+    round away), and RUN is saved in FROM's dtype (LoRA's adapters in float32); --dtype is the
+    compute's. At the end it prints, and keeps in RUN/finetune_report.json, what changed: the
     validation loss and bits before and after, the same prompts sampled before and after, the loss
     on a reference text (forgetting), parameters, peak memory and time (`tinygpt report RUN`).
     """
@@ -105,7 +107,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                   f"saved to {t.run}")
             print("\n".join(format_report(result.report)))
             if result.merged is not None:
-                print(f"merged: the adapters folded into a plain run in {result.merged}")
+                print(f"merged: the adapters folded into a plain run in {result.merged}, in "
+                      f"{result.report['dtype']['base']} as FROM")
         ctx.barrier()
     return EXIT_SIGNAL.get(t.stopped, 0)
 
@@ -131,6 +134,11 @@ def format_report(report: dict) -> list[str]:
     p = report["params"]
     share = 100 * p["trainable"] / p["total"] if p["total"] else 0.0
     lines.append(f"  {'trainable parameters':<30}{p['trainable']:,} of {p['total']:,} ({share:.2f}%)")
+    dtype = report.get("dtype")  # (absent from a report written before it was kept)
+    if dtype is not None:
+        kept = (f"the adapters saved in float32 over FROM's {dtype['base']}" if report["method"] == "lora"
+                else f"saved in {dtype['saved']}, FROM's dtype")
+        lines.append(f"  {'weights':<30}trained in float32, {kept}")
     lines.append(f"  {'peak memory':<30}{format_bytes(report['memory']['peak_rss_bytes'])} (this process's RSS)")
     lines.append(f"  {'time':<30}{report['seconds']:.1f}s ({report['train_seconds']:.1f}s training)")
     for b, a in zip(before["samples"], after["samples"]):
