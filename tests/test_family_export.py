@@ -157,6 +157,44 @@ def test_a_merged_lora_run_of_the_family_exports_both_ways(folders, tmp_path, cl
     torch.testing.assert_close(_logits(tmp_path / "lora-hf", ids), _logits(tmp_path / "x-hf", ids), atol=1e-5, rtol=0)
 
 
+def test_block_size_bounds_the_training_window_and_the_run_its_merge_and_exports_keep_the_bases_context(
+        folders, tmp_path, cli):
+    # once: --block-size 32 became the run's context: its merge, its Hugging Face export (max_position_embeddings,
+    # under Llama 3's rope scaling), its GGUF (context_length) and the server, which cut a longer prompt to 32
+    from fastapi.testclient import TestClient
+
+    from tinygpt.server import create_app
+
+    folder = folders["llama"]
+    (tmp_path / "text.txt").write_text("\n".join(H.CORPUS))
+    assert cli("prepare", tmp_path / "text.txt", "--tokenizer-file", folder, "--out", tmp_path / "data").returncode == 0
+    train = ("--max-iters", 2, "--batch-size", 2, "--block-size", 32, "--lr", 1e-2, "--eval-iters", 1, "--quiet")
+    r = cli("finetune", folder, "--data", tmp_path / "data", "--out", tmp_path / "lora", "--method", "lora",
+            "--merge", tmp_path / "merged", *train)
+    assert r.returncode == 0, r.stderr
+    assert cli("finetune", folder, "--data", tmp_path / "data", "--out", tmp_path / "full", *train).returncode == 0
+    hf_config = json.loads((folder / "config.json").read_text())
+    context = hf_config["max_position_embeddings"]
+    assert context == 128
+    for run in ("lora", "merged", "full"):
+        assert load_run(tmp_path / run, "cpu")[0].config.block_size == context, run
+    for run in ("lora", "full"):  # each step trained 2 windows of 32 tokens
+        steps = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["tokens"] for r in steps if "loss" in r] == [64, 128], run
+    assert cli("export", tmp_path / "merged", "--format", "hf", "--out", tmp_path / "hf").returncode == 0
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["max_position_embeddings"] == context
+    assert exported["rope_parameters"] == hf_config["rope_parameters"]  # Llama 3's scaling, its original context 16
+    assert cli("export", tmp_path / "full", "--format", "gguf", "--out", tmp_path / "m.gguf").returncode == 0
+    assert _field(gguf.GGUFReader(tmp_path / "m.gguf"), "llama.context_length") == context
+    model, tok = load_run(tmp_path / "lora", "cpu")
+    prompt = " ".join(H.CORPUS[:4])
+    assert 32 < len(tok.encode(prompt)) < context - 4
+    with TestClient(create_app(model, tok, model_name="lora")) as client:
+        usage = client.post("/v1/completions", json=dict(model="lora", prompt=prompt, max_tokens=4)).json()["usage"]
+    assert usage["prompt_tokens"] == len(tok.encode(prompt)) and "prompt_tokens_truncated" not in usage
+
+
 def test_a_llama_trained_from_scratch_goes_end_to_end(tmp_path, cli):
     from fastapi.testclient import TestClient
 

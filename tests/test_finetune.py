@@ -123,15 +123,16 @@ def test_lora_trains_the_adapters_alone_and_merges(world, tmp_path):
     assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == sorted([
         "adapter_config.json", "adapter_model.safetensors", "config.json", "finetune_report.json", "metrics.jsonl",
         "tinygpt_adapter.json", "tokenizer.json", "train_config.json", "train_state.pt"])
-    adapted = checkpoint.load(tmp_path / "lora")  # adapters kept apart, the context cropped to 16
+    adapted = checkpoint.load(tmp_path / "lora")  # adapters kept apart
     merged = checkpoint.load(tmp_path / "merged")
-    assert adapted.config.block_size == merged.config.block_size == 16
+    # block_size bounded the training window alone: the run and its merge keep the base's context (once cropped to 16)
+    assert adapted.config.block_size == merged.config.block_size == BASE.block_size
+    assert json.loads((tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()[0])["tokens"] == 8 * 16
     assert adapted.lora_config is not None and not hasattr(merged, "lora_config")
     base_model = checkpoint.load(base)
-    for name, t in base_model.state_dict().items():  # the adapted model's frozen weights are the base's
-        want = t[:16] if name == "wpe.weight" else t
-        assert torch.equal(adapted.state_dict()[name], want), name
-    idx = torch.randint(0, BASE.vocab_size, (2, 16))
+    for name, t in base_model.state_dict().items():  # the adapted model's frozen weights are the base's, whole
+        assert torch.equal(adapted.state_dict()[name], t), name
+    idx = torch.randint(0, BASE.vocab_size, (2, BASE.block_size))
     with torch.no_grad():
         torch.testing.assert_close(merged(idx), adapted(idx), atol=1e-5, rtol=0)
     assert not torch.allclose(merged(idx), base_model(idx), atol=1e-4)  # the adapters did learn something
@@ -162,6 +163,21 @@ def test_frozen_parts_stay_bitwise(world, tmp_path):
     assert all(not torch.equal(old[n], new[n]) for n in old if n not in frozen and n.endswith(".weight"))
     assert result.report["params"]["trainable"] == trainable_params(BASE, freeze_embeddings=True,
                                                                      freeze_layers=1).trainable
+
+
+def test_block_size_is_the_training_window_and_the_position_table_stays_whole(world, tmp_path):
+    # once: block_size cropped the position table to the window, and the run's context with it, for good
+    result = tinygpt.finetune(world / "base", world / "data-b", tmp_path / "ft", FinetuneConfig(block_size=16),
+                              quick(max_iters=10))
+    old, new = tensors(world / "base"), tensors(tmp_path / "ft")
+    assert checkpoint.load_config(tmp_path / "ft").block_size == BASE.block_size
+    assert new["wpe.weight"].shape == old["wpe.weight"].shape
+    assert torch.equal(new["wpe.weight"][16:], old["wpe.weight"][16:])  # rows past the window get no gradient
+    assert not torch.equal(new["wpe.weight"][:16], old["wpe.weight"][:16])
+    # the report measures on windows of 16, as the training evaluates
+    data = np.asarray(load_data(world / "data-b").val[: FinetuneConfig().report_tokens + 1])
+    after = evaluate(checkpoint.load(tmp_path / "ft"), data, block_size=16)["loss"]
+    assert result.report["after"]["data"]["loss"] == pytest.approx(after)
 
 
 def test_keep_best_keeps_the_lowest_validation_loss(world, tmp_path):
@@ -241,7 +257,7 @@ def test_resume_is_bitwise(world, bf16_base, tmp_path, method, stored):
     assert {str(t.dtype) for t in a.values()} == {"torch.float32" if method == "lora" else f"torch.{stored}"}
 
 
-def test_a_run_fine_tuned_in_bfloat16_before_the_float32_weights_still_resumes(world, bf16_base, tmp_path):
+def test_runs_fine_tuned_before_the_float32_weights_and_the_whole_context_still_resume(world, bf16_base, tmp_path):
     # a bfloat16 base's run as fine-tuning wrote it then: trained in bfloat16, its AdamW moments too, no float32 weights
     run = tmp_path / "bf16"
     tinygpt.finetune(bf16_base, world / "data-b", run, FinetuneConfig(), quick(max_iters=4))
@@ -253,6 +269,31 @@ def test_a_run_fine_tuned_in_bfloat16_before_the_float32_weights_still_resumes(w
     result = tinygpt.finetune(bf16_base, world / "data-b", run, FinetuneConfig(), quick(max_iters=8), resume=True)
     assert result.train.step == 8 and {t.dtype for t in tensors(run).values()} == {torch.bfloat16}
     assert "master" in torch.load(run / "train_state.pt", weights_only=True)
+    # a run whose context block_size cropped: config.json's and the position table's
+    run = tmp_path / "cropped"
+    tinygpt.finetune(world / "base", world / "data-b", run, FinetuneConfig(block_size=16), quick(max_iters=4))
+    weights, meta = read_weights(run / "model.safetensors")
+    save_file({**weights, "wpe.weight": weights["wpe.weight"][:16].clone()}, run / "model.safetensors", metadata=meta)
+    (run / "config.json").write_text(json.dumps({**json.loads((run / "config.json").read_text()), "block_size": 16}))
+    state = torch.load(run / "train_state.pt", weights_only=True)
+    wpe = [n for n, p in tinygpt.GPT(BASE).named_parameters() if p.dim() >= 2].index("wpe.weight")  # AdamW's order
+    state["optimizer"]["state"][wpe].update({k: v[:16].clone() for k, v in state["optimizer"]["state"][wpe].items()
+                                             if k != "step"})
+    torch.save(state, run / "train_state.pt")
+    result = tinygpt.finetune(world / "base", world / "data-b", run, FinetuneConfig(block_size=16), quick(max_iters=8),
+                              resume=True)
+    assert result.train.step == 8 and checkpoint.load(run).config.block_size == 16
+
+
+def test_train_resume_of_a_fine_tune_run_is_refused_naming_finetune(world, tmp_path, cli):
+    # train --resume knows neither the base nor the window: it would train at the model's whole context
+    run = tmp_path / "ft"
+    tinygpt.finetune(world / "base", world / "data-b", run, FinetuneConfig(block_size=16), quick(max_iters=2))
+    kept = {f.name: f.read_bytes() for f in run.iterdir()}
+    r = cli("train", "--data", world / "data-b", "--out", run, "--resume", "--max-iters", 4)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+    assert f"is a fine-tune run: continue it with tinygpt finetune {(world / 'base').resolve()}" in r.stderr
+    assert {f.name: f.read_bytes() for f in run.iterdir()} == kept
 
 
 def test_data_of_another_tokenizer_is_refused_with_the_prepare_command(world, tmp_path):

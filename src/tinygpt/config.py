@@ -688,7 +688,7 @@ class FinetuneConfig:
             (saved at an evaluation only when it improves, as nanoGPT's always_save_checkpoint=False),
             the base's own at step 0 included: a run that only gets worse keeps the base (LoRA: the
             adapters at zero), never a model worse than it.
-        block_size: a context shorter than the base's: the position embedding is cropped to it.
+        block_size: the training window, at most the base's context (default: all of it), which the model keeps.
         dropout: the model's dropout while fine-tuning (default: the base's), kept in config.json.
         grad_checkpoint: recompute each block's activations in backward instead of keeping them
             (torch.utils.checkpoint): less memory for about a third more compute.

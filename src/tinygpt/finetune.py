@@ -12,10 +12,10 @@ FROM`) is supervised fine-tuning: the base's tokenizer plus a chat template, who
 get new embedding rows (the mean of the old ones), and the loss mask of the assistant's tokens.
 
 finetune hands train() a train.Start: how to build the starting model (the base in float32, its
-context cropped, its dropout set, adapters added or layers frozen), how to load it back from a
-checkpoint on resume, the dtypes to save in (the base's), and, for LoRA, that checkpoints are
-adapter runs naming the base. LoRA's adapters live in tinygpt.lora; adapter runs are written and
-read by tinygpt.checkpoint.
+dropout set, adapters added or layers frozen), how to load it back from a checkpoint on resume, the
+training window (block_size: the batches' length, never the model's context, which stays the
+base's), the dtypes to save in (the base's), and, for LoRA, that checkpoints are adapter runs naming
+the base. LoRA's adapters live in tinygpt.lora; adapter runs are written and read by tinygpt.checkpoint.
 
 A base stored in bfloat16 (SmolLM2's and Qwen's published weights) trains in float32 all the same,
 weights and AdamW's moments: in bfloat16 most updates at a fine-tuning rate are below half a step of
@@ -146,13 +146,13 @@ def finetune(
         merge: with lora, also write the adapters folded into the base as a plain run here.
         progress, callbacks, should_stop: as for train().
 
-    The report (RUN/finetune_report.json) holds, before and after on the data's validation split:
-    loss (on chat data the assistant's tokens' only) and bits per char (char tokenizer) or per
-    byte; the same prompts sampled with the same seed (on chat data, replies); the loss on a
-    reference text (config.reference, default the base's own validation data when it is a tinygpt
-    run that records it) as a measure of forgetting; trainable and total parameters; peak memory;
-    the time; the dtypes. "After" is the checkpoint kept in `out` as saved (kept_step: its step), with
-    keep best the one of the lowest validation loss, FROM's own at step 0 included: when no step
+    The report (RUN/finetune_report.json) holds, before and after on the data's validation split in
+    windows of config.block_size: loss (on chat data the assistant's tokens' only) and bits per char
+    (char tokenizer) or per byte; the same prompts sampled with the same seed (on chat data, replies);
+    the loss on a reference text (config.reference, default the base's own validation data when it is
+    a tinygpt run that records it) as a measure of forgetting; trainable and total parameters; peak
+    memory; the time; the dtypes. "After" is the checkpoint kept in `out` as saved (kept_step: its step),
+    with keep best the one of the lowest validation loss, FROM's own at step 0 included: when no step
     beats FROM, `out` holds FROM itself (a full run its weights, an adapter run its adapters at zero).
 
     Raises:
@@ -177,12 +177,12 @@ def finetune(
         dataset = load_data(data)
         base = _load_base(from_)
         base_checksum = weights_checksum(base)  # hashed once (every weight): a resume checks its base by it
-        if resume and has_checkpoint(out):
-            _check_resume(out, from_, base_checksum, cfg)
         tokenizer = _base_tokenizer(from_)
         data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
         model_config = _finetune_config(base.config, cfg, from_, new_ids)
+        if resume and has_checkpoint(out):
+            model_config = _check_resume(out, from_, base_checksum, cfg, model_config)
         texts = _report_texts(from_, dataset, cfg, tokenizer)
         prompts = _sample_prompts(texts[0], data_tokenizer, cfg)  # refused here, before any measuring or training
         dtypes = {name: t.dtype for name, t in base.state_dict().items()}  # the base's, to save the run in
@@ -206,9 +206,9 @@ def finetune(
 
 
 def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:
-    """The model finetune() starts from, and the data's tokenizer: the base with its context cropped,
-    its dropout set and (chat data) its vocabulary grown as fine-tuning does, in eval mode, in its own
-    dtype. What a comparison of a model before and after fine-tuning measures as "before".
+    """The model finetune() starts from, and the data's tokenizer: the base with its dropout set and
+    (chat data) its vocabulary grown as fine-tuning does, in eval mode, in its own dtype. What a
+    comparison of a model before and after fine-tuning measures as "before".
 
     Args:
         from_, data, config: as for finetune().
@@ -349,12 +349,12 @@ def _base_tokenizer(from_: Path):
 
 
 def _finetune_config(base: GPTConfig, cfg: FinetuneConfig, from_: Path, new_ids: range) -> GPTConfig:
-    """The base's architecture with fine-tuning's context (cropped, never longer) and dropout, and its
-    vocabulary grown to cover `new_ids` (the tokens chat data adds after the base tokenizer's)."""
-    block = base.block_size if cfg.block_size is None else cfg.block_size
-    if block > base.block_size:
-        raise ConfigError(f"block_size: {block} is longer than {from_}'s context of {base.block_size}: "
-                          "its position embedding has no rows past that")
+    """The base's architecture, its context included, with fine-tuning's dropout and its vocabulary
+    grown to cover `new_ids` (the tokens chat data adds after the base tokenizer's). cfg.block_size,
+    the training window, must fit in that context."""
+    if cfg.block_size is not None and cfg.block_size > base.block_size:
+        raise ConfigError(f"block_size: {cfg.block_size} is longer than {from_}'s context of {base.block_size}: "
+                          "it bounds the training window within the model's context")
     dropout = base.dropout if cfg.dropout is None else cfg.dropout
     added = len(new_ids)
     if added > 0 and cfg.method == "lora":
@@ -369,11 +369,12 @@ def _finetune_config(base: GPTConfig, cfg: FinetuneConfig, from_: Path, new_ids:
     if cfg.method == "lora":  # before anything is measured or built
         check_rank(base, cfg.lora, "--lora-rank")
     vocab = max(base.vocab_size, new_ids.stop)
-    return dataclasses.replace(base, block_size=block, dropout=dropout, vocab_size=vocab)
+    return dataclasses.replace(base, dropout=dropout, vocab_size=vocab)
 
 
 def _shaped(model: GPT, config: GPTConfig, from_: Path, new_ids: range) -> GPT:
-    """A base model under fine-tuning's config: its context cropped, its dropout set, its vocabulary grown
+    """A base model under fine-tuning's config: its dropout set (its context cropped only to resume a
+    run that cropped it), its vocabulary grown
     to config's (tinygpt.model.grow_vocab). Every new token's row starts as the mean of the base's rows,
     also where the base's vocabulary was padded past its tokenizer's and the row exists already
     (a padding row was only ever taught never to be written)."""
@@ -400,11 +401,13 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
     return model.train()
 
 
-def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfig) -> None:
-    """A resumed fine-tune is a fine-tune run, and keeps its method, what it trains and its base:
+def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfig, config: GPTConfig) -> GPTConfig:
+    """A resumed fine-tune is a fine-tune run, and keeps its method, what it trains, its window and its base:
     anything else is refused before the run is touched (a pretraining run would be trained on at
     another rate and its weights replaced; the adapters or weights trained so far are of that
-    shape, on that base's weights).
+    shape, on that base's weights). The model config it trains: `config`, or the run's own where it
+    differs only by a shorter context, a run fine-tuned before --block-size stopped cropping the
+    context (its checkpoint has that shape; a GPT-2 run's position embedding is cropped).
 
     Raises:
         ConfigError: naming the setting, or the base.
@@ -417,7 +420,7 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
     now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
     keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
         else ("method", "freeze_embeddings", "freeze_layers")
-    for key in keys:
+    for key in (*keys, "block_size"):  # the training window, which the model's config no longer records
         if key in saved and saved[key] != now[key]:
             raise ConfigError(f"{out} was fine-tuned with {key} {saved[key]!r}, not {now[key]!r}: "
                               "drop the setting to resume it")
@@ -427,6 +430,10 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
         expected = checkpoint.read_adapter_config(out).checksum
     if expected is not None and expected != base_checksum:
         raise ConfigError(f"{from_} is not the base {out} was fine-tuned from: resume it from that base")
+    saved = checkpoint.load_config(out)
+    if saved.block_size < config.block_size and saved == dataclasses.replace(config, block_size=saved.block_size):
+        return saved
+    return config
 
 
 def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
@@ -446,7 +453,7 @@ def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg:
 
     record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum}}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
-                 base_checksum=base_checksum, keep=cfg.keep, record=record,
+                 base_checksum=base_checksum, keep=cfg.keep, record=record, window=cfg.block_size,
                  dtypes=None if lora else dtypes)  # LoRA saves its adapters as trained, in float32
 
 
@@ -530,10 +537,10 @@ def _measure(model: GPT, texts: list[_Text], prompts: list[tuple[str, list[int]]
     unit = "char" if tokenizer.kind == "char" else "byte"
     for text in texts:
         if text.chat is not None:
-            result = evaluate_chat(model, text.chat, conversations=text.conversations)
+            result = evaluate_chat(model, text.chat, conversations=text.conversations, block_size=cfg.block_size)
             size = result["chars"] if unit == "char" else result["bytes"]
         else:
-            result = evaluate(model, text.tokens)
+            result = evaluate(model, text.tokens, block_size=cfg.block_size)
             predicted = tokenizer.decode(text.tokens[1:].tolist())  # the first token is context, never predicted
             size = len(predicted) if unit == "char" else len(predicted.encode("utf-8"))
         out[text.name] = {"loss": result["loss"], f"bits_per_{unit}": result["nll"] / math.log(2) / max(1, size),

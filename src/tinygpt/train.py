@@ -76,8 +76,8 @@ class Start:
     in place of a GPTConfig, so that fine-tuning is settings of the one loop, not a copy of it.
 
     Args:
-        config: the architecture it trains (a cropped block_size and its dropout included): what
-            config.json records and a resume must match.
+        config: the architecture it trains (its dropout included): what config.json records and a
+            resume must match.
         build: the model of a new run (on the CPU), with what is not to train already frozen.
         load: the model of a saved checkpoint in the run folder, prepared the same way (resume).
         lr: the learning rate when the TrainConfig leaves it to choose.
@@ -89,6 +89,10 @@ class Start:
             a step beats it: a run that only gets worse keeps the model it started from (a full run its
             weights, an adapter run its adapters at zero), never a worse one.
         record: JSON-ready settings kept in train_config.json beside the training's.
+        window: the tokens a training sequence holds, at most config.block_size (default: all of it).
+            Only the batches are shorter: the model keeps config's context, so a rotary model's run
+            reads as long a prompt as its base, and a learned position table keeps every row (those
+            past the window get no gradient).
         dtypes: each weight's dtype in the checkpoints (a bfloat16 base's, so its run is saved in
             bfloat16), where the model trains in float32; the float32 weights a save rounds are kept
             in the training state, and a resume goes on from them. None: saved as trained.
@@ -102,6 +106,7 @@ class Start:
     base_checksum: str | None = None
     keep: str = "last"
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
+    window: int | None = None
     dtypes: dict[str, torch.dtype] | None = None
 
 
@@ -360,6 +365,7 @@ def evaluate(
     device=None,
     dtype=torch.float32,
     segments: list[tuple[int, int]] | None = None,
+    block_size: int | None = None,
 ) -> dict:
     """Loss over a whole token stream, cut into consecutive windows of block_size + 1 tokens.
 
@@ -371,11 +377,12 @@ def evaluate(
         segments: (start, end) ranges of `tokens` to score as separate texts: no window crosses
             from one into the next, and each one's first token is not predicted (it has no
             context). Default: the whole stream as one text.
+        block_size: the windows' length (a fine-tune's training window); default the model's context.
 
     Returns {"loss": mean nats per predicted token, "tokens": predicted tokens, "nll": total nats}.
     """
     device = device or next(model.parameters()).device
-    block = model.config.block_size
+    block = block_size or model.config.block_size
     n = len(tokens)
     segments = [(0, n)] if segments is None else segments
     # (start, length) of each window: `length` inputs tokens[s:s+length], targets one token later
@@ -399,10 +406,9 @@ def evaluate(
 
 
 @torch.no_grad()
-@torch.no_grad()
 def evaluate_chat(
     model: GPT, dataset: DataSet, split: str = "val", *, batch_size: int = 8, device=None, dtype=torch.float32,
-    conversations: int | None = None,
+    conversations: int | None = None, block_size: int | None = None,
 ) -> dict:
     """Loss on chat data's assistant tokens only (the loss mask), as training's evaluation counts it:
     each conversation alone (packed rows, Batches), every trained target of the split once.
@@ -414,6 +420,7 @@ def evaluate_chat(
         batch_size: packed rows per forward pass.
         device, dtype: as for evaluate().
         conversations: score only the split's first N conversations (default all).
+        block_size: the packed rows' length (a fine-tune's training window); default the model's context.
 
     Returns {"loss": mean nats per trained token, "tokens": trained tokens, "nll": total nats,
     "bytes" and "chars": the UTF-8 bytes and characters of the assistant's text those tokens spell
@@ -426,7 +433,7 @@ def evaluate_chat(
     if conversations is not None and conversations < len(starts):
         end = int(starts[conversations])
         tokens, mask, starts = tokens[:end], mask[:end], starts[:conversations]
-    batches = Batches(tokens, model.config.block_size, mask, starts)
+    batches = Batches(tokens, block_size or model.config.block_size, mask, starts)
     special = set(dataset.tokenizer.special_ids().values())
     total, count, text = 0.0, 0, b""
     for i in range(0, len(batches.rows), batch_size):
@@ -546,6 +553,12 @@ class _Setup:
     notes: dict[str, Any] | None  # to record in train_config.json
     start: Start | None = None  # a model built elsewhere (fine-tuning)
 
+    @property
+    def window(self) -> int:
+        """The tokens a training sequence holds: a Start's window, else the model's whole context."""
+        start = self.start
+        return start.window if start is not None and start.window is not None else self.model_config.block_size
+
 
 def _settings(
     ctx: distributed.Dist, run: Path, dataset: DataSet, model_config: GPTConfig | ModelChoice | Start | None,
@@ -562,6 +575,8 @@ def _settings(
         if model_config is not None and model_config != saved:
             raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
         model_config = saved
+        if start is None:
+            _refuse_fine_tune_run(run)
         check_data_for_run(run, dataset)  # before anything in the run is touched
         state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
         _check_state(state, run)
@@ -577,13 +592,24 @@ def _settings(
         if lr is None and start is not None:  # fine-tuning's rate, far below pretraining's
             lr = start.lr
         cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
-    _check_fits(model_config, dataset)
+    setup = _Setup(dataset, model_config, cfg, state, notes, start)
+    _check_fits(model_config, dataset, setup.window)
     if data_order(cfg, dataset) == "sequential":
         rows, n = cfg.batch_size * ctx.world_size, len(dataset.train)
-        if n < rows * model_config.block_size + 1:
+        if n < rows * setup.window + 1:
             raise TrainingError(f"the train split has {n:,} tokens, fewer than one sequential batch of {rows} x "
-                                f"{model_config.block_size} + 1; use more text, a smaller batch or --data-order random")
-    return _Setup(dataset, model_config, cfg, state, notes, start)
+                                f"{setup.window} + 1; use more text, a smaller batch or --data-order random")
+    return setup
+
+
+def _refuse_fine_tune_run(run: Path) -> None:
+    """A fine-tune run resumes with finetune, which knows its base, what it freezes and its window: without
+    them its steps would train at the model's whole context (its base's)."""
+    record = read_json(run / TRAIN_CONFIG, TrainingError) if (run / TRAIN_CONFIG).exists() else None
+    tuned = record.get("finetune") if isinstance(record, dict) else None
+    if isinstance(tuned, dict):
+        raise TrainingError(f"{run} is a fine-tune run: continue it with tinygpt finetune {tuned.get('from', 'FROM')} "
+                            f"--data DATA --out {run} --resume")
 
 
 def check_has_val(dataset: DataSet) -> None:
@@ -593,9 +619,9 @@ def check_has_val(dataset: DataSet) -> None:
                             "prepare it again with a --val-fraction above 0")
 
 
-def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
-    """The model must cover the data's vocabulary, and each split must hold one window of its context
-    (chat data: one conversation)."""
+def _check_fits(model_config: GPTConfig, dataset: DataSet, block: int) -> None:
+    """The model must cover the data's vocabulary, and each split must hold one training window of
+    `block` tokens (chat data: one conversation)."""
     vocab = int(dataset.meta["vocab_size"])
     if model_config.vocab_size < vocab:
         raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
@@ -605,7 +631,6 @@ def _check_fits(model_config: GPTConfig, dataset: DataSet) -> None:
                 raise TrainingError(f"the {split} split of {dataset.path} holds no conversation; "
                                     "prepare more conversations or another --val-fraction")
         return
-    block = model_config.block_size
     check_has_val(dataset)
     for split in ("train", "val"):
         n = len(getattr(dataset, split))
@@ -643,7 +668,7 @@ class _Run:
             torch.manual_seed(cfg.seed + ctx.rank)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
         self.data_rng = torch.Generator().manual_seed(cfg.seed)
-        self.block = setup.model_config.block_size
+        self.block = setup.window
         self.batches = {s: Batches.of(self.dataset, s, self.block) for s in ("train", "val")}
         self.order = data_order(cfg, self.dataset)
         self.stream = Stream(self.dataset.train, self.block) if self.order == "sequential" else None

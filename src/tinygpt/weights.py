@@ -202,8 +202,9 @@ def model_from_tensors(
 def reconfigured(model: GPT, config: GPTConfig, where: str) -> GPT:
     """The same weights under a config that may differ from the model's in two ways only: a shorter
     context (block_size; the position embedding keeps its first rows, as nanoGPT's crop_block_size)
-    and dropout. What fine-tuning trains with, and what an adapter run trained that way loads as.
-    (With rotary positions a shorter context changes no weight.)
+    and dropout. What fine-tuning trains with (its dropout), and what a run fine-tuned with a cropped
+    context (before --block-size only bounded the training window) loads and resumes as. (With
+    rotary positions a shorter context changes no weight.)
 
     Args:
         model: a plain GPT (no adapters).

@@ -76,8 +76,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     The learning rate defaults far below pretraining's (3e-5 full, 2e-4 LoRA), held constant after
     a short warmup. Training is in float32 whatever FROM stores (a bfloat16 FROM's updates would
     round away), and RUN is saved in FROM's dtype (LoRA's adapters in float32); --dtype is the
-    compute's. At the end it prints, and keeps in RUN/finetune_report.json, what changed: the
-    validation loss and bits before and after, the same prompts sampled before and after, the loss
+    compute's. --block-size bounds the training window only: RUN keeps FROM's context. At the end
+    it prints, and keeps in RUN/finetune_report.json, what changed: the validation loss and bits
+    before and after, the same prompts sampled before and after, the loss
     on a reference text (forgetting), parameters, peak memory and time (`tinygpt report RUN`).
     """
     from ..device import resolve_device
@@ -196,7 +197,8 @@ def add_finetune(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--freeze-layers", type=NATURAL, metavar="N", help="with full: the first N blocks do not train")
     m.add_argument("--keep", choices=("last", "best"), help="the checkpoint to keep: last (default) or the lowest "
                    "validation loss")
-    m.add_argument("--block-size", type=POSITIVE, help="a shorter context than FROM's (crops its position embedding)")
+    m.add_argument("--block-size", type=POSITIVE, help="the training window, at most FROM's context (default: all "
+                   "of it); the run keeps FROM's whole context")
     m.add_argument("--dropout", type=FRACTION, help="dropout while fine-tuning (FROM's)")
     m.add_argument("--grad-checkpoint", action="store_true",
                    help="recompute each block's activations in backward: less memory, ~1/3 more compute")
