@@ -289,7 +289,7 @@ def test_gpt2_vocab_and_merges_folder_uses_tiktoken(tmp_path):
 def test_ranks_to_merges_recovers_bpe_training_order():
     from tinygpt.tokenizer import BPETokenizer
 
-    from tinygpt.tokenizer import _token_bytes
+    from tinygpt.tokenizer.bpe import token_bytes as _token_bytes
 
     bpe = BPETokenizer.train([make_text(200)], 300)
     data = json.loads(bpe.hf_tokenizer.to_str())

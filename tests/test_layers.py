@@ -21,7 +21,7 @@ LAYERS = (
     ("foundation", "configs, errors and the arithmetic of scale; no torch",
      ("config", "errors", "calc.*")),
     ("tensors and text", "files, devices, tokenizers, the KV cache, sampling, tinygpt's CPU kernels",
-     ("fileio", "device", "tokenizer", "kv_cache", "sampling", "kernels")),
+     ("fileio", "device", "tokenizer.*", "kv_cache", "sampling", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
     ("workflows", "generation, data, training and fine-tuning, time-budget sizing, run folders, interchange",
      ("generate", "data", "datasources", "shards", "optim", "throughput", "sizing", "train", "distributed", "checkpoint", "lora",

@@ -57,8 +57,8 @@ from .interop.peft import lora_from_peft, peft_config, to_peft_state_dict
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
 from .lora import merge as merge_lora
 from .model import GPT
-from .tokenizer import Tokenizer
-from .tokenizer import load_tokenizer as read_tokenizer
+from .tokenizer.base import Tokenizer
+from .tokenizer.base import load_tokenizer as read_tokenizer
 from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights, reconfigured
 
 CONFIG = "config.json"

@@ -75,21 +75,12 @@ from .datasources import DatasetSource, data_kind, dataset_source, is_dataset_fo
 from .fileio import (check_folder_path, check_regular_file, hash_file, parse_json, printable_path, read_json,
                      temp_folder, write_json)
 from .shards import SHARD_FILE, Encoder, ShardedTokens, ShardWriter, default_workers
-from .tokenizer import (
-    DEFAULT_BPE_VOCAB,
-    EOT,
-    KINDS,
-    BPETokenizer,
-    CharTokenizer,
-    GPT2Tokenizer,
-    Tokenizer,
-    ChatTemplate,
-    check_bpe_vocab_size,
-    check_messages,
-    load_tokenizer,
-    render_chat,
-    with_chat_template,
-)
+from .tokenizer.base import EOT, KINDS, Tokenizer, load_tokenizer
+from .tokenizer.bpe import DEFAULT_BPE_VOCAB, BPETokenizer, check_bpe_vocab_size
+from .tokenizer.char import CharTokenizer
+from .tokenizer.chat import check_messages, render_chat, with_chat_template
+from .tokenizer.chat_template import ChatTemplate
+from .tokenizer.gpt2 import GPT2Tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -1380,7 +1371,7 @@ def check_same_tokenizer(
         return
     if not dataset.fingerprints.isdisjoint(known_fingerprints(theirs, tokenizer)):  # an earlier tinygpt's name
         return
-    from .tokenizer import short_fingerprint
+    from .tokenizer.base import short_fingerprint
 
     def label(tok: Tokenizer | None, fp: str) -> str:
         return short_fingerprint(fp) if tok is None else f"{tok.kind}, {tok.vocab_size:,} tokens, {short_fingerprint(fp)}"

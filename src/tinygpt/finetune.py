@@ -50,7 +50,8 @@ from .fileio import read_json, write_json
 from .generate import generate
 from .lora import apply_lora, check_rank, weights_checksum
 from .model import GPT, grow_vocab
-from .tokenizer import Tokenizer, encode_named, render_chat_prompt, stop_ids, with_chat_template
+from .tokenizer.base import Tokenizer, encode_named
+from .tokenizer.chat import render_chat_prompt, stop_ids, with_chat_template
 from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, conversations_within,
                     evaluate, evaluate_chat, has_checkpoint, train)
 from .weights import reconfigured

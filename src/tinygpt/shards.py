@@ -31,7 +31,7 @@ import numpy as np
 
 from .errors import DataError
 from .fileio import fsync_dir, hash_file
-from .tokenizer import Tokenizer
+from .tokenizer.base import Tokenizer
 
 SPLITS = ("train", "val")
 PART = ".part"

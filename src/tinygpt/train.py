@@ -1197,7 +1197,7 @@ def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None,
         recorded = saved.get("tokenizer_fingerprint") if isinstance(saved, dict) else None
         recorded = recorded if isinstance(recorded, str) else None
     if tokenizer is None and (run / checkpoint.TOKENIZER).is_file():
-        from .tokenizer import load_tokenizer
+        from .tokenizer.base import load_tokenizer
 
         tokenizer = load_tokenizer(run)
     check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded, remedy=remedy)

@@ -57,7 +57,7 @@ class _Session:
     def __init__(self, model, tokenizer, args: argparse.Namespace) -> None:
         import torch
 
-        from ..tokenizer import stop_ids
+        from ..tokenizer.chat import stop_ids
 
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -80,7 +80,8 @@ class _Session:
         import torch
 
         from ..generate import generate_stream
-        from ..tokenizer import IncrementalDecoder, fit_chat_prompt
+        from ..tokenizer.chat import fit_chat_prompt
+        from ..tokenizer.incremental import IncrementalDecoder
 
         self.history.append({"role": "user", "content": text})
         kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget)

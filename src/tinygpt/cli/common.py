@@ -190,7 +190,7 @@ def utf8_flag(value: str | None, flag: str) -> str | None:
 def encodable_flag(tokenizer, value: str | None, flag: str) -> str | None:
     """A text flag the tokenizer must encode, refused in one line naming the flag (and the characters'
     positions in its text) when the vocabulary lacks some: the tokenizer's own words name neither."""
-    from ..tokenizer import encode_named
+    from ..tokenizer.base import encode_named
 
     if value is not None:
         encode_named(tokenizer, value, flag)

@@ -164,7 +164,7 @@ def _progress_bars():
 
 def add_prepare(sub: argparse._SubParsersAction) -> None:
     """`tinygpt prepare` and its flags."""
-    from ..tokenizer import BPE_MAX_VOCAB, BPE_MIN_VOCAB
+    from ..tokenizer.bpe import BPE_MAX_VOCAB, BPE_MIN_VOCAB
 
     p = sub.add_parser("prepare", help="turn text into token files for training", description=cmd_prepare.__doc__)
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="text file, folder, python-stdlib or shakespeare")

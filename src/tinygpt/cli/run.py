@@ -32,7 +32,7 @@ def _encode_prompt(tokenizer, prompt: str) -> list[int]:
 
 def _turn_ends(tokenizer) -> set[int]:
     """The ids of the tokenizer's chat end-of-turn token (none without a template)."""
-    from ..tokenizer import JinjaChatTemplate
+    from ..tokenizer.chat_template import JinjaChatTemplate
 
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
@@ -49,7 +49,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
     from ..config import SampleConfig
     from ..generate import StopText, generate_stream
-    from ..tokenizer import IncrementalDecoder, stop_ids
+    from ..tokenizer.chat import stop_ids
+    from ..tokenizer.incremental import IncrementalDecoder
 
     if args.num_samples < 1 or args.max_new_tokens < 0:
         raise ConfigError("--num-samples must be >= 1 and --max-new-tokens >= 0")
@@ -213,7 +214,7 @@ def _from_text(path: str, tokenizer, unknown: str) -> _Scored:
 
     from ..errors import DataError, TokenizerError
     from ..fileio import check_regular_file
-    from ..tokenizer import encode_skipping_unknown
+    from ..tokenizer.char import encode_skipping_unknown
 
     check_regular_file(path, DataError)
     try:

@@ -34,7 +34,8 @@ from .hf_gpt2 import check_gpt2_computes, gpt2_shapes, gpt2_tensors
 from .hf_llama import check_exportable, expected_shapes, hf_name, model_type, to_hf_state_dict
 from .hf_tokenizer import byte_level_vocab
 from ..model import GPT, rope_frequencies
-from ..tokenizer import HFTokenizer, Tokenizer
+from ..tokenizer.base import Tokenizer
+from ..tokenizer.hf import HFTokenizer
 
 DTYPES = ("float32", "float16")
 # llama.cpp ends generation at token 11 of a "gpt2" vocabulary that names no end-of-text token.

@@ -32,7 +32,7 @@ from ..config import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 from ..fileio import atomic_write, write_json
 from ..model import GPT
-from ..tokenizer import Tokenizer
+from ..tokenizer.base import Tokenizer
 from ..weights import TIED_KEY
 from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
 from .hf_tokenizer import save_hf_tokenizer

@@ -318,7 +318,8 @@ def export_hf(model: Any, tokenizer: Any, out: str | Path) -> Path:
     from safetensors.torch import save_file
 
     from ..fileio import atomic_write, write_json
-    from ..tokenizer import HFTokenizer, stop_ids
+    from ..tokenizer.chat import stop_ids
+    from ..tokenizer.hf import HFTokenizer
     from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
     from .hf_tokenizer import save_hf_tokenizer
 

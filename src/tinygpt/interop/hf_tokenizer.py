@@ -23,18 +23,13 @@ from typing import Any
 from ..errors import ChatError, TokenizerError
 from ..fileio import atomic_write, read_json, write_json
 from .hf_folder import FAMILY
-from ..tokenizer import (
-    EOT,
-    SPECIAL_TOKEN_NAMES,
-    BPETokenizer,
-    ChatTemplate,
-    CharTokenizer,
-    GPT2Tokenizer,
-    HFTokenizer,
-    Tokenizer,
-    byte_to_unicode,
-    with_chat_template,
-)
+from ..tokenizer.base import EOT, Tokenizer
+from ..tokenizer.bpe import BPETokenizer, byte_to_unicode
+from ..tokenizer.char import CharTokenizer
+from ..tokenizer.chat import with_chat_template
+from ..tokenizer.chat_template import ChatTemplate
+from ..tokenizer.gpt2 import GPT2Tokenizer
+from ..tokenizer.hf import SPECIAL_TOKEN_NAMES, HFTokenizer
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"

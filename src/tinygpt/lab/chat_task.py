@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ..generate import generate_stream
-from ..tokenizer import IncrementalDecoder, Tokenizer, render_chat_prompt, stop_ids
+from ..tokenizer.base import Tokenizer
+from ..tokenizer.chat import render_chat_prompt, stop_ids
+from ..tokenizer.incremental import IncrementalDecoder
 
 NAMES = ("ann", "bob", "cid", "dan")
 COLOURS = ("blue", "gold", "pink", "gray", "jade", "rust", "teal", "plum", "lime", "navy")

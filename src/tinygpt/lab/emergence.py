@@ -27,7 +27,7 @@ from ..config import GPTConfig, TrainConfig
 from ..data import prepare
 from ..errors import ConfigError
 from ..fileio import check_new_folder, write_json
-from ..tokenizer import CharTokenizer
+from ..tokenizer.char import CharTokenizer
 from ..train import TrainCallback, train
 from . import probes, viz
 

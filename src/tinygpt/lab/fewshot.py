@@ -53,7 +53,7 @@ import torch
 from ..errors import ConfigError
 from ..fileio import parse_json
 from ..generate import StopText, generate_stream
-from ..tokenizer import IncrementalDecoder
+from ..tokenizer.incremental import IncrementalDecoder
 
 DEFAULT_TEMPLATE = "{input} -> {output}"
 SETTINGS = ("template", "separator", "prefix", "name", "chance")

@@ -141,7 +141,7 @@ def train_tiny(text: str, *, causal: bool = True, steps: int = 300, seed: int = 
     import numpy as np
 
     from ..data import get_batch
-    from ..tokenizer import CharTokenizer
+    from ..tokenizer.char import CharTokenizer
 
     tokenizer = CharTokenizer.from_text(text)
     tokens = np.asarray(tokenizer.encode(text), dtype=np.int64)

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import ChatError, TokenizerError
-from ..tokenizer import render_chat_prompt
+from ..tokenizer.chat import render_chat_prompt
 from .protocol import CHAT_COMPLETIONS, CHAT_STOPS, APIError, ChatRequest, Message, chat_prompt, invalid_value
 from .reply import generate
 from .state import ServerState, authorized, body

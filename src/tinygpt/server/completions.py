@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ..tokenizer import IncrementalDecoder
+from ..tokenizer.incremental import IncrementalDecoder
 from .protocol import COMPLETIONS, CompletionRequest, invalid_value
 from .refusals import scheduler_errors
 from .reply import ClientGone, generate

@@ -39,7 +39,7 @@ from ..errors import ConfigError, TinyGPTError
 from ..generate import StopText, ThreadChoice, decode_step, prefill
 from ..kv_cache import KVCache
 from ..sampling import mask_vocab, sample
-from ..tokenizer import IncrementalDecoder
+from ..tokenizer.incremental import IncrementalDecoder
 
 log = logging.getLogger("tinygpt.server")
 

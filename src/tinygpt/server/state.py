@@ -14,7 +14,7 @@ from fastapi import Depends, Request
 
 from ..config import SampleConfig
 from ..errors import TokenizerError
-from ..tokenizer import stop_ids
+from ..tokenizer.chat import stop_ids
 from .protocol import (
     CHAT_STOPS,
     MAX_BODY_BYTES,

@@ -107,7 +107,7 @@ def llama_files(model: GPT, folder: Path, formats: tuple[str, ...]) -> dict[str,
     import llama_cpp
 
     from ...interop.gguf import export_gguf
-    from ...tokenizer import CharTokenizer
+    from ...tokenizer.char import CharTokenizer
 
     # the weights are what is measured; a character vocabulary makes the export valid for any vocab size
     tokenizer = CharTokenizer([chr(33 + i) for i in range(min(model.config.vocab_size, 90))])
