@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import TokenizerError
@@ -43,6 +43,15 @@ def token_bytes(token: str) -> bytes:
         return bytes(_UNICODE_TO_BYTE[c] for c in token)
     except KeyError:
         raise TokenizerError(f"token {token!r} is not spelled in GPT-2's byte-level alphabet") from None
+
+
+def byte_level_table(vocab: Mapping[str, int], added: Mapping[int, str]) -> list[bytes]:
+    """Each id's bytes in a byte-level vocabulary (token -> id, added tokens' ids included): an added
+    token's text, any other token's spelling read back (token_bytes)."""
+    table = [b""] * (max(vocab.values(), default=-1) + 1)
+    for token, i in vocab.items():
+        table[i] = added[i].encode("utf-8") if i in added else token_bytes(token)
+    return table
 
 
 def check_bpe_vocab_size(vocab_size: int) -> None:
@@ -141,10 +150,7 @@ class BPETokenizer(TokenizersKind):
         if sorted(vocab.values()) != list(range(self.vocab_size)):
             raise TokenizerError("the BPE vocabulary's ids are not 0..N-1")
         added = {i: t.content for i, t in hf_tokenizer.get_added_tokens_decoder().items()}
-        table: list[bytes] = [b""] * self.vocab_size
-        for token, i in vocab.items():
-            table[i] = added[i].encode("utf-8") if i in added else token_bytes(token)
-        self._bytes = table
+        self._bytes = byte_level_table(vocab, added)
         self.eot_id = hf_tokenizer.token_to_id(EOT)
 
     @classmethod

@@ -66,11 +66,14 @@ class CharTokenizer(TokenizerBase):
             self._table = table
         return self._table
 
+    def lookup(self, text: str) -> np.ndarray:
+        """Each character's id (int32), -1 for those outside the vocabulary: UTF-32 code points through
+        `table`, with no per-character Python loop."""
+        return self.table[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)]
+
     def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray:
-        # Vectorized: UTF-32 code points through a lookup table, no per-character Python loop.
         text = texts if isinstance(texts, str) else "".join(texts)
-        codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        ids = self.table[codepoints]
+        ids = self.lookup(text)
         if ids.size and ids.min() < 0:
             raise TokenizerError(_unknown_chars_message(text, np.flatnonzero(ids < 0)))
         return ids.astype(np.uint32)
@@ -113,8 +116,7 @@ def encode_skipping_unknown(tokenizer: Tokenizer, text: str) -> tuple[np.ndarray
     if not isinstance(tokenizer, CharTokenizer):
         ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
         return ids, [(0, len(ids))], 0
-    codepoints = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-    ids = tokenizer.table[codepoints].astype(np.int64)
+    ids = tokenizer.lookup(text).astype(np.int64)
     known = ids >= 0
     # a run starts at a known character that follows an unknown one (or the start of the text)
     starts = np.flatnonzero(known & ~np.concatenate(([False], known[:-1])))

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import TokenizerError
 from .base import EOT, digest
-from .bpe import TokenizersKind, token_bytes
+from .bpe import TokenizersKind, byte_level_table
 from .chat_template import JinjaChatTemplate
 
 # a tokenizer.json BPE model's options and the values that leave its merges to decide alone
@@ -21,11 +21,16 @@ BPE_OPTIONS = {"dropout": None, "unk_token": None, "continuing_subword_prefix": 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
-def _is_byte_level(data: dict[str, Any]) -> bool:
-    """Whether a tokenizer.json decodes byte-level tokens (GPT-2's alphabet)."""
+def _decoder_steps(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """A tokenizer.json's decoder as a list of steps: a Sequence's, or the one."""
     decoder = data.get("decoder") or {}
     steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    return any(isinstance(step, dict) and step.get("type") == "ByteLevel" for step in steps)
+    return [step for step in steps if isinstance(step, dict)]
+
+
+def _is_byte_level(data: dict[str, Any]) -> bool:
+    """Whether a tokenizer.json decodes byte-level tokens (GPT-2's alphabet)."""
+    return any(step.get("type") == "ByteLevel" for step in _decoder_steps(data))
 
 
 def _as_transformers_builds(data: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -114,21 +119,17 @@ class HFTokenizer(TokenizersKind):
     def _byte_table(data: dict[str, Any], vocab: dict[str, int]) -> list[bytes]:
         """Each id's bytes, as the tokenizer's decoder writes them: byte-level tokens in GPT-2's alphabet,
         or SentencePiece pieces ("▁" a space, "<0xNN>" a byte); added tokens as their text."""
-        decoder = data.get("decoder") or {}
-        steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-        kinds = {step.get("type") for step in steps if isinstance(step, dict)}
         added = {t["id"]: t["content"] for t in data.get("added_tokens") or [] if isinstance(t, dict)}
-        table = [b""] * (max(vocab.values()) + 1)
-        if "ByteLevel" in kinds:
-            for token, i in vocab.items():
-                table[i] = added[i].encode("utf-8") if i in added else token_bytes(token)
-            return table
-        spaces = "Metaspace" in kinds or any(s.get("type") == "Replace" and s.get("content") == " "
-                                              for s in steps if isinstance(s, dict))
-        if not spaces:
-            raise TokenizerError(f"a tokenizer.json whose decoder is {decoder.get('type')!r} is not supported "
+        if _is_byte_level(data):
+            return byte_level_table(vocab, added)
+        steps = _decoder_steps(data)
+        kinds = {step.get("type") for step in steps}
+        if "Metaspace" not in kinds and not any(s.get("type") == "Replace" and s.get("content") == " " for s in steps):
+            decoder = (data.get("decoder") or {}).get("type")
+            raise TokenizerError(f"a tokenizer.json whose decoder is {decoder!r} is not supported "
                                  "(tinygpt reads byte-level BPE and SentencePiece-style BPE with byte fallback)")
         fallback = "ByteFallback" in kinds
+        table = [b""] * (max(vocab.values()) + 1)
         for token, i in vocab.items():
             if i in added:
                 table[i] = added[i].encode("utf-8")
