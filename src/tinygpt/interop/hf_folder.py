@@ -20,7 +20,6 @@ from ..weights import read_weights
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-GENERATION_CONFIG = "generation_config.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 FAMILY = ("llama", "qwen2", "qwen3")  # the model_types of tinygpt.interop.hf_llama
 MODEL_TYPES = ("gpt2", *FAMILY)

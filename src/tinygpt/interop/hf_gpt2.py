@@ -33,8 +33,9 @@ from ..errors import CheckpointError, ConfigError, MissingDependencyError, Token
 from ..fileio import atomic_write, write_json
 from ..model import GPT
 from ..tokenizer.base import Tokenizer
+from ..tokenizer.hf_folder import GENERATION_CONFIG
 from ..weights import TIED_KEY
-from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
+from .hf_folder import CONFIG, WEIGHTS, check_export_target
 from .hf_tokenizer import save_hf_tokenizer
 
 MODEL_TYPE = "gpt2"

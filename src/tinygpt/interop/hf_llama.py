@@ -320,7 +320,8 @@ def export_hf(model: Any, tokenizer: Any, out: str | Path) -> Path:
     from ..fileio import atomic_write, write_json
     from ..tokenizer.chat import stop_ids
     from ..tokenizer.hf import HFTokenizer
-    from .hf_folder import CONFIG, GENERATION_CONFIG, WEIGHTS, check_export_target
+    from ..tokenizer.hf_folder import GENERATION_CONFIG
+    from .hf_folder import CONFIG, WEIGHTS, check_export_target
     from .hf_tokenizer import save_hf_tokenizer
 
     out, config = Path(out), model.config

@@ -1,5 +1,6 @@
-"""Tokenizers in Hugging Face's forms, both ways: tokenizer.json (the `tokenizers` library's),
-tokenizer_config.json, and GPT-2's own vocab.json + merges.txt.
+"""Tokenizers written out in Hugging Face's forms: tokenizer.json (the `tokenizers` library's),
+tokenizer_config.json, and GPT-2's own vocab.json + merges.txt. Reading them is tinygpt.tokenizer.hf_folder's;
+this module picks the reader a model folder's type takes.
 
     to_hf_tokenizer(tokenizer)        a `tokenizers.Tokenizer` that encodes and decodes exactly like it
     load_hf_tokenizer(folder)         a Hugging Face folder's tokenizer as a tinygpt one (or None)
@@ -20,30 +21,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import ChatError, TokenizerError
+from ..errors import TokenizerError
 from ..fileio import atomic_write, read_json, write_json
-from .hf_folder import FAMILY
 from ..tokenizer.base import EOT, Tokenizer
 from ..tokenizer.bpe import BPETokenizer, byte_to_unicode
 from ..tokenizer.char import CharTokenizer
-from ..tokenizer.chat import with_chat_template
-from ..tokenizer.chat_template import ChatTemplate
 from ..tokenizer.gpt2 import GPT2Tokenizer
-from ..tokenizer.hf import SPECIAL_TOKEN_NAMES, HFTokenizer
+from ..tokenizer.hf import HFTokenizer
+from ..tokenizer.hf_folder import (CHAR_SPLIT, CHAT_TEMPLATE, GPT2_MERGES, GPT2_VOCAB, TINYGPT_TEMPLATE, TOKENIZER,
+                                   TOKENIZER_CONFIG, TOKENIZER_FILES, gpt2_folder_tokenizer, pretrained_tokenizer)
+from .hf_folder import CONFIG, FAMILY
 
-TOKENIZER = "tokenizer.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-GPT2_VOCAB = "vocab.json"
-GPT2_MERGES = "merges.txt"
-# every tokenizer file of a folder: an export removes those it does not write, which would be read
-# in place of its own
-SPECIAL_TOKENS_MAP = "special_tokens_map.json"
-CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 writes a tokenizer's chat template
-GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GPT2_VOCAB, GPT2_MERGES, SPECIAL_TOKENS_MAP, CHAT_TEMPLATE)
-TINYGPT_TEMPLATE = "tinygpt_chat_template"  # tokenizer_config.json: the template in tinygpt's form
-# The char tokenizer as a `tokenizers` pipeline: every character its own piece, one id each.
-CHAR_SPLIT = r"[\s\S]"
 _SPELLING = byte_to_unicode()
 
 
@@ -174,145 +162,24 @@ def to_hf_tokenizer(tokenizer: Tokenizer) -> Any:
     raise TokenizerError(f"cannot convert a {getattr(tokenizer, 'kind', type(tokenizer).__name__)} tokenizer")
 
 
-def _char_from_hf(data: dict[str, Any], where: str) -> CharTokenizer:
-    """A tokenizer.json in the shape `to_hf_tokenizer` gives a char tokenizer, back as a CharTokenizer."""
-    split = {"type": "Split", "pattern": {"Regex": CHAR_SPLIT}, "behavior": "Isolated", "invert": False}
-    unsupported = TokenizerError(f"{where}: a WordLevel tokenizer that is not one token per character is not supported")
-    try:  # a hand-edited file may hold any JSON where these are
-        vocab = data["model"].get("vocab") or {}
-        if not all(isinstance(i, int) for i in vocab.values()):
-            raise unsupported
-        chars = sorted(vocab, key=vocab.get)
-        # special tokens after the characters (a chat template's), in id order
-        added = sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [] if t.get("special"))
-    except (AttributeError, KeyError, TypeError):
-        raise unsupported from None
-    if (
-        data.get("pre_tokenizer") != split
-        or data.get("normalizer") is not None
-        or sorted(vocab.values()) != list(range(len(vocab)))
-        or not all(len(c) == 1 for c in chars)
-        or not all(isinstance(i, int) and isinstance(t, str) for i, t in added)
-        or [i for i, _ in added] != list(range(len(chars), len(chars) + len(added)))
-    ):
-        raise unsupported
-    return CharTokenizer(chars, [t for _, t in added])
-
-
 def load_hf_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of a Hugging Face folder, as a tinygpt tokenizer; None if the folder has none.
 
-    GPT-2's own files (vocab.json + merges.txt) load as GPT-2's BPE through tiktoken; otherwise
-    tokenizer.json: a one-character-per-token WordLevel loads as a char tokenizer, a byte-level BPE
-    as a bpe tokenizer. A chat template tinygpt exported (tokenizer_config.json's
-    tinygpt_chat_template) comes back with it.
+    A Llama-family folder's (by its config.json's model_type) is the pretrained model's own, an
+    HFTokenizer (tinygpt.tokenizer.hf_folder.pretrained_tokenizer); any other folder's is one of
+    tinygpt's kinds as a GPT-2 folder holds it (gpt2_folder_tokenizer): GPT-2's vocab.json + merges.txt,
+    or a tokenizer.json of single characters or byte-level BPE, with the chat template tinygpt exported.
+
+    Args:
+        path: the folder.
     """
     path = Path(path)
-    if _model_type(path) in FAMILY:
-        return _pretrained_tokenizer(path)
-    template = _chat_template(path)
-    tokenizer = _load_hf_tokenizer(path, template)
-    if tokenizer is None or template is None:
-        return tokenizer
-    chat = with_chat_template(tokenizer, template)  # its tokens are there already: only the template is added
-    if chat.vocab_size != tokenizer.vocab_size:
-        raise TokenizerError(f"{path}: tokenizer_config.json names a chat template whose special tokens the "
-                             "tokenizer lacks")
-    return chat
+    return pretrained_tokenizer(path) if _model_type(path) in FAMILY else gpt2_folder_tokenizer(path)
 
 
 def _model_type(path: Path) -> Any:
-    data = read_json(path / "config.json", TokenizerError) if (path / "config.json").is_file() else None
+    data = read_json(path / CONFIG, TokenizerError) if (path / CONFIG).is_file() else None
     return data.get("model_type") if isinstance(data, dict) else None
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: its text, or an AddedToken's object with "content"."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _pretrained_tokenizer(path: Path) -> HFTokenizer | None:
-    """A Llama-family folder's own tokenizer: tokenizer.json, tokenizer_config.json's special tokens and
-    class, the chat template (chat_template.jinja, as transformers 5 writes it, else
-    tokenizer_config.json's chat_template, its "default" one where it names several), and
-    generation_config.json's eos ids, which end generation. None without a tokenizer.json."""
-    file = path / TOKENIZER
-    if not file.is_file():
-        return None
-    data = read_json(file, TokenizerError)
-    settings = read_json(path / TOKENIZER_CONFIG, TokenizerError) if (path / TOKENIZER_CONFIG).is_file() else {}
-    extra = read_json(path / SPECIAL_TOKENS_MAP, TokenizerError) if (path / SPECIAL_TOKENS_MAP).is_file() else {}
-    if not isinstance(settings, dict) or not isinstance(extra, dict):
-        raise TokenizerError(f"{path}: {TOKENIZER_CONFIG} and {SPECIAL_TOKENS_MAP} must be JSON objects")
-    config: dict[str, Any] = {name: _token_text(settings.get(name, extra.get(name))) for name in SPECIAL_TOKEN_NAMES}
-    for flag in ("split_special_tokens", "legacy", "add_prefix_space"):
-        if isinstance(settings.get(flag), bool):
-            config[flag] = settings[flag]
-    if isinstance(settings.get("tokenizer_class"), str):
-        config["tokenizer_class"] = settings["tokenizer_class"]
-    generation = read_json(path / GENERATION_CONFIG, TokenizerError) if (path / GENERATION_CONFIG).is_file() else {}
-    eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
-    config["stop"] = [eos] if isinstance(eos, int) else [i for i in eos if isinstance(i, int)] if isinstance(
-        eos, list) else []
-    template = settings.get("chat_template")
-    if (path / CHAT_TEMPLATE).is_file():
-        try:
-            template = (path / CHAT_TEMPLATE).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise TokenizerError(f"{path / CHAT_TEMPLATE}: cannot read it ({e})") from None
-    elif isinstance(template, list):  # several named templates: the default one
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if template is not None and not isinstance(template, str):
-        raise TokenizerError(f"{path / TOKENIZER_CONFIG}: chat_template must be text")
-    try:
-        return HFTokenizer(data, config, template)
-    except (TokenizerError, ChatError) as e:
-        raise TokenizerError(f"{path}: {e}") from None
-
-
-def _chat_template(path: Path) -> ChatTemplate | None:
-    """The tinygpt chat template an export recorded in tokenizer_config.json, if any."""
-    file = path / TOKENIZER_CONFIG
-    data = read_json(file, TokenizerError) if file.is_file() else None
-    if not isinstance(data, dict) or TINYGPT_TEMPLATE not in data:
-        return None
-    try:
-        return ChatTemplate.from_dict(data[TINYGPT_TEMPLATE])
-    except ChatError as e:
-        raise TokenizerError(f"{file}: {TINYGPT_TEMPLATE}: {e}") from None
-
-
-def _load_hf_tokenizer(path: Path, template: ChatTemplate | None) -> Tokenizer | None:
-    gpt2_error = None
-    if (path / GPT2_VOCAB).is_file() and (path / GPT2_MERGES).is_file():
-        try:
-            specials = template.special_tokens() if template is not None else ()
-            return GPT2Tokenizer.from_vocab_merges(path / GPT2_VOCAB, path / GPT2_MERGES, specials=specials)
-        except TokenizerError as e:  # a BPE that is not rank-ordered like GPT-2's: try tokenizer.json
-            gpt2_error = e
-    file = path / TOKENIZER
-    if not file.is_file():
-        if gpt2_error is not None:
-            raise gpt2_error
-        return None
-    data = read_json(file, TokenizerError)
-    model = data.get("model") if isinstance(data, dict) else None
-    model_type = model.get("type") if isinstance(model, dict) else None
-    if model_type == "WordLevel":
-        return _char_from_hf(data, str(file))
-    if model_type == "BPE":
-        from tokenizers import Tokenizer as HFTokenizer
-
-        try:
-            return BPETokenizer(HFTokenizer.from_str(json.dumps(data)))
-        except TokenizerError as e:
-            raise TokenizerError(f"{file}: {e}") from None
-        except Exception as e:
-            raise TokenizerError(f"{file}: does not load ({type(e).__name__}: {e})") from None
-    raise TokenizerError(f"{file}: a {model_type} tokenizer is not supported (tinygpt reads char and byte-level BPE)")
 
 
 def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
@@ -332,7 +199,8 @@ def tokenizer_config(tokenizer: Tokenizer, max_length: int) -> dict[str, Any]:
         # be found as such, so special spellings are not split here (unlike tinygpt's render_chat, a
         # message that spells one in its text gets the token); generation ends at the end of turn
         config.update(chat_template=template.jinja(), split_special_tokens=False, eos_token=template.end)
-        config[TINYGPT_TEMPLATE] = template.to_dict()  # what `tinygpt import` reads back (the Jinja is for transformers)
+        # what `tinygpt import` reads back (the Jinja is for transformers)
+        config[TINYGPT_TEMPLATE] = template.to_dict()
     return config
 
 

@@ -8,7 +8,8 @@ Four kinds share one small protocol (`Tokenizer`, in `base` with what they have 
   Text is a sequence of UTF-8 bytes to it, so any string round-trips exactly.
 - `gpt2.GPT2Tokenizer`: GPT-2's own BPE through `tiktoken`, from local files. The saved JSON carries
   the ranks, so a data or run folder never needs the network again.
-- `hf.HFTokenizer`: a pretrained model's own tokenizer.json, special tokens and Jinja chat template.
+- `hf.HFTokenizer`: a pretrained model's own tokenizer.json, special tokens and Jinja chat template
+  (`hf_folder` reads a Hugging Face folder's tokenizer files as one of these kinds).
 
 Every tokenizer has a fingerprint (`tokenizer.fingerprint()`): a SHA-256 of what it does, the same
 however it was built or saved. Data folders and runs carry it, so data prepared with another
