@@ -65,7 +65,11 @@ def _canonical_json(value: Any) -> bytes:
 
 
 def digest(canonical: dict[str, Any]) -> str:
-    """"sha256:" and the SHA-256 of `canonical` as _canonical_json writes it: a fingerprint."""
+    """"sha256:" and the SHA-256 of `canonical` as _canonical_json writes it: a fingerprint.
+
+    Args:
+        canonical: what the fingerprint holds (a tokenizer's canonical form).
+    """
     return "sha256:" + hashlib.sha256(_canonical_json(canonical)).hexdigest()
 
 

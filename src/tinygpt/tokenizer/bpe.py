@@ -38,7 +38,14 @@ _UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
 
 
 def token_bytes(token: str) -> bytes:
-    """The bytes a byte-level token stands for (its spelling in GPT-2's alphabet read back)."""
+    """The bytes a byte-level token stands for.
+
+    Args:
+        token: the token as a byte-level vocabulary spells it, in GPT-2's alphabet (byte_to_unicode).
+
+    Raises:
+        TokenizerError: a character outside that alphabet.
+    """
     try:
         return bytes(_UNICODE_TO_BYTE[c] for c in token)
     except KeyError:
@@ -46,8 +53,13 @@ def token_bytes(token: str) -> bytes:
 
 
 def byte_level_table(vocab: Mapping[str, int], added: Mapping[int, str]) -> list[bytes]:
-    """Each id's bytes in a byte-level vocabulary (token -> id, added tokens' ids included): an added
-    token's text, any other token's spelling read back (token_bytes)."""
+    """Each id's bytes in a byte-level vocabulary: an added token's text, any other token's spelling read
+    back (token_bytes).
+
+    Args:
+        vocab: token -> id, the added tokens included.
+        added: id -> text of the added tokens.
+    """
     table = [b""] * (max(vocab.values(), default=-1) + 1)
     for token, i in vocab.items():
         table[i] = added[i].encode("utf-8") if i in added else token_bytes(token)

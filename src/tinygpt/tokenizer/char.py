@@ -68,7 +68,11 @@ class CharTokenizer(TokenizerBase):
 
     def lookup(self, text: str) -> np.ndarray:
         """Each character's id (int32), -1 for those outside the vocabulary: UTF-32 code points through
-        `table`, with no per-character Python loop."""
+        `table`, with no per-character Python loop.
+
+        Args:
+            text: the text.
+        """
         return self.table[np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)]
 
     def encode_to_array(self, texts: str | Sequence[str]) -> np.ndarray:

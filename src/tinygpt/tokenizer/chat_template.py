@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ChatError, TokenizerError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: hf imports this module
     from .hf import HFTokenizer
 
 ROLES = ("system", "user", "assistant")
