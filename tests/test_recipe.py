@@ -16,7 +16,7 @@ from tinygpt.checkpoint import load
 from tinygpt.config import MUON_LR, TrainConfig, with_arch
 from tinygpt.errors import ConfigError, TrainingError
 from tinygpt.model import GPT
-from tinygpt.optim import BudgetSchedule, MuonAdamW, decay_start, lr_at, make_optimizer
+from tinygpt.optim import BudgetSchedule, MuonAdamW, decay_start, lr_at, make_optimizer, warmup_steps
 from tinygpt.train import train
 
 LLAMA = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, arch="llama",
@@ -121,13 +121,13 @@ def test_cli_muon_train_and_lora_refusal(char_data, tmp_path, cli):
 
 
 def test_wsd_rate_at_every_step():
-    c = TrainConfig(lr=1.0, min_lr=0.1, warmup=2, lr_schedule="wsd", decay_fraction=0.4, max_iters=10)
-    rates = [lr_at(s, c, 10) for s in range(12)]
-    # warmup 2 steps, held to step 5, then 4 steps down to min_lr in a line, and held there
-    assert rates == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1, 0.1])
-    assert decay_start(c, 10) == 6
+    c = TrainConfig(lr=1.0, min_lr=0.1, warmup=2, lr_schedule="wsd", decay_fraction=0.2, max_iters=20)
+    rates = [lr_at(s, c, 20) for s in range(22)]
+    # warmup 2 steps, held to step 15, then 4 steps down to min_lr in a line, and held there
+    assert rates == pytest.approx([0.5] + [1.0] * 15 + [0.775, 0.55, 0.325, 0.1, 0.1, 0.1])
+    assert decay_start(c, 20) == 16
     # the decay never starts inside the warmup; a fraction 1 decays from the warmup's end
-    assert decay_start(dataclasses.replace(c, decay_fraction=1.0), 10) == 2
+    assert decay_start(dataclasses.replace(c, decay_fraction=1.0), 20) == 2
     assert [lr_at(s, c, None) for s in (1, 50)] == [1.0, 1.0]  # a time budget not timed yet: held
 
 
@@ -143,7 +143,8 @@ def test_wsd_on_a_time_budget_decays_over_the_last_share_of_the_steps_it_buys():
 
 
 def test_a_wsd_run_continues_from_before_its_decay_with_a_new_length(char_data, tmp_path):
-    c = cfg(lr_schedule="wsd", decay_fraction=0.25, max_iters=12, eval_interval=5, optimizer="adamw")
+    # warmup 1: a tenth of 12 steps, and so the same as a 24-step run's
+    c = cfg(lr_schedule="wsd", decay_fraction=0.25, max_iters=12, eval_interval=5, optimizer="adamw", warmup=1)
     train(char_data, tmp_path / "short", GPT2, c)  # decays over steps 10-12
     kept = tmp_path / "short" / "before-decay"
     assert torch.load(kept / "train_state.pt", weights_only=True)["step"] == 9
@@ -158,6 +159,68 @@ def test_a_wsd_run_continues_from_before_its_decay_with_a_new_length(char_data, 
     lines = [json.loads(line) for line in (tmp_path / "longer" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, 25))
     assert torch.load(tmp_path / "longer" / "before-decay" / "train_state.pt", weights_only=True)["step"] == 18
+
+
+def lrs(run):
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["lr"] for r in lines if "lr" in r]
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "cosine", "constant"])
+def test_a_short_run_warms_up_over_a_tenth_of_its_steps_and_reaches_its_peak_and_its_decay(schedule):
+    # --max-iters at or below --warmup (100) ended a run inside its warmup, a WSD run before its decay
+    for n in range(2, 60):
+        c = TrainConfig(lr=1.0, min_lr=0.1, lr_schedule=schedule, max_iters=n)
+        rates = [lr_at(s, c, n) for s in range(n)]
+        w = max(1, n // 10)
+        assert warmup_steps(c, n) == w and rates[:w] == pytest.approx([(s + 1) / w for s in range(w)]), n
+        if schedule == "wsd":
+            assert w <= decay_start(c, n) < n and rates[-1] == pytest.approx(0.1), n
+        elif schedule == "cosine" and n > w + 1:
+            assert rates[-1] < rates[w] == 1.0, n
+    # a run of ten warmups or more warms up over --warmup whole, as before
+    for n in (1000, 2000, 10**6):
+        assert warmup_steps(TrainConfig(lr_schedule=schedule, max_iters=n), n) == 100
+
+
+def test_a_ten_step_wsd_run_decays_and_continues_as_the_readme_says(char_data, tmp_path, cli):
+    """The README's continuation on a run shorter than its default 100-step warmup: the run decays and keeps
+    before-decay/, whose copy continues with another --max-iters; finetune's short runs decay alike."""
+    small = ["--n-layer", 1, "--n-head", 2, "--n-embd", 16, "--block-size", 8, "--batch-size", 4, "--eval-iters", 1,
+             "--device", "cpu", "--dtype", "float32", "--quiet"]
+    r = cli("train", "--data", char_data, "--out", tmp_path / "wsd", "--max-iters", 10, *small)
+    assert r.returncode == 0, r.stderr
+    # a one-step warmup (a tenth of 10), held to step 8, down to lr / 10 over the last fifth
+    assert lrs(tmp_path / "wsd") == pytest.approx([1e-3] * 8 + [5.5e-4, 1e-4])
+    assert torch.load(tmp_path / "wsd" / "before-decay" / "train_state.pt", weights_only=True)["step"] == 8
+    shutil.copytree(tmp_path / "wsd" / "before-decay", tmp_path / "wsd-20")
+    r = cli("train", "--data", char_data, "--out", tmp_path / "wsd-20", "--resume", "--max-iters", 20, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert lrs(tmp_path / "wsd-20") == pytest.approx([1e-3] * 16 + [7.75e-4, 5.5e-4, 3.25e-4, 1e-4])
+    assert torch.load(tmp_path / "wsd-20" / "before-decay" / "train_state.pt", weights_only=True)["step"] == 16
+    # finetune's 10-step warmup in a 10-step run: one step, and the decay
+    r = cli("finetune", tmp_path / "wsd", "--data", char_data, "--out", tmp_path / "ft", "--max-iters", 10,
+            "--lr-schedule", "wsd", "--lr", "1e-3", "--eval-iters", 1, "--batch-size", 4, "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert lrs(tmp_path / "ft") == pytest.approx([1e-3] * 8 + [5.5e-4, 1e-4])
+    assert (tmp_path / "ft" / "before-decay" / "model.safetensors").is_file()
+
+
+def test_a_resume_keeps_the_warmup_the_run_began_with(char_data, tmp_path):
+    c = cfg(optimizer="adamw", lr=1e-3, warmup=100, max_iters=20, lr_schedule="cosine", eval_interval=100)
+    train(char_data, tmp_path / "run", GPT2, c, should_stop=lambda step: step == 1)  # warmup 2, a tenth of 20
+    longer = dataclasses.replace(c, max_iters=40)  # whose own warmup would be 4
+    train(char_data, tmp_path / "run", None, longer, resume=True)
+    assert lrs(tmp_path / "run")[1] == 1e-3
+    assert lrs(tmp_path / "run") == pytest.approx([lr_at(s, longer, 40, warmup=2) for s in range(40)])
+    # a state saved before tinygpt kept the run's first length resumes on the warmup it had then: --warmup whole
+    old = dataclasses.replace(c, warmup=5)
+    train(char_data, tmp_path / "old", GPT2, old, should_stop=lambda step: step == 3)
+    state = torch.load(tmp_path / "old" / "train_state.pt", weights_only=True)
+    del state["begun_max_iters"]
+    torch.save(state, tmp_path / "old" / "train_state.pt")
+    train(char_data, tmp_path / "old", None, old, resume=True)
+    assert lrs(tmp_path / "old")[3:] == pytest.approx([lr_at(s, old, 20, warmup=5) for s in range(3, 20)])
 
 
 # the modern block (the modded-nanoGPT speedrun's choices): ReLU squared, zero-initialised output projections,

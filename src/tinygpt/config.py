@@ -538,7 +538,8 @@ class TrainConfig:
             resume the run's own, or fine-tuning's (FinetuneConfig.default_lr); train() fills it in
             before the first step.
         min_lr: where the cosine or WSD decay ends (default lr / 10).
-        warmup: steps of linear warmup.
+        warmup: steps of linear warmup, at most a tenth of the run's steps (of max_iters as the run began,
+            or of a time budget's estimate) so that a short run reaches its peak rate and its decay.
         lr_schedule: what follows the warmup: "cosine" (decay to min_lr over the run), "constant"
             (lr held, nanoGPT's fine-tuning recipe), "inverse-sqrt" (lr x sqrt(warmup / (step + 1)),
             which needs no known length) or "wsd" (warmup-stable-decay: lr held, then a linear decay

@@ -1,5 +1,5 @@
 """The optimizer and the learning-rate schedules training uses: AdamW with weight decay on matrices
-only, or Muon for the blocks' matrices beside it (MuonAdamW); linear warmup then
+only, or Muon for the blocks' matrices beside it (MuonAdamW); linear warmup (at most a tenth of the run) then
 (TrainConfig.lr_schedule) cosine decay or warmup-stable-decay over a known length (lr_at) or over
 a time budget whose length is re-estimated as the run goes (BudgetSchedule), a constant rate, or
 inverse-square-root decay; the last two need no length."""
@@ -14,14 +14,19 @@ import torch
 from .config import LENGTHLESS_SCHEDULES, TrainConfig
 
 
-def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
+def lr_at(step: int, cfg: TrainConfig, max_iters: int | None, warmup: int | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cfg.lr_schedule:
     cosine to min_lr, constant, or inverse-sqrt.
 
-    `max_iters` is the schedule's length; for a time budget it is estimated once training has
-    been timed, and the warmup then takes at most a tenth of it.
+    Args:
+        step: the optimizer step about to run.
+        cfg: the run's settings.
+        max_iters: the schedule's length; for a time budget it is estimated once training has been
+            timed (None until then).
+        warmup: the warmup's steps; default warmup_steps(cfg, max_iters). A run passes the warmup it began
+            with, which a resume with another max_iters keeps.
     """
-    warmup = warmup_steps(cfg, max_iters)
+    warmup = warmup_steps(cfg, max_iters) if warmup is None else warmup
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     if cfg.lr_schedule in LENGTHLESS_SCHEDULES:
@@ -29,23 +34,29 @@ def lr_at(step: int, cfg: TrainConfig, max_iters: int | None) -> float:
     if max_iters is None:  # a time budget whose length is not known yet
         return cfg.lr
     if cfg.lr_schedule == "wsd":
-        start = decay_start(cfg, max_iters)
+        start = decay_start(cfg, max_iters, warmup)
         return linear_decay(cfg, 0.0 if step < start else min(1.0, (step + 1 - start) / max(1, max_iters - start)))
     progress = min(1.0, (step - warmup) / max(1, max_iters - warmup))
     return cfg.final_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.final_lr)
 
 
-def warmup_steps(cfg: TrainConfig, max_iters: int | None) -> int:
-    """The warmup's length: cfg.warmup, at most a tenth of a time budget's estimated length."""
-    if cfg.max_iters is None and max_iters is not None:
-        return min(cfg.warmup, max(1, max_iters // 10))
-    return cfg.warmup
+def warmup_steps(cfg: TrainConfig, length: float | None) -> int:
+    """The warmup's length: cfg.warmup, at most a tenth of the run's `length` in steps (its max_iters as it
+    began, or a time budget's estimate; None while that is not known yet), so that a run shorter than ten
+    warmups still reaches its peak rate and its decay. A tenth is short, as in WSD practice (nanochat and
+    modded-nanogpt barely warm up and decay over the last 20-50%), leaves the default decay (a fifth)
+    whole, and is the share a time budget's warmup already had."""
+    if length is None:
+        return cfg.warmup
+    return min(cfg.warmup, max(1, int(length // 10)))
 
 
-def decay_start(cfg: TrainConfig, max_iters: int) -> int:
+def decay_start(cfg: TrainConfig, max_iters: int, warmup: int | None = None) -> int:
     """The first step (0-based) of a WSD run's decay: the last decay_fraction of max_iters steps
-    (at least one), never inside the warmup. Steps before it run at lr."""
-    return max(warmup_steps(cfg, max_iters), max_iters - max(1, round(cfg.decay_fraction * max_iters)))
+    (at least one), never inside the warmup (`warmup` steps, default warmup_steps(cfg, max_iters)).
+    Steps before it run at lr."""
+    warmup = warmup_steps(cfg, max_iters) if warmup is None else warmup
+    return max(warmup, max_iters - max(1, round(cfg.decay_fraction * max_iters)))
 
 
 def linear_decay(cfg: TrainConfig, progress: float) -> float:
@@ -87,7 +98,7 @@ class BudgetSchedule:
         """The rate for optimizer step `step` (0-based), which is about to run; moves the schedule on."""
         cfg = self.cfg
         if self.warm < 1:
-            length = cfg.warmup if self.left is None else min(cfg.warmup, max(1, int((step + self.left) // 10)))
+            length = warmup_steps(cfg, None if self.left is None else step + self.left)
             self.warm = min(1.0, self.warm + 1 / max(1, length))
             return cfg.lr * self.warm
         if cfg.lr_schedule in LENGTHLESS_SCHEDULES:  # needs no length: the budget's estimate does not change it
@@ -111,7 +122,7 @@ class BudgetSchedule:
         if saved is not None:
             return cls(cfg, float(saved["warm"]), float(saved["progress"]))
         length = state.get("max_iters")
-        warmup = cfg.warmup if length is None else min(cfg.warmup, max(1, length // 10))
+        warmup = warmup_steps(cfg, length)
         if step < warmup:
             return cls(cfg, step / warmup)
         return cls(cfg, 1.0, 0.0 if length is None else min(1.0, (step - warmup) / max(1, length - warmup)))

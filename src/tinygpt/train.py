@@ -43,7 +43,7 @@ from .errors import (
 )
 from .fileio import atomic_write, check_folder_path, read_json, write_json
 from .model import GPT
-from .optim import BudgetSchedule, decay_start, lr_at, lr_scales, make_optimizer
+from .optim import BudgetSchedule, decay_start, lr_at, lr_scales, make_optimizer, warmup_steps
 from .sizing import ModelChoice
 
 DEFAULT_MAX_ITERS = 2000
@@ -680,8 +680,12 @@ class _Run:
         if self.horizon is None and cfg.max_time is None:
             self.horizon = DEFAULT_MAX_ITERS
         self.schedule = BudgetSchedule(cfg) if self.budget else None
+        # the length the warmup is a share of: the run's as it begins, kept by every resume and by a
+        # continuation from before-decay/ with another length, which warm up as the run did
+        self.begun = self.horizon
         if setup.state is not None:
             self.restore(setup.state)
+        self.warmup = warmup_steps(cfg, self.begun)
         self.step_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -695,6 +699,9 @@ class _Run:
             self.schedule = BudgetSchedule.resumed(cfg, state, self.step)
         elif cfg.max_iters is None and state["max_iters"] is not None:
             self.horizon = int(state["max_iters"])
+        # a state saved before tinygpt kept it warmed up over cfg.warmup whole where max_iters was given
+        self.begun = state["begun_max_iters"] if "begun_max_iters" in state else (
+            self.horizon if cfg.max_iters is None else None)
         kind = state.get("optimizer_kind", "adamw")  # a state saved before muon existed is AdamW's
         if kind != cfg.optimizer:
             raise TrainingError(f"{run} trained with --optimizer {kind}: resume it with {kind} (its optimizer state "
@@ -744,7 +751,8 @@ class _Run:
         """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
         cfg, ctx = self.cfg, self.ctx
         before = self.schedule.state() if self.schedule is not None else None
-        lr = self.schedule.next_lr(self.step) if self.schedule is not None else lr_at(self.step, cfg, self.horizon)
+        lr = (self.schedule.next_lr(self.step) if self.schedule is not None
+              else lr_at(self.step, cfg, self.horizon, self.warmup))
         if self.decay_begins(before):  # kept as it is before this step, the first of the decay
             self.save(self.folder / BEFORE_DECAY, before)
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
@@ -787,7 +795,7 @@ class _Run:
             return False
         if self.schedule is not None:
             return before["progress"] == 0 and self.schedule.progress > 0
-        return self.step == decay_start(self.cfg, self.horizon)
+        return self.step == decay_start(self.cfg, self.horizon, self.warmup)
 
     def evaluate(self, iters: int | None = None) -> dict[str, Any]:
         """Phase 4a: the loss on both splits (eval_iters batches, or the first `iters`); its metrics line."""
@@ -819,6 +827,7 @@ class _Run:
         weights, master = self.stored(weights)
         train_state = {
             "step": self.step, "tokens": self.tokens, "elapsed": self.seconds(), "max_iters": self.horizon,
+            "begun_max_iters": self.begun,
             "optimizer": optimizer_state,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None, "rng": rng,
             "schedule": schedule or (self.schedule.state() if self.schedule is not None else None),
@@ -1046,6 +1055,7 @@ def _check_state(state: dict[str, Any], run: Path) -> None:
         "tokens": count(state.get("tokens")),
         "elapsed": state.get("elapsed") is None or type(state["elapsed"]) is float and 0 <= state["elapsed"] < math.inf,
         "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
+        "begun_max_iters": state.get("begun_max_iters") is None or count(state.get("begun_max_iters")),
         "optimizer": isinstance(opt, dict) and isinstance(opt.get("state"), dict)
         and isinstance(opt.get("param_groups"), list)
         and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"]),

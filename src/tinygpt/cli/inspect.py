@@ -430,7 +430,7 @@ def add_emergence(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--activation", choices=["gelu", "gelu_tanh"], help="the MLP's GELU (gelu)")
     m.add_argument("--batch-size", type=POSITIVE, help="sequences per step (32)")
     m.add_argument("--lr", type=RATE, help="AdamW's rate, constant after the warmup (0.003)")
-    m.add_argument("--warmup", type=NATURAL, help="linear warmup steps (50)")
+    m.add_argument("--warmup", type=NATURAL, help="linear warmup steps, at most a tenth of --steps (50)")
     m.add_argument("--weight-decay", type=Number("float", 0), help="AdamW weight decay (0)")
     add_device_flag(m, None, help="cpu, cuda, cuda:N, mps (cpu)")
     p.add_argument("--no-plot", action="store_true", help="write no emergence.png (no matplotlib needed)")

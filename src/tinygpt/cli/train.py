@@ -224,7 +224,9 @@ def add_training_flags(t: argparse._ArgumentGroup, shown: dict[str, str]) -> Non
     t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")
     t.add_argument("--lr", type=RATE, help=f"peak learning rate ({shown['lr']})")
     t.add_argument("--min-lr", type=Number("float", 0), help="end of the cosine or wsd decay (lr/10)")
-    t.add_argument("--warmup", type=NATURAL, help=f"linear warmup steps ({shown['warmup']})")
+    t.add_argument("--warmup", type=NATURAL,
+                   help=f"linear warmup steps, at most a tenth of the run's so that a short run decays too "
+                        f"({shown['warmup']})")
     t.add_argument("--lr-schedule", choices=LR_SCHEDULES,
                    help=f"after the warmup: cosine decay to --min-lr, constant, inverse-sqrt, or wsd (held, then a "
                         f"linear decay to --min-lr over the last --decay-fraction of the steps) ({shown['schedule']})")
