@@ -491,6 +491,60 @@ def test_resume_continues_from_the_saved_data_position(sharded, tmp_path):
         train(sharded[0], cut, None, tiny_train(40, data_order="random"), resume=True)
 
 
+def test_training_refuses_a_shard_changed_inside_the_vocabulary_in_one_line(sharded, tmp_path, cli):
+    """Two ids of train_00001.bin swapped: the same size, every id inside the vocabulary, and only the
+    sha256 prepare recorded tells. The run trains on shard 0, stops in one line naming the shard as the
+    stream reaches it (step 16), and keeps its last checkpoint (step 8) as it was."""
+    import shutil
+
+    changed = Path(shutil.copytree(sharded[0], tmp_path / "changed"))
+    ids = np.fromfile(changed / "train_00001.bin", dtype=np.uint16)
+    other = int(np.flatnonzero(ids != ids[0])[0])
+    ids[[0, other]] = ids[[other, 0]]
+    ids.tofile(changed / "train_00001.bin")
+    run = tmp_path / "run"
+    r = cli("train", "--data", changed, "--out", run, "--n-layer", 1, "--n-head", 2, "--n-embd", 32, "--block-size", 16,
+            "--batch-size", 4, "--max-iters", 24, "--eval-interval", 8, "--eval-iters", 2, "--device", "cpu", "--quiet")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr == (f"tinygpt: error: {changed / 'train_00001.bin'} is not the file prepare wrote: its sha256 is "
+                        "not meta.json's; prepare the data again\n")
+    steps = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert steps == list(range(1, 16))  # step 16's last row ends in shard 1: refused before it trains
+    assert load_training(run)["step"] == 8 and load(run) is not None
+
+
+def test_each_shard_is_hashed_once_as_training_first_reads_it_and_again_on_resume(sharded, tmp_path, monkeypatch):
+    """Windows through every shard twice read each for its sha256 once; a run reads those its batches
+    read (not those its evaluations' random windows touch), once, and a resume, a new opening, again."""
+    import shutil
+
+    from tinygpt import shards
+
+    hashed: list[str] = []
+
+    def counted(path, *args):
+        hashed.append(Path(path).name)
+        return hash_file(path, *args)
+
+    monkeypatch.setattr(shards, "hash_file", counted)
+    tokens = load_data(sharded[0]).train
+    for _ in range(2):
+        tokens.check_windows(np.arange(0, len(tokens) - 17, 300), 17)
+    assert hashed == [p.name for p in tokens.paths] and len(tokens.paths) > OPEN_SHARDS
+    hashed.clear()
+    train(sharded[0], tmp_path / "run", TINY, tiny_train(8))  # 8 x 64 tokens: shard 0
+    assert hashed == ["train_00000.bin"]
+    train(sharded[0], tmp_path / "run", None, tiny_train(20), resume=True)  # on past token 1,000: shard 1
+    assert hashed == ["train_00000.bin", "train_00000.bin", "train_00001.bin"]
+    # meta.json without a shard's sha256 is refused as the folder is opened
+    bare = Path(shutil.copytree(sharded[0], tmp_path / "bare"))
+    meta = json.loads((bare / "meta.json").read_text())
+    del meta["shards"]["val"][0]["sha256"]
+    (bare / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=r"meta.json: the sha256 of val_00000.bin must be 64 hex digits, got None"):
+        load_data(bare)
+
+
 def test_the_stream_wraps_round_and_keeps_a_few_shards_mapped(sharded):
     """Streaming reads every token of the split once per epoch, the shards one after another, never
     more than OPEN_SHARDS of them mapped (the memory a run holds, whatever the split's size)."""

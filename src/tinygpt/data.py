@@ -72,7 +72,7 @@ import numpy as np
 from .calc.units import plural
 from .errors import ChatError, DataError, TokenizerError
 from .datasources import DatasetSource, data_kind, dataset_source, is_dataset_folder, is_hub_name
-from .fileio import (check_folder_path, check_regular_file, hash_file, parse_json, printable_path, read_json,
+from .fileio import (check_folder_path, check_regular_file, parse_json, printable_path, read_json,
                      temp_folder, write_json)
 from .shards import SHARD_FILE, Encoder, ShardedTokens, ShardWriter, default_workers
 from .tokenizer.base import EOT, KINDS, Tokenizer, load_tokenizer
@@ -1463,28 +1463,33 @@ def _open_chat(p: Path, meta: dict[str, Any], tok: Tokenizer) -> tuple[dict[str,
 
 def _open_shards(p: Path, meta: dict[str, Any], split: str, dtype: np.dtype) -> ShardedTokens:
     """A split written as shards (meta.json's "shards" index), each checked for its size; ids past the
-    vocabulary are refused as they are read (reading every shard here would take minutes at scale)."""
+    vocabulary are refused as they are read, bytes that are not the recorded sha256's as training or
+    inspect_data reads each shard (reading every shard here would take minutes at scale)."""
     index = meta["shards"].get(split) if isinstance(meta["shards"], dict) else None
     where = p / "meta.json"
     if not isinstance(index, list):
         raise DataError(f"{where}: shards must map train and val to lists of shards")
-    paths, counts = [], []
+    paths, counts, hashes = [], [], []
     for entry in index:
         name, n = (entry.get("file"), entry.get("tokens")) if isinstance(entry, dict) else (None, None)
         if not (isinstance(name, str) and SHARD_FILE.fullmatch(name) and name.startswith(split + "_")):
             raise DataError(f"{where}: {name!r} is not a {split} shard's file name")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise DataError(f"{where}: the tokens of {name} must be a non-negative integer, got {n!r}")
+        digest = entry.get("sha256")
+        if not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise DataError(f"{where}: the sha256 of {name} must be 64 hex digits, got {digest!r}")
         size = check_regular_file(p / name, DataError)
         if size != n * dtype.itemsize:
             raise DataError(f"{p / name} holds {size:,} bytes but meta.json says {n:,} {dtype.name} tokens "
                             f"({n * dtype.itemsize:,} bytes)")
         paths.append(p / name)
         counts.append(n)
+        hashes.append(digest)
     if sum(counts) != meta[f"{split}_tokens"]:
         raise DataError(f"{where}: the {split} shards hold {sum(counts):,} tokens, not the {meta[f'{split}_tokens']:,} "
                         f"{split}_tokens says")
-    return ShardedTokens(paths, counts, dtype, meta["vocab_size"])
+    return ShardedTokens(paths, counts, dtype, meta["vocab_size"], hashes)
 
 
 def _open_tokens(path: Path, dtype: np.dtype, n_tokens: int, vocab_size: int) -> np.ndarray:
@@ -1557,12 +1562,16 @@ class _Lengths:
                 "mean": self.total / self.count if self.count else None, "bins": bins}
 
 
-def _split_files(ds: DataSet, split: str) -> list[tuple[Path, np.ndarray, dict[str, Any] | None]]:
-    """A split's files in order: (path, its ids as a memmap, its meta.json shard entry or None)."""
+def _split_files(ds: DataSet, split: str) -> Iterator[tuple[Path, np.ndarray, dict[str, Any] | None]]:
+    """A split's files in order: (path, its ids as a memmap, its meta.json shard entry or None), each shard
+    checked against its sha256 first."""
     tokens = getattr(ds, split)
-    if isinstance(tokens, ShardedTokens):
-        return [(path, tokens.shard(i), ds.meta["shards"][split][i]) for i, path in enumerate(tokens.paths)]
-    return [(ds.path / f"{split}.bin", tokens, None)]
+    if not isinstance(tokens, ShardedTokens):
+        yield ds.path / f"{split}.bin", tokens, None
+        return
+    for i, path in enumerate(tokens.paths):
+        tokens.check(i)
+        yield path, tokens.shard(i), ds.meta["shards"][split][i]
 
 
 def _scan_split(ds: DataSet, split: str, eot: int | None, lengths: _Lengths | None) -> dict[str, Any]:
@@ -1572,8 +1581,6 @@ def _scan_split(ds: DataSet, split: str, eot: int | None, lengths: _Lengths | No
     n, files = 0, []
     last = -1  # where the split's last separator is
     for file, ids, entry in _split_files(ds, split):
-        if entry is not None and hash_file(file).hexdigest() != entry.get("sha256"):
-            raise DataError(f"{file} is not the file prepare wrote: its sha256 is not meta.json's")
         separators = 0
         for lo in range(0, len(ids), SCAN_TOKENS):
             chunk = ids[lo : lo + SCAN_TOKENS]

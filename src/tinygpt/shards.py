@@ -13,6 +13,7 @@ tiktoken, numpy's lookup), so N threads use N cores, and the ids are those of on
 
 Reading (ShardedTokens): a split's shards seen as one array: len, slices and windows that cross
 shard boundaries, so training on shards samples exactly the batches the same tokens in one file give.
+`check_windows` holds the shards some windows read to the sha256 prepare recorded, once each.
 """
 
 from __future__ import annotations
@@ -264,19 +265,24 @@ class ShardedTokens:
     """A split written as shards, read as one array of token ids (each shard a read-only memmap,
     opened when first touched, and at most OPEN_SHARDS of them mapped at once: streaming through
     the split keeps the pages of a few shards in memory, not the split's). Supports len(), [i],
-    [a:b], np.asarray() and windows(); ids past the vocabulary are refused as they are read.
+    [a:b], np.asarray() and windows(); ids past the vocabulary are refused as they are read, and
+    check()/check_windows() refuse a shard whose bytes are not those prepare recorded (its sha256).
 
     Args:
         paths: the shard files, in order.
         counts: ids in each.
         dtype: the token dtype.
         vocab_size: ids must be below it.
+        sha256: each shard's recorded sha256 (hex), or None to check none.
     """
 
-    def __init__(self, paths: list[Path], counts: list[int], dtype: np.dtype, vocab_size: int) -> None:
+    def __init__(self, paths: list[Path], counts: list[int], dtype: np.dtype, vocab_size: int,
+                 sha256: list[str] | None = None) -> None:
         self.paths, self.counts, self.dtype, self.vocab_size = list(paths), list(counts), np.dtype(dtype), vocab_size
+        self.sha256 = sha256
         self.starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])  # (S+1,)
         self._maps: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()  # least recent first
+        self._checked: set[int] = set()  # the shards whose bytes were found to be prepare's
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -294,6 +300,27 @@ class ShardedTokens:
             self._maps.popitem(last=False)
         self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r", shape=(self.counts[i],))
         return self._maps[i]
+
+    def check(self, i: int) -> None:
+        """Refuse shard i unless its bytes hash to the sha256 prepare recorded: a changed byte that keeps
+        every id inside the vocabulary would otherwise pass unseen. Read once for this object (a process
+        opening the folder, and so a resume, reads it again), the first time it is asked."""
+        if i in self._checked or self.sha256 is None:
+            return
+        if hash_file(self.paths[i]).hexdigest() != self.sha256[i]:
+            raise DataError(f"{self.paths[i]} is not the file prepare wrote: its sha256 is not meta.json's; "
+                            "prepare the data again")
+        self._checked.add(i)
+
+    def check_windows(self, offsets: np.ndarray, width: int) -> None:
+        """check() every shard the windows tokens[o:o+width] read, lowest first. Training calls it on its
+        batches: streamed in order, a shard is read once more as the stream reaches it (what it trains
+        on, not the whole split at the start, nor the shards an evaluation's random windows touch)."""
+        offsets = np.asarray(offsets, dtype=np.int64)
+        first = np.searchsorted(self.starts, offsets, side="right") - 1
+        last = np.searchsorted(self.starts, offsets + width - 1, side="right") - 1
+        for i in sorted({i for a, b in zip(first.tolist(), last.tolist()) for i in range(a, b + 1)}):
+            self.check(i)
 
     @property
     def open_shards(self) -> list[int]:

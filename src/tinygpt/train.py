@@ -763,6 +763,8 @@ class _Run:
             # stream) and takes its slice
             rows = cfg.batch_size * ctx.world_size
             offsets = self.stream.draw(rows) if self.stream else self.batches["train"].sample(rows, self.data_rng)
+            if isinstance(self.dataset.train, ShardedTokens):  # the whole global batch's: every process stops alike
+                self.dataset.train.check_windows(offsets.numpy(), self.block + 1)
             offsets = share(offsets, ctx.rank, cfg.batch_size)
             hooks.on_batch(offsets)
             batch = self.batches["train"].get(offsets)
