@@ -232,7 +232,8 @@ def test_activation_estimate_matches_what_autograd_saves(dtype, overrides):
 def test_activation_estimate_past_the_matmul_attention_limit(overrides, monkeypatch):
     # bf16 training on a CPU uses the matmul attention path only for small T x T scores: past the
     # limit it is SDPA again, and the estimate follows
-    from tinygpt import config, model as model_module
+    from tinygpt import model as model_module
+    from tinygpt.config import model as config
     from tinygpt.calc import memory
 
     # one number, defined in config: each module reads its own binding of it, so both are patched
@@ -425,7 +426,7 @@ def test_calc_never_imports_torch():
             for module in modules:
                 assert not module.split(".")[0] in ("torch", "numpy"), (path.name, module)
                 if module.startswith(".."):
-                    assert module in ("..config", "..errors"), (path.name, module)
+                    assert module == "..errors" or module.split(".")[2] == "config", (path.name, module)
 
 
 def test_importing_calc_and_the_configs_loads_no_torch():

@@ -162,3 +162,19 @@ def test_seed_fits_torch():
     assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
     with pytest.raises(ConfigError, match="seed"):
         TrainConfig(seed=2**63)
+
+
+def test_the_package_gives_the_names_users_import():
+    # tinygpt.config is a module a topic since issue 56; the package still gives what users import from it:
+    # docs/tutorials/scale.md's RECIPE_MODEL and RECIPE_TRAIN, and the configs the API reference documents
+    # under tinygpt.config, each the topic module's own object
+    import tinygpt
+    import tinygpt.config as config
+    from tinygpt.config import model, train
+
+    assert config.RECIPE_MODEL is train.RECIPE_MODEL and config.RECIPE_TRAIN is train.RECIPE_TRAIN
+    assert config.GPTConfig is model.GPTConfig is tinygpt.GPTConfig and config.TrainConfig is train.TrainConfig
+    documented = [name for name in tinygpt.__all__ if tinygpt._HOME[name] == "config"]
+    assert documented == ["GPTConfig", "SampleConfig", "TrainConfig", "FinetuneConfig"]
+    assert all(getattr(config, name) is getattr(tinygpt, name) for name in documented)
+    assert set(documented) | {"RECIPE_MODEL", "RECIPE_TRAIN"} <= set(config.__all__)

@@ -19,7 +19,7 @@ PACKAGE = ROOT / "src" / "tinygpt"
 # lowest first: (layer, what it holds, its modules; a name ending in ".*" is a whole folder)
 LAYERS = (
     ("foundation", "configs, errors and the arithmetic of scale; no torch",
-     ("config", "errors", "calc.*")),
+     ("config.*", "errors", "calc.*")),
     ("tensors and text", "files, devices, tokenizers, the KV cache, sampling, tinygpt's CPU kernels",
      ("fileio", "device", "tokenizer.*", "kv_cache", "sampling", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
@@ -158,6 +158,14 @@ def test_no_module_takes_a_private_name_of_another():
     assert not wrong, "\n".join(wrong)
 
 
+def test_tinygpt_takes_each_config_from_its_topic_module():
+    # `tinygpt.config` gives the names users import; tinygpt's own modules import from the module that
+    # defines each (config.model, config.train, ...), so that the package's list stays the users' (issue 56)
+    wrong = [f"tinygpt.{module}:{line} imports {name} from tinygpt.config" for module in MODULES if module != "config"
+             for target, name, line in imports(module) if target == "config" and name is not None]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_readme_shows_the_layers():
     text = (ROOT / "README.md").read_text()
     section = re.search(r"^## How the code is laid out\n(.*?)(?=^## )", text, re.S | re.M)
@@ -172,6 +180,8 @@ def test_the_readme_shows_the_layers():
 @pytest.mark.parametrize("module, line, caught", [
     ("model", "from .train import train\n", {"higher", "cycle"}),  # train imports model
     ("config", "import torch\n", {"torch"}),
+    ("config.train", "import torch\n", {"torch"}),  # each of the package's modules is the foundation's
+    ("config.lora", "from ..model import GPT\n", {"higher"}),
     ("sampling", "from .tokenizer import _byte_to_unicode\n", {"private"}),
     ("interop.hf_tokenizer", "from ..tokenizer import GPT2Tokenizer\n    return GPT2Tokenizer._ranks\n", {"private"}),
     ("checkpoint", "from .train import train\n", {"cycle"}),  # one layer, but train imports checkpoint

@@ -47,7 +47,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .config import GPTConfig, LoraConfig
+from .config.lora import LoraConfig
+from .config.model import GPTConfig
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, TokenizerError
 from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, new_folder, read_json, write_json

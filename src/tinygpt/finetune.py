@@ -42,7 +42,9 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed
-from .config import FinetuneConfig, GPTConfig, TrainConfig
+from .config.finetune import FinetuneConfig
+from .config.model import GPTConfig
+from .config.train import TrainConfig
 from .data import DataSet, load_data
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError

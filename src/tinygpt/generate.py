@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from . import fastpath
-from .config import SampleConfig
+from .config.sampling import SampleConfig
 from .device import free_cores
 from .errors import ConfigError
 from .interop import quantize

@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .calc.params import projections
-from .config import GPTConfig, LoraConfig
+from .config.lora import LoraConfig
+from .config.model import GPTConfig
 from .errors import CheckpointError, ConfigError
 from .model import GPT
 from .weights import TIED_KEY

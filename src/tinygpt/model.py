@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import kernels
-from .config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
+from .config.model import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .kv_cache import KVCache
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .config import LENGTHLESS_SCHEDULES, TrainConfig
+from .config.train import LENGTHLESS_SCHEDULES, TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig, max_iters: int | None, warmup: int | None = None) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import SampleConfig
+from .config.sampling import SampleConfig
 
 
 def apply_repetition_penalty(logits: torch.Tensor, tokens: torch.Tensor, alpha: float) -> torch.Tensor:

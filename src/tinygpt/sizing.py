@@ -19,7 +19,9 @@ from .calc import (
     shape_for_params,
     smallest_shape,
 )
-from .config import GPTConfig, TrainConfig, from_mapping, with_arch
+from .config.fields import from_mapping
+from .config.model import GPTConfig, with_arch
+from .config.train import TrainConfig
 from .device import resolve_device, resolve_dtype
 from .errors import ConfigError
 

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .calc import count_params, dtype_name, flops_per_token
-from .config import GPTConfig, TrainConfig
+from .config.model import GPTConfig
+from .config.train import TrainConfig
 from .device import DTYPES, autocast, resolve_device
 from .errors import ConfigError
 from .model import GPT

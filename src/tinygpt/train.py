@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from . import checkpoint, distributed, kernels
-from .config import DATA_ORDERS, DEFAULT_LR, OPTIMIZERS, GPTConfig, TrainConfig
+from .config.model import GPTConfig
+from .config.train import DATA_ORDERS, DEFAULT_LR, OPTIMIZERS, TrainConfig
 from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
 from .shards import ShardedTokens
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .config import GPTConfig
+from .config.model import GPTConfig
 from .errors import CheckpointError
 from .fileio import check_regular_file
 from .model import GPT

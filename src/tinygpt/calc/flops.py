@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import ConfigError
 from .params import count_params, projections
 from .units import check_int

@@ -62,7 +62,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig, LoraConfig
+from ..config.lora import LoraConfig
+from ..config.model import LOSS_CHUNK, MATH_ATTENTION_MAX_SCORES, GPTConfig
 from .flops import tokens_in_view
 from .params import projections, trainable_params
 from .units import check_int, dtype_bytes, dtype_name

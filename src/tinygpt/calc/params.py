@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import GPTConfig, LoraConfig
+from ..config.lora import LoraConfig
+from ..config.model import GPTConfig
 from ..errors import ConfigError
 
 

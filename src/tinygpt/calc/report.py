@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import PRESETS, GPTConfig, LoraConfig
+from ..config.lora import LoraConfig
+from ..config.model import PRESETS, GPTConfig
 from .chinchilla import CHINCHILLA_FIT, ChinchillaPlan, LossFit
 from .flops import flops_per_token, inference_flops_per_token, six_n
 from .memory import kv_cache_bytes, training_memory

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import ConfigError
 from .params import count_params
 

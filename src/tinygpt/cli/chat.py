@@ -34,7 +34,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
     same reply `tinygpt serve` gives).
     """
-    from ..config import SampleConfig
+    from ..config.sampling import SampleConfig
 
     SampleConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
     utf8_flag(args.prompt, "--prompt")

@@ -73,7 +73,7 @@ class Number:
 
                 value = parse_count(raw)
             else:
-                from ..config import parse_duration
+                from ..config.duration import parse_duration
 
                 value = parse_duration(raw)
         except (ValueError, ConfigError):
@@ -107,7 +107,7 @@ FRACTION = Number("float", 0, 1, high_open=True)
 
 def seed_type() -> Number:
     """The type of a --seed flag: any seed torch takes."""
-    from ..config import MAX_SEED
+    from ..config.fields import MAX_SEED
 
     return Number("int", 0, MAX_SEED)
 

@@ -24,7 +24,8 @@ FREEZE_FLAGS = ("freeze_embeddings", "freeze_layers")
 
 def _finetune_config(args: argparse.Namespace, saved: dict | None):
     """The FinetuneConfig of the flags, over a resumed run's recorded one."""
-    from ..config import FinetuneConfig, from_mapping
+    from ..config.fields import from_mapping
+    from ..config.finetune import FinetuneConfig
 
     values = {k: v for k, v in (saved or {}).items() if k not in ("from", "base_checksum")}  # the base, not settings
     for name in ("method", *LORA_FLAGS, *FREEZE_FLAGS, "keep", "block_size", "dropout", "grad_checkpoint",
@@ -46,7 +47,8 @@ def _finetune_config(args: argparse.Namespace, saved: dict | None):
 
 def _configs(args: argparse.Namespace, resume: bool):
     """(FinetuneConfig, TrainConfig) of the flags; on resume, over the run's own settings."""
-    from ..config import TrainConfig, from_mapping
+    from ..config.fields import from_mapping
+    from ..config.train import TrainConfig
     from ..fileio import read_json
     from ..finetune import DEFAULT_TRAIN
     from ..train import TRAIN_CONFIG, read_train_config

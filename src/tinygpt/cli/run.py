@@ -47,7 +47,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     chat data stops at its chat template's end-of-turn token, as its replies do (`tinygpt chat`)."""
     import torch
 
-    from ..config import SampleConfig
+    from ..config.sampling import SampleConfig
     from ..generate import StopText, generate_stream
     from ..tokenizer.chat import stop_ids
     from ..tokenizer.incremental import IncrementalDecoder

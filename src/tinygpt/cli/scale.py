@@ -16,7 +16,7 @@ def _run_config(run: str) -> tuple[dict, str]:
     from ..checkpoint import CONFIG
     from ..fileio import parse_json
     from ..interop.hf import is_hf_config
-    from ..config import GPTConfig
+    from ..config.model import GPTConfig
 
     path = Path(run)
     if path.is_dir():
@@ -38,7 +38,7 @@ def _run_config(run: str) -> tuple[dict, str]:
 
 def _params_config(args: argparse.Namespace):
     """The GPTConfig `tinygpt params` describes: a preset, a run folder's config.json, or defaults, then flags."""
-    from ..config import GPTConfig
+    from ..config.model import GPTConfig
 
     if args.preset and args.run:
         raise ConfigError("give --preset or a RUN folder, not both")
@@ -63,7 +63,7 @@ def _params_config(args: argparse.Namespace):
 
 def _params_method(args: argparse.Namespace) -> dict:
     """The training method `tinygpt params` sizes: LoRA from any --lora-* flag, freezing from --freeze-*."""
-    from ..config import LoraConfig
+    from ..config.lora import LoraConfig
 
     lora = None
     if args.lora_rank is not None or args.lora_alpha is not None or args.lora_targets is not None:
@@ -129,7 +129,7 @@ def cmd_chinchilla(args: argparse.Namespace) -> int:
     """
 
     from ..calc import compute_optimal, format_count, parse_count, report
-    from ..config import parse_duration
+    from ..config.duration import parse_duration
 
     budgets = {flag: getattr(args, flag) for flag in ("flops", "params", "tokens")}
     given = {flag: parse_count(v, "--" + flag) for flag, v in budgets.items() if v is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..config import MAX_THREADS
+from ..config.fields import MAX_THREADS
 from ..errors import ConfigError
 from .common import NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model
 

@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..calc.units import plural
-from ..config import ARCHS, DATA_ORDERS, MLPS
+from ..config.model import ARCHS, MLPS
+from ..config.train import DATA_ORDERS
 from ..errors import ConfigError
 from .common import (EXIT_NONFINITE, EXIT_SIGNAL, FRACTION, NATURAL, POSITIVE, RATE, Number, add_device_flag,
                      kept_checkpoint, seed_type, time_trained)
@@ -25,7 +26,8 @@ def train_settings(args: argparse.Namespace) -> tuple[dict, dict, str | None]:
     import dataclasses
     import tomllib
 
-    from ..config import TrainConfig, parse_duration
+    from ..config.duration import parse_duration
+    from ..config.train import TrainConfig
 
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values: dict = {}
@@ -62,7 +64,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     in a few seconds) by Chinchilla's rule, or by a sweep's fit with --sweep DIR, and the choice is
     printed (on stderr) and kept in train_config.json; without it, a default for the size of the data.
     """
-    from ..config import TrainConfig, from_mapping
+    from ..config.fields import from_mapping
+    from ..config.train import TrainConfig
     from ..device import resolve_device
     from ..distributed import process_group
     from ..errors import NonFiniteError
@@ -121,7 +124,7 @@ def with_recipe(model_over: dict, train_over: dict, preset: str | None) -> tuple
     """A new run's model and training settings with the recipe (config.RECIPE_MODEL, RECIPE_TRAIN)
     under them: its model choices where neither --arch nor --preset gives the model, its optimizer
     and schedule where no flag names one (AdamW under --fsdp, which Muon does not shard)."""
-    from ..config import RECIPE_MODEL, RECIPE_TRAIN
+    from ..config.train import RECIPE_MODEL, RECIPE_TRAIN
 
     if "arch" not in model_over and not preset:
         model_over = {**RECIPE_MODEL, **model_over}
@@ -135,7 +138,9 @@ def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str |
     run's own) and `begun` on a start over, a new GPTConfig only when --preset or a model flag
     changes the saved one."""
     from ..checkpoint import load_config
-    from ..config import GPTConfig, TrainConfig, from_mapping, with_arch
+    from ..config.fields import from_mapping
+    from ..config.model import GPTConfig, with_arch
+    from ..config.train import TrainConfig
     from ..train import read_train_config
 
     saved, _ = read_train_config(run)
@@ -172,7 +177,8 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     """The model of a new run: the preset with the model flags over it, else the one sizing chooses."""
     import dataclasses
 
-    from ..config import GPTConfig, from_mapping, with_arch
+    from ..config.fields import from_mapping
+    from ..config.model import GPTConfig, with_arch
     from ..data import load_data
     from ..sizing import SIZE_FIELDS, ModelChoice, choose_model
     from ..train import check_has_val
@@ -218,7 +224,7 @@ MUON_MEASURED = ("the best of 0.01, 0.02, 0.04 and 0.08 for a 4 x 128 llama bloc
 def add_training_flags(t: argparse._ArgumentGroup, shown: dict[str, str]) -> None:
     """The optimization flags train and finetune share (each a TrainConfig field), their help naming the
     command's defaults (`shown`: TRAIN_DEFAULTS' keys)."""
-    from ..config import DECAY_FRACTION, LR_SCHEDULES, MUON_LR, MUON_MOMENTUM, OPTIMIZERS
+    from ..config.train import DECAY_FRACTION, LR_SCHEDULES, MUON_LR, MUON_MOMENTUM, OPTIMIZERS
 
     t.add_argument("--batch-size", type=POSITIVE, help=f"sequences per micro-step, per process ({shown['batch_size']})")
     t.add_argument("--grad-accum", type=POSITIVE, help="micro-steps per optimizer step (1)")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError
 from ..fileio import atomic_write, check_output_file
 from .hf_gpt2 import check_gpt2_computes, gpt2_shapes, gpt2_tensors

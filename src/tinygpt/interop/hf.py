@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import CheckpointError, MissingDependencyError
 from ..fileio import read_json
 from ..weights import check_layers, model_from_tensors

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 from ..fileio import atomic_write, write_json
 from ..model import GPT

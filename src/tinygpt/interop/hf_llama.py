@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
 
 # model_type -> the architecture transformers names in config.json

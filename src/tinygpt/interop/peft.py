@@ -36,7 +36,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..config import GPTConfig, LoraConfig
+from ..config.lora import LoraConfig
+from ..config.model import GPTConfig
 from ..errors import CheckpointError, ConfigError
 from ..model import GPT
 from .hf import hf_name

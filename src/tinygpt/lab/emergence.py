@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..config import GPTConfig, TrainConfig
+from ..config.model import GPTConfig
+from ..config.train import TrainConfig
 from ..data import prepare
 from ..errors import ConfigError
 from ..fileio import check_new_folder, write_json

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import GPTConfig
+from ..config.model import GPTConfig
 from ..generate import generate_stream
 from ..model import GPT, attention, lm_loss
 

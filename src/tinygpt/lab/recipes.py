@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from ..calc import count_params, format_count
-from ..config import RECIPE_MODEL, RECIPE_TRAIN, GPTConfig, TrainConfig, from_mapping, with_arch
+from ..config.fields import from_mapping
+from ..config.model import GPTConfig, with_arch
+from ..config.train import RECIPE_MODEL, RECIPE_TRAIN, TrainConfig
 from ..data import load_data
 from ..errors import ConfigError
 from ..train import TrainCallback, train

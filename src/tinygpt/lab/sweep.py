@@ -43,7 +43,9 @@ from ..calc import (
     plural,
     shape_for_params,
 )
-from ..config import MAX_THREADS, GPTConfig, TrainConfig
+from ..config.fields import MAX_THREADS
+from ..config.model import GPTConfig
+from ..config.train import TrainConfig
 from ..data import load_data
 from ..errors import ConfigError, NonFiniteError, SweepError
 from ..fileio import atomic_write, read_json, write_json

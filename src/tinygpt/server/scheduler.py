@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..calc.units import format_bytes
-from ..config import SampleConfig
+from ..config.sampling import SampleConfig
 from ..device import free_memory
 from ..errors import ConfigError, TinyGPTError
 from ..generate import StopText, ThreadChoice, decode_step, prefill

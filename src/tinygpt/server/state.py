@@ -12,7 +12,7 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from ..config import SampleConfig
+from ..config.sampling import SampleConfig
 from ..errors import TokenizerError
 from ..tokenizer.chat import stop_ids
 from .protocol import (

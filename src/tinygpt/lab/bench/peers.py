@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...config import GPTConfig
+from ...config.model import GPTConfig
 from ...interop.hf import to_transformers
 from ...model import GPT
 from .clock import Clock

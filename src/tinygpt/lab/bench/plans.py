@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...config import GPTConfig
+from ...config.model import GPTConfig
 from ...device import cpu_has_native_bf16
 from ...interop.quantize import FORMATS
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from ...calc import flops_per_token
-from ...config import GPTConfig, TrainConfig
+from ...config.model import GPTConfig
+from ...config.train import TrainConfig
 from .machine import peak_flops
 from .peers import train_transformers
 from .plans import CHAR_VOCAB, Plan, bench_config, train_dtypes
