@@ -477,6 +477,36 @@ class GPT(nn.Module):
             angles = angles.unsqueeze(1)  # one row of positions per sequence: broadcast over the heads
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    def _positions(
+        self, idx: torch.Tensor, kv_cache: KVCache | None, input_pos: torch.Tensor | None,
+        documents: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
+        """Where each token of idx (B, T) sits and what it sees: its position, (T,) or (B, T), the attention
+        mask (None: causal) and, with a cache, how many cached positions attention reads (kv_len).
+
+        Args:
+            idx, kv_cache, input_pos, documents: as forward takes them.
+        """
+        B, T = idx.shape
+        if documents is not None:
+            if kv_cache is not None:
+                raise ValueError("documents apply to a forward pass without a kv_cache")
+            pos, mask = _document_positions(documents)
+            return pos, mask, None
+        if kv_cache is None:
+            # not causal (the lesson's pitfall): every query sees every key
+            mask = None if self.causal else torch.ones(T, T, dtype=torch.bool, device=idx.device)
+            return torch.arange(T, device=idx.device), mask, None
+        if not self.causal:
+            # cached keys were computed before the later tokens existed: a bidirectional model
+            # must recompute every position at each step
+            raise ValueError("a non-causal model cannot decode with a KV cache; use use_cache=False")
+        if input_pos is None:
+            raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
+        pos = kv_cache.positions(input_pos, B)  # (T,) or (B, T)
+        kv_len, mask = kv_cache.span(pos)  # the cached positions to read, and who sees what
+        return pos, mask, kv_len
+
     def forward(
         self,
         idx: torch.Tensor,
@@ -515,24 +545,7 @@ class GPT(nn.Module):
             raise ValueError("targets (the training loss) take a forward pass without a cache, last_only or attention")
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size={self.config.block_size}")
-        mask, kv_len = None, None
-        if documents is not None:
-            if kv_cache is not None:
-                raise ValueError("documents apply to a forward pass without a kv_cache")
-            pos, mask = _document_positions(documents)
-        elif kv_cache is None:
-            pos = torch.arange(T, device=idx.device)
-            if not self.causal:
-                mask = torch.ones(T, T, dtype=torch.bool, device=idx.device)  # every query sees every key
-        else:
-            if not self.causal:
-                # cached keys were computed before the later tokens existed: a bidirectional model
-                # must recompute every position at each step
-                raise ValueError("a non-causal model cannot decode with a KV cache; use use_cache=False")
-            if input_pos is None:
-                raise ValueError("a kv_cache needs input_pos, the positions of the new tokens")
-            input_pos = pos = kv_cache.positions(input_pos, B)  # (T,) or (B, T)
-            kv_len, mask = kv_cache.span(input_pos)  # the cached positions to read, and who sees what
+        pos, mask, kv_len = self._positions(idx, kv_cache, input_pos, documents)
         tok = self.wte(idx)  # (B, T, C)
         if self.config.scale_embeddings:
             # an embedding shared with the head has entries of about 1/sqrt(d): the factor lifts them to
@@ -550,10 +563,10 @@ class GPT(nn.Module):
             if recompute:  # the block's inputs are all autograd keeps; its dropout masks are redrawn alike
                 # torch's activation recomputation (`import torch` loads it; tests/test_finetune's
                 # gradient test runs this line)
-                x, w = torch.utils.checkpoint.checkpoint(block, x, None, layer, input_pos, mask, return_attention,
+                x, w = torch.utils.checkpoint.checkpoint(block, x, None, layer, None, mask, return_attention,
                                                          kv_len, rope, use_reentrant=False)
             else:
-                x, w = block(x, kv_cache, layer, input_pos, mask, return_attention, kv_len, rope)
+                x, w = block(x, kv_cache, layer, pos, mask, return_attention, kv_len, rope)
             weights.append(w)
         if last_only:
             x = x[:, -1:]
