@@ -137,21 +137,10 @@ def export_gguf(
         The file.
     """
     gguf = _gguf()
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
     out = Path(out)
-    check_output_file(out, CheckpointError)  # a folder, a path below a file, or where nothing can be written
-    if out.exists() and not _is_gguf(out):  # an earlier export is replaced; nothing else is
-        raise CheckpointError(f"{out} exists and is not a GGUF file; give a new path to write")
+    _check_export(model, tokenizer, out, dtype)
     config = model.config
     arch = gguf_arch(config)
-    if arch == "gpt2":
-        check_gpt2_computes(config, "llama.cpp's gpt2")
-    else:
-        check_exportable(config, f"llama.cpp's {arch}")
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
-
     kind, pre, tokens, types, merges, scores = _vocab(tokenizer, gguf)
     # llama.cpp sizes the vocabulary by the token list: rows past the tokenizer's get unused fillers
     for i in range(len(tokens), config.vocab_size):
@@ -161,33 +150,13 @@ def export_gguf(
             scores.append(-1e9)
     if kind == "gpt2":
         merges = merges or [INERT_MERGE]
-    names = gguf_tensor_names(config)
-    tensors = {}
-    for key, t in (gpt2_tensors(model) if arch == "gpt2" else _llama_tensors(model, arch)).items():
-        half = dtype == "float16" and t.dim() == 2
-        tensors[names[key] if key in names else key] = t.to(torch.float16 if half else torch.float32).numpy()
+    tensors = _arrays(model, arch, dtype)
 
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(str(tmp), arch)
         writer.add_name(name or out.stem)
         writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if dtype == "float16" else gguf.LlamaFileType.ALL_F32)
-        writer.add_context_length(config.block_size)
-        writer.add_embedding_length(config.n_embd)
-        writer.add_block_count(config.n_layer)
-        writer.add_feed_forward_length(config.mlp_width)
-        writer.add_head_count(config.n_head)
-        if arch == "gpt2":
-            writer.add_layer_norm_eps(config.layer_norm_eps)
-        else:
-            writer.add_head_count_kv(config.kv_heads)
-            writer.add_layer_norm_rms_eps(config.layer_norm_eps)
-            writer.add_rope_freq_base(config.rope_theta)
-            writer.add_rope_dimension_count(config.head_dim)
-            writer.add_key_length(config.head_dim)
-            writer.add_value_length(config.head_dim)
-            if config.rope_scaling == "linear":
-                writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-                writer.add_rope_scaling_factor(config.rope_factor)
+        _add_hyperparameters(writer, config, arch, gguf)
         writer.add_vocab_size(config.vocab_size)
         writer.add_tokenizer_model(kind)
         if pre is not None:
@@ -208,6 +177,55 @@ def export_gguf(
 
     atomic_write(out, write)
     return out
+
+
+def _check_export(model: GPT, tokenizer: Tokenizer, out: Path, dtype: str) -> None:
+    """Refuse, before anything is written, a dtype, a path, a model or a tokenizer llama.cpp's file cannot take."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: must be one of {DTYPES}, got {dtype!r}")
+    check_output_file(out, CheckpointError)  # a folder, a path below a file, or where nothing can be written
+    if out.exists() and not _is_gguf(out):  # an earlier export is replaced; nothing else is
+        raise CheckpointError(f"{out} exists and is not a GGUF file; give a new path to write")
+    config = model.config
+    arch = gguf_arch(config)
+    if arch == "gpt2":
+        check_gpt2_computes(config, "llama.cpp's gpt2")
+    else:
+        check_exportable(config, f"llama.cpp's {arch}")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
+
+
+def _arrays(model: GPT, arch: str, dtype: str) -> dict[str, np.ndarray]:
+    """The model's tensors by llama.cpp's names, as the file stores them: the matrices in `dtype`, norms and
+    biases (and rope_freqs) in float32."""
+    names = gguf_tensor_names(model.config)
+    arrays = {}
+    for key, t in (gpt2_tensors(model) if arch == "gpt2" else _llama_tensors(model, arch)).items():
+        half = dtype == "float16" and t.dim() == 2
+        arrays[names[key] if key in names else key] = t.to(torch.float16 if half else torch.float32).numpy()
+    return arrays
+
+
+def _add_hyperparameters(writer: Any, config: GPTConfig, arch: str, gguf: Any) -> None:
+    """The architecture's keys (gpt2.*, llama.*, qwen2.*, qwen3.*), as llama.cpp's converter writes them."""
+    writer.add_context_length(config.block_size)
+    writer.add_embedding_length(config.n_embd)
+    writer.add_block_count(config.n_layer)
+    writer.add_feed_forward_length(config.mlp_width)
+    writer.add_head_count(config.n_head)
+    if arch == "gpt2":
+        writer.add_layer_norm_eps(config.layer_norm_eps)
+        return
+    writer.add_head_count_kv(config.kv_heads)
+    writer.add_layer_norm_rms_eps(config.layer_norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    if config.rope_scaling == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_factor)
 
 
 def _special_ids(writer: Any, tokenizer: Tokenizer) -> None:
