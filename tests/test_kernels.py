@@ -206,18 +206,20 @@ def test_bad_shapes_are_refused_with_a_message():
 def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Error building extension 'tinygpt_lowbit': c++: not found\nmore detail")
+    def failed_build(*args, **kwargs):
+        raise RuntimeError("Error building extension 'tinygpt_lowbit': lowbit.cpp: internal compiler error\nmore")
 
     monkeypatch.setattr(kernels, "cpu_supports", lambda: True)
-    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kernels, "_missing_compiler", lambda: None)  # one is found, and the build fails all the same
+    monkeypatch.setattr(cpp_extension, "load", failed_build)
     monkeypatch.setenv("TINYGPT_KERNELS_DIR", str(tmp_path))
     kernels.lowbit.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="tinygpt.kernels"):
             assert kernels.lowbit() is None
         assert "compiling its CPU kernels, once" in caplog.text
-        assert "could not be built (Error building extension 'tinygpt_lowbit': c++: not found); using PyTorch's" in caplog.text
+        assert ("could not be built (Error building extension 'tinygpt_lowbit': lowbit.cpp: internal compiler error); "
+                "using PyTorch's") in caplog.text
         torch.manual_seed(0)
         linear = torch.nn.Linear(64, 48)
         layer8, layer4 = Int8Linear(linear, torch.float32), Int4Linear(linear)
@@ -233,6 +235,61 @@ def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_p
     monkeypatch.setenv("TINYGPT_KERNELS", "0")
     assert kernels.lowbit() is None  # and the switch that asks for PyTorch's
     kernels.lowbit.cache_clear()
+
+
+# A process of its own, since the kernels are asked for once a process: they are asked for twice, then a
+# tiny GPT-2 takes a training step and decodes greedily, and the loss, a gradient and the tokens are printed
+NO_COMPILER_RUN = """
+import json
+import torch
+from tinygpt import GPT, GPTConfig, generate, kernels, quantize
+kernels.cpu_supports = lambda: True  # whatever this CPU is, the compiler is looked for first
+assert kernels.lowbit() is None and kernels.lowbit() is None
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=64))
+idx = torch.randint(0, 37, (2, 16))
+loss = model(idx[:, :-1], targets=idx[:, 1:])
+loss.backward()
+grad = model.h[0].mlp.c_fc.weight.grad.abs().sum().item()
+tokens = generate(quantize(model.eval(), "fp32"), idx[:1, :4], 8, greedy=True)
+print(json.dumps({"loss": loss.item(), "grad": grad, "tokens": tokens.tolist()}))
+"""
+
+
+def test_without_a_compiler_one_line_says_so_and_pytorch_s_kernels_give_their_results(tmp_path):
+    """Without a C++ compiler every command said it was compiling, then printed PyTorch's banner about the
+    compiler and the failed build's log (1.4 KB of stderr a process); now one line, once a process, says
+    what it costs and how to install one, before anything is built."""
+    import subprocess
+    import sys
+
+    def run(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", NO_COMPILER_RUN], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TINYGPT_KERNELS_DIR": str(tmp_path / "kernels"), **env})
+
+    pytorch_s = run(TINYGPT_KERNELS="0")
+    assert pytorch_s.returncode == 0 and pytorch_s.stderr == "", pytorch_s.stderr
+    missing = run(CXX=str(tmp_path / "no" / "c++"))
+    assert missing.returncode == 0, missing.stderr
+    (line,) = missing.stderr.splitlines()
+    said = f"tinygpt: no C++ compiler (CXX='{tmp_path / 'no' / 'c++'}' is not on PATH): PyTorch's kernels do "
+    assert line.startswith(said) and "slower" in line and "apt install g++" in line
+    assert len(line) - len(said) < 200 and not (tmp_path / "kernels").exists()  # and no build was tried
+    assert missing.stdout == pytorch_s.stdout
+
+
+def test_the_compiler_is_looked_for_as_pytorch_s_builder_runs_it(monkeypatch, tmp_path):
+    # CXX, else c++; a wrapper in CXX runs its compiler as written, so only the wrapper must be found
+    monkeypatch.setenv("PATH", str(_fake_tool(tmp_path / "bin", "ccache", "ccache version 4.8")))
+    monkeypatch.delenv("CXX", raising=False)
+    assert kernels._missing_compiler() == "c++"
+    monkeypatch.setenv("CXX", "ccache g++")
+    assert kernels._missing_compiler() is None
+    monkeypatch.setenv("CXX", "")
+    assert kernels._missing_compiler() == "CXX=''"
+    monkeypatch.setenv("PATH", str(_fake_tool(tmp_path / "gcc", "c++", "c++ (Debian 12.2.0) 12.2.0")))
+    monkeypatch.delenv("CXX")
+    assert kernels._missing_compiler() is None
 
 
 @needs_kernels

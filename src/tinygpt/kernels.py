@@ -10,7 +10,8 @@ They are compiled on first use with PyTorch's extension builder (a C++ compiler 
 seconds once, then cached in ~/.cache/tinygpt/kernels, or $TINYGPT_KERNELS_DIR), and checked against
 a reference before anything uses them. Where they cannot be built or do not agree (no compiler, a
 CPU without AVX2/FMA/F16C, not x86), `lowbit()` is None and tinygpt.quantize keeps PyTorch's
-kernels; TINYGPT_KERNELS=0 chooses that too.
+kernels; TINYGPT_KERNELS=0 chooses that too. A missing compiler is looked for before any build and
+said in one line, once a process.
 
     float_linear(x, weight, bias)          x (M, K) float32, weight (N, K) float32, float16 or bfloat16, K % 8 == 0;
                                           past 8 rows (a prompt) three weight rows by four of x at a time
@@ -55,6 +56,10 @@ SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "tra
 # the longest sequence causal_attention takes: measured faster than PyTorch's flash kernel up to here
 ATTENTION_MAX_T = 512
 NEEDS = ("avx2", "fma", "f16c")
+# what a process without the kernels gives up, on an AVX2 AMD EPYC Zen 3: decoding fp32 2.0x / 1.5x (the baby
+# model / 12 x 768, 2 threads; int8 and int4 3-6x by the performance page's runs), a 4 x 160 GPT-2 block's
+# training step 1.27x (one thread; the modern block's 1.01x)
+WITHOUT_KERNELS = "decoding at batch 1 1.5-2x slower (int8, int4: 3-6x), training GPT-2's block up to 1.3x"
 log = logging.getLogger(__name__)
 
 
@@ -150,10 +155,29 @@ def _build(folder: Path) -> None:
         )
 
 
+def _missing_compiler() -> str | None:
+    """The C++ compiler PyTorch's builder would run ($CXX, else c++), said as the user set it, where PATH
+    has no such program; None where it does. Only the first word must be found: CXX may be a wrapper
+    and its compiler ("ccache g++"), which the build runs as written."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    compiler = get_cxx_compiler()
+    words = compiler.split()
+    if words and shutil.which(words[0]):
+        return None
+    return f"CXX={compiler!r}" if "CXX" in os.environ else compiler
+
+
 @functools.cache
 def lowbit():
     """torch.ops.tinygpt_lowbit, built and checked on first call; None where it cannot be used here."""
     if os.environ.get("TINYGPT_KERNELS", "1") == "0" or not cpu_supports():
+        return None
+    compiler = _missing_compiler()
+    if compiler is not None:  # before the build, whose failure would print PyTorch's banner and the build log
+        log.warning("tinygpt: no C++ compiler (%s is not on PATH): PyTorch's kernels do the work of tinygpt's, %s; "
+                    "install one (Debian/Ubuntu: apt install g++) and the next command builds them",
+                    compiler, WITHOUT_KERNELS)
         return None
     try:
         _build(build_directory())
