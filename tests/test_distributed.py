@@ -15,10 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tinygpt import cli
+from tinygpt import GPT, GPTConfig, cli
 from traced_train import trace_cli
 from tinygpt.checkpoint import load, load_training, weights_step
 from tinygpt.distributed import Dist, _state_by_index, _state_by_name, process_group
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from ddp_agreement import differences  # noqa: E402
 
 # a flat learning rate, so that a run stopped at step 10 and resumed matches a straight 20-step run
 # whatever --max-iters each part was given; two micro-steps per step, so accumulation is covered;
@@ -94,10 +97,14 @@ def runs(char_data, tmp_path_factory):
 def test_two_processes_train_the_model_one_process_trains_with_twice_the_batch(runs):
     one, two = steps(runs / "s10"), steps(runs / "d10")
     assert list(two) == list(range(1, 11))
-    assert two[1] == pytest.approx(one[1], abs=1e-5)
     for s in one:
-        assert two[s] == pytest.approx(one[s], abs=1e-3), s
-    assert max_weight_diff(runs / "s10", runs / "d10") < 1e-4
+        assert two[s] == pytest.approx(one[s], abs=1e-5), s
+    # what the multiprocess page says (benchmarks/ddp_agreement.py prints its figures): with AdamW every weight
+    # agrees to float32's rounding but attention's key bias, which drifts (below); 2.5e-6 here, 5.4e-6 in 10
+    # steps on the page's model
+    outside, where, key_bias = differences(load(runs / "s10").state_dict(), load(runs / "d10").state_dict())
+    assert outside < 1e-5, where
+    assert key_bias < 1e-2  # AdamW moves a weight by about lr (1e-3) a step at most
     # the evaluations agree too: every process evaluates its slice and the results are averaged
     evals = [[json.loads(line)["val_loss"] for line in (runs / r / "metrics.jsonl").read_text().splitlines()
               if "val_loss" in line] for r in ("s10", "d10")]
@@ -160,9 +167,22 @@ def test_the_llama_layout_trains_in_two_processes_as_one_process_with_twice_the_
     one, two = steps(tmp_path / "one"), steps(tmp_path / "two")
     assert list(two) == list(one) == list(range(1, 6))
     for s in one:
-        assert two[s] == pytest.approx(one[s], abs=1e-4), s
-    assert max_weight_diff(tmp_path / "one", tmp_path / "two") < 1e-4
+        assert two[s] == pytest.approx(one[s], abs=1e-5), s
+    assert max_weight_diff(tmp_path / "one", tmp_path / "two") < 1e-5  # no key bias to drift
     assert json.loads((tmp_path / "two" / "config.json").read_text())["arch"] == "llama"
+
+
+def test_attention_s_key_bias_has_no_gradient_but_float_rounding():
+    """Why two processes' key bias drifts from one process's under AdamW (the multiprocess page): the bias adds
+    q . b to every score of a query alike, which softmax ignores, so its gradient is zero in theory; in float32
+    it is rounding, different in each order of summing, and AdamW scales each gradient by its own size."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=128))
+    idx = torch.randint(0, 65, (8, 65))
+    model(idx[:, :-1], targets=idx[:, 1:]).backward()
+    for block in model.h:
+        query, key, value = block.attn.c_attn.bias.grad.split(128)
+        assert key.abs().max() < 1e-6 * value.abs().max() and query.abs().max() > 1e-3 * value.abs().max()
 
 
 @pytest.mark.parametrize("source", ["d10", "f10"])
