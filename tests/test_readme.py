@@ -3,7 +3,9 @@ the values their comments claim, the output of the params/chinchilla examples, t
 they show, the few-shot task file, the lesson figures they quote, the commands error messages recommend,
 and what the commands leave in the repository."""
 
+import argparse
 import ast
+import importlib
 import io
 import json
 import re
@@ -454,6 +456,105 @@ def test_eval_of_a_folder_without_data_says_so(tmp_path, capsys):
     assert "no data of its own" in err and "--data DIR" in err and "--text FILE" in err
     (tmp_path / "new.txt").write_text(text)
     assert cli.main(["eval", str(tmp_path / "mine"), "--text", str(tmp_path / "new.txt")]) == 0
+
+
+# ---- commands and library names in the prose ---------------------------------------------------------
+
+OTHER_PROGRAMS = {"hf"}  # Hugging Face's command line, which the paths table names beside tinygpt's commands
+
+
+def prose_spans(page: Path) -> list[str]:
+    """The backticked spans of a page's prose, fenced blocks left out."""
+    text = re.sub(r"^\s*```.*?^\s*```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def command_flags() -> dict[str, dict[str, argparse.Action]]:
+    """Every command's options by flag; a command with commands of its own (`inspect`) has theirs too."""
+    def options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+        found = {}
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found |= options(sub)
+            found |= dict.fromkeys(action.option_strings, action)
+        return found
+
+    (commands,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return {name: options(sub) for name, sub in commands.choices.items()}
+
+
+def named_command_problem(span: str, commands: dict[str, dict[str, argparse.Action]]) -> str | None:
+    """What is wrong with a span that names a command (`tinygpt NAME ...`, or `NAME --flag ...`): a command
+    that does not exist, a flag it lacks, a value outside the flag's choices; None where nothing is, or where
+    the span names no command."""
+    words = span.split()
+    if words[0] in ("tinygpt", ".venv/bin/tinygpt") and len(words) > 1:
+        words = words[1:]
+    elif not (len(words) > 1 and words[1].startswith("--")):
+        return None
+    if not re.fullmatch(r"[a-z][a-z0-9/-]*", words[0]):  # a placeholder: `tinygpt COMMAND --help`
+        return None
+    flags = {}
+    for name in words[0].split("/"):  # `tinygpt sample/eval DIR`: either
+        if name not in commands:
+            return f"`{span}`: tinygpt has no command {name!r}"
+        flags |= commands[name]
+    for flag, value in zip(words[1:], [*words[2:], ""]):
+        if flag.startswith("-") and flag.split("=")[0] not in flags:
+            return f"`{span}`: `tinygpt {words[0]}` has no flag {flag}"
+        choices = flags[flag].choices if flag in flags else None
+        if choices and re.fullmatch(r"[a-z0-9|.-]+", value) and not set(value.split("|")) <= set(map(str, choices)):
+            return f"`{span}`: {flag} takes {', '.join(map(str, choices))}, not {value}"
+    return None
+
+
+def test_commands_named_in_the_prose_exist_with_the_flags_it_gives_them():
+    commands = command_flags()
+    problems = [f"{page.relative_to(ROOT)}: {problem}" for page in pages() for span in prose_spans(page)
+                if (problem := named_command_problem(span, commands))]
+    assert not problems, "\n".join(problems)
+    assert named_command_problem("finetune --method full|freeze", commands)  # the rule sees what it is for
+    assert named_command_problem("tinygpt calc", commands) and not named_command_problem("tinygpt params", commands)
+
+
+def test_the_readme_s_paths_table_names_only_commands_that_exist():
+    """Each row of "What you can do with it" names further commands in its cells, bare (`plot`); a cell said
+    that `params` and `calc` count any config, and tinygpt has no calc command (tinygpt.calc is the library)."""
+    commands = command_flags()
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## What you can do with it\n"):]
+    rows = [line for line in section[: section.index("\n## ")].splitlines() if line.startswith("|")]
+    spans = [s for row in rows for s in re.findall(r"`([^`]+)`", row)]
+    # a whole command (`tinygpt prepare`, `.venv/bin/...`) is checked with the rest of the prose
+    named = [s for s in spans if re.fullmatch(r"[a-z][a-z0-9-]*", s.split()[0]) and s.split()[0] != "tinygpt"]
+    assert len(named) >= 5
+    unknown = [s for s in named if s.split()[0] not in commands | dict.fromkeys(OTHER_PROGRAMS)]
+    assert not unknown, f"the README's paths table names commands tinygpt lacks: {unknown}"
+    assert not [p for s in named if s.split()[0] in commands and (p := named_command_problem(f"tinygpt {s}", commands))]
+
+
+def resolves(name: str) -> bool:
+    """Whether a dotted name (`tinygpt.train.TrainCallback`) is a module or something a module holds."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:n]))
+        except ImportError:
+            continue
+        for part in parts[n:]:
+            if not hasattr(found, part):
+                return False
+            found = getattr(found, part)
+        return True
+    return False
+
+
+def test_library_names_in_the_prose_exist():
+    spans = [span for page in pages() for span in prose_spans(page)]
+    names = {name for span in spans for name in re.findall(r"\btinygpt(?:\.\w+)+", span)}
+    assert len(names) > 20 and resolves("tinygpt.calc") and not resolves("tinygpt.calc.no_such_function")
+    assert not sorted(name for name in names if not resolves(name))
 
 
 # ---- the README's links: the docs site checks its own (mkdocs build --strict); GitHub shows the README --
