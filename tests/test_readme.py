@@ -557,6 +557,28 @@ def test_library_names_in_the_prose_exist():
     assert not sorted(name for name in names if not resolves(name))
 
 
+def test_the_performance_page_opens_with_what_its_benchmark_runs_printed():
+    """The table the performance page leads with is the ratios `tinygpt bench` printed: each row's, to two
+    decimals, those of the run (docs/bench-*.json) it links."""
+    page = ROOT / "docs" / "PERFORMANCE.md"
+    lead = page.read_text(encoding="utf-8").split("\n## ")[0]
+    rows = [line for line in lead.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) >= 4
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        run = json.loads((page.parent / re.search(r"\((bench-[\w-]+\.json)\)", cells[-1]).group(1)).read_text())
+
+        def ratios(*patterns: str) -> str:
+            picked = [[r["ratio"] for r in run["ratios"] if re.fullmatch(pattern, r["name"])] for pattern in patterns]
+            assert all(len(p) == 1 for p in picked), (cells[0], patterns)
+            return " / ".join(f"{p[0]:.2f}" for p in picked)
+
+        formats = ("f32", "f16", "q8_0", "q4_0")
+        assert cells[1] == ratios(*(rf"decode baby b1: tinygpt .+ / llama\.cpp {f}" for f in formats)), cells[0]
+        assert cells[2] == ratios(*(rf"decode gpt2-4k b1: tinygpt .+ / llama\.cpp {f}" for f in formats)), cells[0]
+        assert cells[3] == ratios(*(rf"train {m} \w+: tinygpt best / transformers best" for m in ("char", "gpt2")))
+
+
 # ---- the README's links: the docs site checks its own (mkdocs build --strict); GitHub shows the README --
 
 def heading_anchors(page: Path) -> set[str]:
