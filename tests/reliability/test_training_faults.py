@@ -19,8 +19,10 @@ from . import faults
 
 pytestmark = pytest.mark.reliability
 
+# lr == min_lr and one warmup step: the same rate at every step whatever --max-iters (a run's warmup is at most
+# a tenth of its length), so a run stopped at step K - 1 and one that fails at K agree up to it
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "4",
-         "--lr", "1e-3", "--min-lr", "1e-3", "--eval-iters", "1", "--device", "cpu", "--quiet"]
+         "--lr", "1e-3", "--min-lr", "1e-3", "--warmup", "1", "--eval-iters", "1", "--device", "cpu", "--quiet"]
 K = 5  # the step that goes wrong
 
 
