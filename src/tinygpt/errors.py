@@ -44,3 +44,8 @@ class SweepError(TinyGPTError):
 class ChatError(TinyGPTError, ValueError):
     """A conversation cannot be rendered: an unknown role, empty content, no assistant turn, a
     tokenizer without a chat template."""
+
+
+class GrammarError(TinyGPTError, ValueError):
+    """A constraint on a reply (a JSON Schema, a regex, choices, a grammar) cannot be compiled, or the model's
+    vocabulary cannot write it."""

@@ -25,19 +25,22 @@ from .config.sampling import SampleConfig
 from .device import free_cores
 from .errors import ConfigError
 from .interop import quantize
+from .constrain import Constraint, Rows, compile_grammar
 from .kv_cache import KVCache
+from .prompt_cache import PromptCache
 from .sampling import choose, process_logits
 
 
-def prefill(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-    """Run the prompt idx (B, T) at positions 0..T-1, filling the cache. Returns the last logits (B, V).
+def prefill(model, idx: torch.Tensor, kv_cache: KVCache, start: int = 0) -> torch.Tensor:
+    """Run the prompt idx (B, T) at positions start..start+T-1, filling the cache. Returns the last logits (B, V).
 
-    A short prompt on a CPU takes `fastpath.prompt`, one call for the whole forward pass.
+    A short prompt from position 0 on a CPU takes `fastpath.prompt`, one call for the whole forward pass;
+    `start` > 0 continues a cache whose first positions hold the prompt's beginning (a prompt cache's).
     """
-    logits = fastpath.prompt(model, idx, kv_cache)
+    logits = fastpath.prompt(model, idx, kv_cache) if start == 0 else None
     if logits is not None:
         return logits
-    positions = torch.arange(idx.shape[1], device=idx.device)
+    positions = torch.arange(start, start + idx.shape[1], device=idx.device)
     return model(idx, kv_cache, positions, last_only=True)[:, -1]
 
 
@@ -237,6 +240,45 @@ class StepTrace:
     config: SampleConfig
 
 
+class _Ends:
+    """Which rows of a batch have ended, at a stop token or where their grammar is complete, and the token
+    each repeats from then on (its stop token; after a grammar, the first stop token, or its last token
+    where there is none) until every row has ended."""
+
+    def __init__(self, stops: torch.Tensor, rows: Rows | None, batch: int) -> None:
+        self.stops, self.rows = stops, rows
+        self.on = bool(stops.numel()) or rows is not None
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=stops.device)
+        self.last = torch.zeros_like(self.finished, dtype=torch.long)
+
+    def follow(self, token: torch.Tensor) -> torch.Tensor:
+        """The tokens (B,) to append: each ended row's repeat in place of its choice."""
+        if not self.on:
+            return token
+        token = torch.where(self.finished, self.last, token)
+        hit = torch.isin(token, self.stops) & ~self.finished
+        last = torch.where(hit, token, self.last)
+        if self.rows is not None:
+            done = self.rows.advance(token, ~self.finished & ~hit)
+            last = torch.where(done, self.stops[0] if self.stops.numel() else token, last)
+            hit |= done
+        self.last = last
+        self.finished |= hit
+        return token
+
+    def all(self) -> bool:
+        return self.on and bool(self.finished.all())
+
+
+def _rows(model, idx: torch.Tensor, tokenizer, stops: list[int], constraint: Constraint | None) -> Rows | None:
+    """A grammar's matchers for every row of idx, or None without a constraint."""
+    if constraint is None:
+        return None
+    if tokenizer is None:
+        raise ConfigError(f"{constraint.kind}: a constraint is compiled for a vocabulary; pass tokenizer=")
+    return Rows(compile_grammar(tokenizer, constraint, model.config.vocab_size, frozenset(stops)), idx.shape[0])
+
+
 @torch.inference_mode()
 def generate_stream(
     model,
@@ -254,30 +296,29 @@ def generate_stream(
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
     compile: bool = False,
+    tokenizer=None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    choices: list[str] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
     cfg = SampleConfig(
         temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty, greedy=greedy
     )
     _check_inputs(model, idx, max_new_tokens)
-    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
-                                       and 1 <= vocab_size):
-        raise ConfigError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
-    if compile and not use_cache:
-        raise ConfigError("compile: compiles the decode steps with the KV cache; use_cache=False has none")
-    if compile and quantize.on_cpu_kernels(model):
-        raise ConfigError("compile: this model's layers run on CPU kernels torch.compile cannot trace (tinygpt.quantize "
-                          "converts a model on a CPU for them, which decode faster there than a compiled graph)")
+    _check_options(vocab_size, use_cache, compile, model, idx, prompt_cache)
     decode = compiled_decode_step if compile else decode_step
     block_size = model.config.block_size
     idx = idx.long()
-    stops = torch.tensor(_stop_ids(stop_tokens), dtype=torch.long, device=idx.device)
-    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    last_stop = torch.zeros_like(finished, dtype=torch.long)
+    stop_ids = _stop_ids(stop_tokens)
+    rows = _rows(model, idx, tokenizer, stop_ids, Constraint.given(json_schema, regex, choices))
+    ends = _Ends(torch.tensor(stop_ids, dtype=torch.long, device=idx.device), rows, idx.shape[0])
     tokens = idx
     kv_cache = KVCache.for_model(model, idx.shape[0], _cache_len(block_size, idx.shape[1], max_new_tokens, compile)) \
         if use_cache else None
     filled = 0  # positions of the cache that hold the current context
+    slid = False  # whether the context has slid past block_size (the cache then holds not the start but the end)
     # on a CPU, the decode steps' thread count follows what the machine allows
     threads = ThreadChoice(model, enabled=use_cache and not compile and idx.device.type == "cpu")
     training = model.training
@@ -292,25 +333,39 @@ def generate_stream(
                 filled += 1
             else:  # the first step, or the context slid past block_size: (re)build the cache
                 context = tokens[:, -block_size:]
-                logits = threads.prefill(lambda: prefill(model, context, kv_cache))
+                slid = step > 0 or tokens.shape[1] > block_size
+                # a prompt cache fills the positions an earlier sequence shares with the prompt
+                start = prompt_cache.load(context[0].tolist(), kv_cache) if prompt_cache is not None and not slid else 0
+                logits = threads.prefill(lambda: prefill(model, context[:, start:], kv_cache, start))
                 filled = context.shape[1]
-            processed = process_logits(logits, tokens, cfg, vocab_size)
-            token = choose(processed, cfg, generator)
-            if stops.numel():
-                # rows that already stopped keep repeating their stop token
-                token = torch.where(finished, last_stop, token)
-                hit = torch.isin(token, stops) & ~finished
-                last_stop = torch.where(hit, token, last_stop)
-                finished |= hit
+            processed = process_logits(logits if rows is None else rows.mask(logits, ends.finished), tokens, cfg,
+                                       vocab_size)
+            token = ends.follow(choose(processed, cfg, generator))
             if observer is not None:
                 observer(StepTrace(step, tokens[:, -block_size:], logits, processed, token, cfg))
             tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
             yield token
-            if stops.numel() and bool(finished.all()):
+            if ends.all():
                 return
     finally:
+        if prompt_cache is not None and filled and not slid:
+            prompt_cache.store(tokens[0, :filled].tolist(), kv_cache)
         threads.restore()
         model.train(training)
+
+
+def _check_options(vocab_size: int | None, use_cache: bool, compile: bool, model, idx: torch.Tensor,
+                   prompt_cache: PromptCache | None) -> None:
+    if vocab_size is not None and not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)
+                                       and 1 <= vocab_size):
+        raise ConfigError(f"vocab_size: must be an integer >= 1, got {vocab_size!r}")
+    if compile and not use_cache:
+        raise ConfigError("compile: compiles the decode steps with the KV cache; use_cache=False has none")
+    if compile and quantize.on_cpu_kernels(model):
+        raise ConfigError("compile: this model's layers run on CPU kernels torch.compile cannot trace (tinygpt.quantize "
+                          "converts a model on a CPU for them, which decode faster there than a compiled graph)")
+    if prompt_cache is not None and (idx.shape[0] != 1 or not use_cache or compile):
+        raise ConfigError("prompt_cache: reuses one sequence's keys and values: one row, with the KV cache, eager")
 
 
 def generate(
@@ -329,6 +384,11 @@ def generate(
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
     compile: bool = False,
+    tokenizer=None,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    choices: list[str] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
@@ -351,15 +411,25 @@ def generate(
         compile: decode through torch.compile (compiled_decode_step; CUDA graphs on a GPU): the first
             call for a shape compiles, later steps cost a fraction of eager ones where Python's
             per-operator time dominates (small models, a GPU). Needs use_cache.
+        tokenizer: the model's tokenizer, which a constraint is compiled for.
+        json_schema, regex, choices: at most one: what the new tokens must write (a JSON Schema as a dict
+            or its JSON; a regular expression the whole text matches; one of a list of strings). Each step
+            chooses among the tokens the grammar allows (tinygpt.constrain), and a row ends where its
+            grammar is complete (or at a stop token, which the grammar allows once it is). JSON is written
+            with json.dumps' separators and no other whitespace.
+        prompt_cache: a PromptCache (one row, use_cache, not compile): the prompt reuses the keys and values
+            of the longest prefix it shares with a sequence generated before, and this one is kept in it.
 
     Raises:
         ConfigError: an argument out of range or of the wrong type.
+        GrammarError: a constraint that does not compile, or that the vocabulary cannot write.
     """
     new = list(
         generate_stream(
             model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
             repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
-            observer=observer, vocab_size=vocab_size, compile=compile,
+            observer=observer, vocab_size=vocab_size, compile=compile, tokenizer=tokenizer, json_schema=json_schema,
+            regex=regex, choices=choices, prompt_cache=prompt_cache,
         )
     )
     if not new:
