@@ -227,3 +227,67 @@ def test_the_prompt_cache_needs_one_eager_row():
     with pytest.raises(ConfigError, match="prompt_cache"):
         tinygpt.generate(tiny_model(), torch.tensor([[1], [2]]), 2, prompt_cache=PromptCache(10**6))
 
+
+# -- the command line --------------------------------------------------------------------------
+
+
+def test_cli_sample_writes_what_its_constraint_says(tmp_path, cli):
+    from server_util import save_tiny_run
+
+    save_tiny_run(tmp_path / "run", block_size=256)
+    (tmp_path / "schema.json").write_text(json.dumps(SCHEMA))
+    r = cli("sample", tmp_path / "run", "--json-schema", tmp_path / "schema.json", "--max-new-tokens", MAX_TOKENS,
+            "--seed", 1, "--prompt", "p:")
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout.removeprefix("p:")), SCHEMA)
+    r = cli("sample", tmp_path / "run", "--regex", "[0-9]{2}:[0-9]{2}", "--max-new-tokens", 20, "--seed", 2)
+    assert re.fullmatch(r"[0-9]{2}:[0-9]{2}\n", r.stdout)
+    r = cli("sample", tmp_path / "run", "--choice", "yes", "--choice", "no", "--max-new-tokens", 20, "--num-samples", 3)
+    assert [s.strip() for s in r.stdout.split("-" * 40)] and set(re.findall(r"\w+", r.stdout)) <= {"yes", "no"}
+    r = cli("sample", tmp_path / "run", "--choice", "caf\u00e9")
+    assert r.returncode == 2 and r.stdout == "" and r.stderr == (
+        "tinygpt: error: choices: this model's vocabulary cannot write it: it needs '\u00e9' after 'caf', and no token "
+        "of the vocabulary writes it\n")
+    r = cli("sample", tmp_path / "run", "--regex", "a+", "--choice", "b")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+def test_cli_chat_shows_a_call_takes_its_result_and_reuses_the_conversation(tmp_path, capsys, monkeypatch):
+    """A reply that calls a tool (scripted here: a random model calls nothing) is shown, the typed result goes
+    back as the tool's message, and the next reply is written after it; each turn reuses the last one's keys
+    and values."""
+    import importlib
+    import io
+
+    from tinygpt.cli import main
+    from tinygpt.prompt_cache import PromptCache
+    from tinygpt.tokenizer import with_chat_template
+
+    generation = importlib.import_module("tinygpt.generate")  # the module: tinygpt.generate is the function
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(tiny_model(block_size=512, vocab_size=tok.vocab_size), tmp_path / "run", tok)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    (tmp_path / "tools.json").write_text(json.dumps(tools))
+    end = tok.special_ids()[tok.chat_template.end]
+    replies = iter(['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is 5."])
+    prompts, real = [], generation.generate_stream
+
+    def scripted(model, idx, n, **kwargs):
+        prompts.append(tok.decode(idx[0].tolist()))
+        list(real(model, idx, 1, **kwargs))  # the prompt goes through the cache as a real reply's does
+        for token in tok.encode(next(replies)) + [end]:
+            yield torch.tensor([token])
+
+    monkeypatch.setattr(generation, "generate_stream", scripted)
+    loads = []
+    monkeypatch.setattr(PromptCache, "load", lambda self, tokens, row, real=PromptCache.load: loads.append(
+        real(self, tokens, row)) or loads[-1])
+    monkeypatch.setattr("sys.stdin", io.StringIO("what is 2 + 3?\n5\n"))
+    assert main(["chat", str(tmp_path / "run"), "--tools", str(tmp_path / "tools.json"), "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert '(calls add({"a": 2, "b": 3}); type its result)' in err and "It is 5." in out
+    assert '"name": "add"' in prompts[0] and "<tool_response>\n5\n</tool_response>" in prompts[1]
+    assert loads[0] == 0 and loads[1] > len(prompts[0]) // 2  # the second turn began from the first's cache
+    (tmp_path / "bad.json").write_text(json.dumps([{"type": "function", "function": {"name": "a b"}}]))
+    assert main(["chat", str(tmp_path / "run"), "--tools", str(tmp_path / "bad.json"), "--prompt", "hi"]) == 2
+    assert "--tools" in capsys.readouterr().err

@@ -20,9 +20,9 @@ PACKAGE = ROOT / "src" / "tinygpt"
 LAYERS = (
     ("foundation", "configs, errors and the arithmetic of scale; no torch",
      ("config.*", "errors", "calc.*")),
-    ("tensors and text", "files, devices, tokenizers, the KV and prompt caches, sampling and its grammars, "
+    ("tensors and text", "files, devices, tokenizers, the KV and prompt caches, sampling and its grammars, tool calls, "
      "tinygpt's CPU kernels",
-     ("fileio", "device", "tokenizer.*", "kv_cache", "prompt_cache", "sampling", "constrain", "kernels")),
+     ("fileio", "device", "tokenizer.*", "kv_cache", "prompt_cache", "sampling", "constrain", "toolcalls", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
     ("workflows", "generation, data, training and fine-tuning, time-budget sizing, run folders, interchange",
      ("generate", "data", "datasources", "shards", "optim", "throughput", "sizing", "train", "distributed", "checkpoint", "lora",

@@ -8,8 +8,8 @@ from typing import TextIO
 
 from ..calc.units import plural
 from ..errors import ConfigError
-from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, encodable_flag, load_model,
-                     seed_type, utf8_flag)
+from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, encodable_flag, json_line,
+                     load_model, seed_type, utf8_flag)
 
 # C0 controls but newline and tab, DEL and C1, shown as escapes: a reply written raw could move the
 # cursor, clear the screen or send the terminal commands (ESC sequences, 8-bit CSI)
@@ -33,6 +33,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     With --prompt TEXT: answer that one message, print the reply and exit (at --temperature 0 the
     same reply `tinygpt serve` gives).
+
+    With --tools FILE (a JSON list of OpenAI function tools): the template is given them (a Hugging Face
+    model's own, as transformers passes them; tinygpt's lists them in the system message), and where a
+    reply calls one, the call is shown and its result asked for, which the model then reads.
+
+    Each reply reuses the keys and values of the conversation so far (a prompt cache): only the new
+    message is computed, unless the template writes earlier turns another way the next time.
     """
     from ..config.sampling import SampleConfig
 
@@ -44,9 +51,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.run} has no chat template: train a run on chat data "
                           "(tinygpt prepare FILE.jsonl --format chat) to chat with it; use `tinygpt sample` here")
     args.system = _system_message(tokenizer, args.system, "--system")
-    session = _Session(model, tokenizer, args)
+    tools = _read_tools(args.tools) if args.tools else None
+    session = _Session(model, tokenizer, args, tools)
     if args.prompt is not None:
         session.reply(args.prompt, sys.stdout)
+        for call in session.pending_calls():  # one turn: the calls are shown, not answered
+            print(f"(calls {call['function']['name']}({json_line(call['function']['arguments'])}))", file=sys.stderr)
         return 0
     return _interactive(session)
 
@@ -54,10 +64,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 class _Session:
     """One conversation: its messages, the model, the sampling settings."""
 
-    def __init__(self, model, tokenizer, args: argparse.Namespace) -> None:
+    def __init__(self, model, tokenizer, args: argparse.Namespace, tools: list[dict] | None = None) -> None:
         import torch
 
+        from ..kv_cache import KVCache
+        from ..prompt_cache import PromptCache
         from ..tokenizer.chat import stop_ids
+        from ..tokenizer.chat_template import JinjaChatTemplate
+        from ..toolcalls import TEXT_FORMAT, call_format
 
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
@@ -70,6 +84,17 @@ class _Session:
         block = model.config.block_size
         # the prompt leaves room for the reply: its max length, but at most half the context
         self.budget = block - min(self.max_new_tokens, block // 2)
+        # the conversation's keys and values, twice over: the turn just taken and the one before
+        self.cache = PromptCache(2 * KVCache.bytes_for_model(model, 1))
+        self.tools, self.fmt = tools, None
+        template = tokenizer.chat_template
+        if tools and not isinstance(template, JinjaChatTemplate):
+            self.fmt = TEXT_FORMAT  # tinygpt's template has no tools: they are written as text
+        elif tools:
+            ends = template.turn_ends(tokenizer)
+            self.fmt = call_format(template, ends[0] if ends else None)
+            if self.fmt is None:
+                raise ConfigError("--tools: this model's chat template writes no tool calls")
 
     def messages(self) -> list[dict[str, str]]:
         return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
@@ -77,14 +102,18 @@ class _Session:
     def reply(self, text: str, out: TextIO, label: str = "") -> None:
         """Answer `text`, streaming the reply to `out` after `label`, once the notes on what the prompt
         keeps are printed (on lines of their own); Ctrl-C stops it and keeps what was written."""
+        self.history.append({"role": "user", "content": text})
+        self.answer(out, label)
+
+    def answer(self, out: TextIO, label: str = "") -> None:
+        """Write the assistant's next turn after the conversation so far (reply's second half)."""
         import torch
 
         from ..generate import generate_stream
         from ..tokenizer.chat import fit_chat_prompt
         from ..tokenizer.incremental import IncrementalDecoder
 
-        self.history.append({"role": "user", "content": text})
-        kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget)
+        kept, ids, dropped = fit_chat_prompt(self.tokenizer, self.messages(), self.budget, self.tools)
         if dropped:
             exchanges = sum(m["role"] == "user" for m in self.history[:dropped])
             self.history = kept[1:] if self.system else kept
@@ -104,7 +133,7 @@ class _Session:
         decoder, answer = IncrementalDecoder(self.tokenizer), []
         try:
             for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
-                                         stop_tokens=self.stops, generator=self.generator,
+                                         stop_tokens=self.stops, generator=self.generator, prompt_cache=self.cache,
                                          vocab_size=self.tokenizer.vocab_size, **self.sampling):
                 if int(token[0]) in self.stops:
                     break
@@ -117,7 +146,59 @@ class _Session:
         answer.append(decoder.flush())
         out.write(answer[-1].translate(_CONTROLS) + "\n")
         out.flush()
-        self.history.append({"role": "assistant", "content": "".join(answer)})
+        self.history.append(self._turn("".join(answer)))
+
+    def _turn(self, text: str) -> dict:
+        """The assistant's message: its text, and the tools it calls (an OpenAI message, arguments objects)."""
+        import json
+
+        from ..toolcalls import read_calls
+
+        if self.fmt is None:
+            return {"role": "assistant", "content": text}
+        content, calls = read_calls(text, self.fmt, [t["function"]["name"] for t in self.tools])
+        made = []
+        for call in calls:
+            try:
+                made.append({"id": call["id"], "type": "function",
+                             "function": {"name": call["name"], "arguments": json.loads(call["arguments"])}})
+            except ValueError:  # cut off before its end: the text stays, as the model wrote it
+                return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content, **({"tool_calls": made} if made else {})}
+
+    def pending_calls(self) -> list[dict]:
+        """The calls of the last reply, each still to be answered."""
+        last = self.history[-1] if self.history else {}
+        return last.get("tool_calls", [])
+
+
+def _read_tools(path: str) -> list[dict]:
+    """--tools FILE: a JSON list of OpenAI function tools, checked as the server checks them."""
+    from ..fileio import read_json
+    from ..toolcalls import ToolError, check_tools
+
+    tools = read_json(path, ConfigError)
+    if not isinstance(tools, list) or not tools:
+        raise ConfigError(f"--tools: {path} holds no list of tools ([{{\"type\": \"function\", \"function\": ...}}])")
+    try:
+        check_tools(tools)
+    except ToolError as e:
+        raise ConfigError(f"--tools: {path}: {e}") from None
+    return tools
+
+
+def _answer_calls(session: _Session, read=input) -> None:
+    """Show each call of the last reply and take its result from the user, then let the model go on, until a
+    reply calls nothing (or the user gives no result: Ctrl-D)."""
+    import json
+
+    while session.pending_calls():
+        for call in session.pending_calls():
+            args = json.dumps(call["function"]["arguments"], ensure_ascii=False)
+            print(f"(calls {call['function']['name']}({args}); type its result)", file=sys.stderr)
+            result = read(f"{call['function']['name']}> ")
+            session.history.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        session.answer(sys.stdout, label="bot> ")
 
 
 def _interactive(session: _Session) -> int:
@@ -143,9 +224,12 @@ def _interactive(session: _Session) -> int:
             continue
         try:  # "//" escapes a message that starts with "/"
             session.reply(line.replace("//", "/", 1) if text.startswith("//") else line, sys.stdout, label="bot> ")
+            _answer_calls(session)
         except (ChatError, TokenizerError) as e:  # a message the vocabulary cannot write: say so, go on
             session.history.pop()
             print(f"(cannot send that: {e})", file=sys.stderr)
+        except EOFError:  # no result for a call: the conversation goes on from the next message
+            print(file=sys.stderr)
 
 
 def _command(session: _Session, text: str) -> None:
@@ -181,6 +265,8 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=POSITIVE)
     p.add_argument("--top-p", type=Number("float", 0, 1, low_open=True))
     p.add_argument("--seed", type=seed_type(), help="makes sampling reproducible")
+    p.add_argument("--tools", metavar="FILE", help="a JSON list of OpenAI function tools the model may call; "
+                   "a call is shown and its result asked for")
     add_device_flag(p)
     add_quantize_flag(p)
     p.set_defaults(func=cmd_chat, hub_args=("run",))

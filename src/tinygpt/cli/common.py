@@ -197,6 +197,39 @@ def encodable_flag(tokenizer, value: str | None, flag: str) -> str | None:
     return value
 
 
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """--json-schema FILE, --regex RE, --choice TEXT: what the generated text must be (one of them)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE",
+                       help="write JSON valid against this JSON Schema file (compact: json.dumps' spacing)")
+    group.add_argument("--regex", metavar="RE", help="write text the whole of which this regular expression matches")
+    group.add_argument("--choice", action="append", metavar="TEXT", help="write one of these texts (repeatable)")
+
+
+def constraint_flags(args: argparse.Namespace, model, tokenizer, stops: frozenset[int]) -> dict:
+    """The constraint flags as generate's arguments (json_schema=, regex=, choices=), compiled here once so a
+    constraint the vocabulary cannot write is an error before anything is written.
+
+    Args:
+        args: the parsed flags (add_constraint_flags).
+        model: the model (its head sizes the mask).
+        tokenizer: its tokenizer.
+        stops: the ids that end the text.
+    """
+    from ..constrain import Constraint, compile_grammar
+    from ..fileio import read_json
+
+    schema = None
+    if args.json_schema is not None:
+        schema = read_json(args.json_schema, ConfigError)
+    chosen = {"json_schema": schema, "regex": utf8_flag(args.regex, "--regex"),
+              "choices": [utf8_flag(c, "--choice") for c in args.choice] if args.choice else None}
+    constraint = Constraint.given(**chosen)
+    if constraint is not None:
+        compile_grammar(tokenizer, constraint, model.config.vocab_size, stops)
+    return {name: value for name, value in chosen.items() if value is not None}
+
+
 def json_line(obj, indent: int | None = None) -> str:
     """`obj` as strict JSON for --json: a float that is not finite (a diverged run's loss) is null,
     not the NaN or Infinity that JSON parsers refuse."""

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, TinyGPTError
-from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, add_nonfinite_flag, add_quantize_flag,
-                     json_line, load_model, seed_type, utf8_flag)
+from .common import (NATURAL, POSITIVE, RATE, Number, add_constraint_flags, add_device_flag, add_nonfinite_flag,
+                     add_quantize_flag, constraint_flags, json_line, load_model, seed_type, utf8_flag)
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -44,7 +44,9 @@ def _turn_ends(tokenizer) -> set[int]:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     """Generate text from a trained run, streaming it to the terminal as it is chosen. A run trained on
-    chat data stops at its chat template's end-of-turn token, as its replies do (`tinygpt chat`)."""
+    chat data stops at its chat template's end-of-turn token, as its replies do (`tinygpt chat`).
+    --json-schema, --regex or --choice constrain the text: each step chooses among the tokens that keep it
+    valid, and it ends where it is complete."""
     import torch
 
     from ..config.sampling import SampleConfig
@@ -70,6 +72,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed) if args.seed is not None else None
     # the end-of-text token, and a chat run's end of turn: a sample stops where a reply would
     stop_tokens = sorted(stop_ids(tokenizer)) or None
+    constraint = constraint_flags(args, model, tokenizer, stop_ids(tokenizer))
     turn_ends = _turn_ends(tokenizer)
     observer = None
     if args.trace:
@@ -84,7 +87,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
         ended = None
         for token in generate_stream(model, ids, args.max_new_tokens, stop_tokens=stop_tokens, generator=generator,
                                      observer=observer, vocab_size=tokenizer.vocab_size, compile=args.compile,
-                                     **sampling):
+                                     tokenizer=tokenizer, **constraint, **sampling):
             if stop_tokens and int(token[0]) in stop_tokens:
                 ended = "the end-of-turn token" if int(token[0]) in turn_ends else "the end-of-text token"
                 break
@@ -303,6 +306,7 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-top", type=POSITIVE, metavar="N", help="candidates shown per step (5); implies --trace")
     p.add_argument("--compile", action="store_true",
                    help="decode through torch.compile, CUDA graphs on a GPU (the first token waits for the compile)")
+    add_constraint_flags(p)
     add_device_flag(p)
     add_quantize_flag(p)
     add_nonfinite_flag(p)

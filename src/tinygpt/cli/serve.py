@@ -27,6 +27,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         --model-name NAME: the model id clients send (default: the run folder's name).
         --threads N: torch's intra-op threads on CPU (default: torch's choice; 1 often batches
             better on a CPU shared with other work).
+        --prompt-cache MB: memory for the keys and values of finished sequences, reused by prompts that
+            begin as they do (a conversation's next turn); the least recently used go first (512; 0: off).
     Prompts longer than the model's context are cut to their last block_size tokens (the
     response's usage.prompt_tokens_truncated says how many were dropped). SIGTERM stops accepting
     requests (503), finishes those running, then exits. The KV cache for --max-concurrency
@@ -58,7 +60,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()),
-                     trusted_hosts=allowed if allowed or _is_loopback(args.host) else None)
+                     trusted_hosts=allowed if allowed or _is_loopback(args.host) else None,
+                     prompt_cache_bytes=args.prompt_cache * 2**20)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -107,6 +110,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "are answered otherwise)")
     p.add_argument("--model-name", metavar="NAME", help="the model id clients use (default: RUN's folder name)")
     p.add_argument("--threads", type=Number("int", 1, MAX_THREADS), metavar="N", help="torch's CPU threads (default: torch's choice)")
+    p.add_argument("--prompt-cache", type=NATURAL, default=512, metavar="MB",
+                   help="memory for reusing earlier prompts' keys and values, least recently used dropped first (512; "
+                        "0: off)")
     add_device_flag(p, help="auto, cpu, cuda, cuda:N, mps")
     add_quantize_flag(p)
     p.set_defaults(func=cmd_serve, hub_args=("run",))

@@ -19,12 +19,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import ConfigError
+from ..prompt_cache import PromptCache
 from . import chat, completions, health, models, playground
 from .guard import Admission, RequestGuard, host_name
 from .protocol import APIError
 from .scheduler import Scheduler
 from .state import ServerState
 
+PROMPT_CACHE_BYTES = 512 * 2**20  # the prompt cache's default budget
 ROUTERS = (playground.router, health.router, models.router, completions.router, chat.router)
 
 
@@ -39,6 +41,7 @@ def create_app(
     max_tokens: int = 2048,
     cors_origins: Iterable[str] = (),
     trusted_hosts: Iterable[str] | None = None,
+    prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving one model.
 
@@ -58,6 +61,9 @@ def create_app(
             loopback address) requests must name a loopback address, `localhost` or one of these
             names in their Host header, or get 421: a web page cannot reach the server through a
             DNS name rebound to 127.0.0.1.
+        prompt_cache_bytes: the keys and values of finished sequences kept for prompts that begin as they
+            do (a conversation's next turn), at most this many bytes, the least recently used dropped
+            first; 0 keeps none.
 
     Raises:
         ConfigError: a setting out of range, or a KV cache too large for the device (it is
@@ -69,7 +75,10 @@ def create_app(
         raise ConfigError("max_concurrency and max_tokens must be >= 1 and max_queue >= 0")
     if api_key is not None and not api_key:
         raise ConfigError("api_key must not be empty")
-    scheduler = Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue)
+    if prompt_cache_bytes < 0:
+        raise ConfigError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
+    cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    scheduler = Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache=cache)
     scheduler.allocate()
     state = ServerState(model, tokenizer, model_name, api_key, max_tokens, scheduler)
     app = FastAPI(title="tinygpt", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)

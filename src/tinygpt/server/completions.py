@@ -16,6 +16,7 @@ from .refusals import scheduler_errors
 from .reply import ClientGone, generate
 from .scheduler import TokenInfo, score_windows, scoring_windows
 from .state import ServerState, authorized, body
+from .structured import compiled, requested
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 SCORE_MAX_TOKENS = 65536  # prompt tokens one request may have scored (echo with logprobs), n copies counted
@@ -38,7 +39,9 @@ async def completions(request: Request, req: Annotated[CompletionRequest, Depend
     if req.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts]
     settings = state.settings(req, req.max_tokens, DEFAULT_COMPLETION_TOKENS)
-    settings.update(stop=req.stops, logprobs=req.logprobs)
+    constraint = requested(req)
+    grammar = await compiled(state, *constraint) if constraint is not None else None
+    settings.update(stop=req.stops, logprobs=req.logprobs, grammar=grammar)
     scored = None
     if req.echo and req.logprobs is not None:
         # an empty prompt starts from a token of the server's choosing, which is not in the echoed text

@@ -7,7 +7,7 @@ string where a number belongs, NaN, an unknown field — each is a 400 with Open
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -62,6 +62,32 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
+class JSONSchemaFormat(_Strict):
+    """response_format's json_schema: what openai's `parse(response_format=Model)` sends."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs (v0.12 on): one of a JSON Schema, a regex, choices, a grammar (Lark or GBNF)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     """Fields completions and chat share. None means the default."""
 
@@ -80,6 +106,13 @@ class _Sampling(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as OpenAI's abuse-monitoring id
+    # what the text must be: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -96,6 +129,9 @@ class _Sampling(_Strict):
         """Rules between fields (pydantic checks each field alone)."""
         if self.stream_options is not None and not self.stream:
             raise invalid_value("stream_options", "only allowed when stream is true")
+        fmt = self.response_format
+        if fmt is not None and (fmt.type == "json_schema") != (fmt.json_schema is not None):
+            raise invalid_value("response_format.json_schema", "given with type json_schema, and only then")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -129,20 +165,55 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1)] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @property
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+MAX_TOOLS = 128
 
 
 class ChatRequest(_Sampling):
@@ -150,12 +221,41 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         super().check()
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_value("top_logprobs", "requires logprobs to be true")
+        calls: set[str] = set()
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                param = f"messages.{i}.content"
+                raise APIError(400, f"Missing required parameter: '{param}'", param=param,
+                               code="missing_required_parameter")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid_value(f"messages.{i}.tool_calls", "only an assistant's message makes tool calls")
+            if m.role == "tool" and m.tool_call_id not in calls:
+                raise invalid_value(f"messages.{i}.tool_call_id", f"{m.tool_call_id!r} answers no tool call of an "
+                                    "earlier assistant message" if m.tool_call_id else "a tool's result names the call "
+                                    "it answers")
+            calls.update(c.id for c in m.tool_calls or ())
+        names = [t.function.name for t in self.tools or ()]
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise invalid_value("tool_choice", "'required' needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid_value("tool_choice", f"names the function {choice.function.name!r}, which is not among "
+                                "the tools" + (f" ({', '.join(names)})" if names else " (none given)"))
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: what tool_choice asks (auto where tools are given without it)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
 
 
 class AttentionRequest(_Strict):

@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..toolcalls import CallFormat, CallStream
 from .protocol import APIError, ChatRequest, CompletionRequest
 from .refusals import scheduler_errors
 from .scheduler import Event, Sequence, TokenInfo
@@ -27,7 +28,8 @@ _GONE = object()  # queued when the client disconnects
 
 async def generate(state: ServerState, request: Request, req: CompletionRequest | ChatRequest, prompts: list[list[int]],
                    settings: dict, *, chat: bool, echo: list[str] | None = None,
-                   scored: list[list[TokenInfo]] | None = None) -> Response:
+                   scored: list[list[TokenInfo]] | None = None,
+                   calls: tuple[CallFormat, list[str]] | None = None) -> Response:
     """Hand a request's sequences (n choices of each prompt) to the scheduler and answer with their text:
     a stream of server-sent events, or the whole answer once every choice has finished.
 
@@ -40,6 +42,8 @@ async def generate(state: ServerState, request: Request, req: CompletionRequest 
         chat: answer as /v1/chat/completions does (a message), else as /v1/completions (text).
         echo: with echo, each prompt's text, written before its choices' text.
         scored: with echo and logprobs, each prompt's tokens' logprobs.
+        calls: with tools, how the template writes calls and the tools' names: each choice's text is read
+            for calls (tinygpt.toolcalls.CallStream), answered as tool_calls.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -79,7 +83,7 @@ async def generate(state: ServerState, request: Request, req: CompletionRequest 
     # scored with echo and logprobs is read whole)
     dropped = sum(max(0, len(ids) - state.block_size) for ids in prompts) if generating else 0
     reply = Reply(state, req, seqs, chat=chat, prompt_tokens=sum(map(len, prompts)), dropped=dropped,
-                  echo=echo, n=n, scored=scored)
+                  echo=echo, n=n, scored=scored, calls=calls)
 
     def gone() -> None:
         state.scheduler.cancel(seqs)
@@ -99,21 +103,26 @@ class Reply:
     """Turns a request's events into OpenAI's response or stream of chunks."""
 
     def __init__(self, server: ServerState, req, seqs: list[Sequence], *, chat: bool, prompt_tokens: int,
-                 dropped: int, echo: list[str] | None, n: int, scored: list[list[TokenInfo]] | None = None) -> None:
+                 dropped: int, echo: list[str] | None, n: int, scored: list[list[TokenInfo]] | None = None,
+                 calls: tuple[CallFormat, list[str]] | None = None) -> None:
         self.server, self.req, self.seqs, self.chat = server, req, seqs, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.dropped = dropped
         self.completion_tokens = 0
+        self.cached_tokens = 0
         self.echo = echo
+        # each choice's reader of tool calls (the same reader whole and streamed: the same calls either way)
+        self.readers = [CallStream(*calls) for _ in seqs] if calls is not None else None
         self.n = n
         self.scored = scored  # per prompt: its tokens' logprobs (echo with logprobs)
         self.logprobs = seqs[0].logprobs is not None
 
     def usage(self) -> dict:
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.dropped:  # prompts longer than the context were cut to their last block_size tokens
             usage["prompt_tokens_truncated"] = self.dropped
         return usage
@@ -142,6 +151,7 @@ class Reply:
             if event.finish_reason is not None:
                 remaining -= 1
                 self.completion_tokens += event.completion_tokens
+                self.cached_tokens += event.cached_tokens
             yield event
 
     async def collect(self, queue: asyncio.Queue) -> JSONResponse:
@@ -165,8 +175,11 @@ class Reply:
         for i in range(len(self.seqs)):
             logprobs = self.format_logprobs(tokens[i]) if self.logprobs else None
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                                "logprobs": logprobs, "finish_reason": finish[i]})
+                message: dict = {"role": "assistant", "content": texts[i]}
+                if self.readers is not None:
+                    deltas = self.readers[i].push(texts[i]) + self.readers[i].finish()
+                    message, finish[i] = self.message(i, deltas), self.finish_reason(i, finish[i])
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish[i]})
             else:
                 choices.append({"index": i, "text": texts[i], "logprobs": logprobs, "finish_reason": finish[i]})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -183,10 +196,8 @@ class Reply:
                     yield self.chunk(i, *self.echoed(i), None)
             try:
                 async for e in self.events(queue):
-                    if e.text or e.tokens:
-                        yield self.chunk(e.index, e.text, self.generated(e.index, e.tokens), None)
-                    if e.finish_reason is not None:
-                        yield self.chunk(e.index, "", [], e.finish_reason)
+                    for chunk in self.event_chunks(e):
+                        yield chunk
             except ClientGone:
                 return
             except APIError as e:
@@ -199,14 +210,45 @@ class Reply:
             watcher.cancel()
             self.server.scheduler.cancel(self.seqs)
 
+    def event_chunks(self, e: Event) -> list[str]:
+        """An event's chunks: its text (or, read for tool calls, the deltas it settles) with its tokens'
+        logprobs, then the finish."""
+        tokens = self.generated(e.index, e.tokens)
+        if self.readers is None:
+            out = [self.chunk(e.index, e.text, tokens, None)] if e.text or e.tokens else []
+            return out + ([self.chunk(e.index, "", [], e.finish_reason)] if e.finish_reason is not None else [])
+        reader = self.readers[e.index]
+        deltas = reader.push(e.text) + (reader.finish() if e.finish_reason is not None else [])
+        if tokens and not deltas:
+            deltas = [{}]  # the logprobs go out with the tokens, whatever their text became
+        out = [self.chunk(e.index, "", tokens if k == 0 else [], None, delta=d) for k, d in enumerate(deltas)]
+        if e.finish_reason is not None:
+            out.append(self.chunk(e.index, "", [], self.finish_reason(e.index, e.finish_reason)))
+        return out
+
+    def message(self, index: int, deltas: list[dict]) -> dict:
+        """A choice's message from a reader's deltas: content (None when there is only calls) and tool_calls."""
+        content = "".join(d.get("content", "") for d in deltas)
+        calls = [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in self.readers[index].calls]
+        if not calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        """tool_calls where a choice that called a tool ended on its own (not cut at max_tokens)."""
+        return "tool_calls" if reason == "stop" and self.readers[index].calls else reason
+
     def header(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
 
-    def chunk(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None, role: bool = False) -> str:
+    def chunk(self, index: int, text: str, tokens: list[TokenInfo], finish: str | None, role: bool = False,
+              delta: dict | None = None) -> str:
         logprobs = self.format_logprobs(tokens) if self.logprobs and tokens else None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}

@@ -34,10 +34,12 @@ import torch
 
 from ..calc.units import format_bytes
 from ..config.sampling import SampleConfig
+from ..constrain import Grammar
 from ..device import free_memory
 from ..errors import ConfigError, TinyGPTError
 from ..generate import StopText, ThreadChoice, decode_step, prefill
 from ..kv_cache import KVCache
+from ..prompt_cache import PromptCache
 from ..sampling import mask_vocab, sample
 from ..tokenizer.incremental import IncrementalDecoder
 
@@ -87,6 +89,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     status: int = 500  # with an error: the HTTP status it calls for (503: shutting down, or the model thread died)
+    cached_tokens: int = 0  # with the finish: prompt tokens whose keys and values came from the prompt cache
 
 
 @dataclass(eq=False)
@@ -105,6 +108,8 @@ class Sequence:
         logprobs: None, or how many top candidates to report with each token's logprob.
         presence_penalty, frequency_penalty: OpenAI's penalties on tokens already generated.
         logit_bias: token id -> value added to its logit.
+        grammar: what the text must be (a compiled constraint): each step chooses among the tokens it
+            allows, and the sequence ends where it is complete.
     """
 
     prompt: list[int]
@@ -119,12 +124,14 @@ class Sequence:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    grammar: Grammar | None = None
 
     cancelled: bool = field(default=False, init=False)
     generated: int = field(default=0, init=False)
     chars: int = field(default=0, init=False)  # characters of text decoded so far (for text offsets)
     sent: int = field(default=0, init=False)  # characters of text emitted so far (the rest is held back or cut)
     filled: int = field(default=0, init=False)  # cache positions of this slot holding the current context
+    cached: int = field(default=0, init=False)  # prompt positions the prompt cache filled
 
     def start(self, tokenizer, vocab_size: int, device: torch.device) -> None:
         """Allocate the per-sequence state on the model thread."""
@@ -146,6 +153,7 @@ class Sequence:
         if self.presence_penalty or self.frequency_penalty:
             self.counts = torch.zeros(1, vocab_size, device=device)
         self.pending: list[TokenInfo] = []
+        self.matcher = self.grammar.matcher() if self.grammar is not None else None
 
     def context(self) -> torch.Tensor:
         """Every token so far, (1, T)."""
@@ -169,15 +177,19 @@ class Scheduler:
         tokenizer: turns generated ids into text (IncrementalDecoder).
         max_concurrency: sequences decoded together (KV cache rows).
         max_queue: sequences that may wait for a row; beyond that `submit` raises QueueFull.
+        prompt_cache: where finished sequences' keys and values are kept for prompts that begin as they do
+            (None: every prompt is computed whole).
     """
 
-    def __init__(self, model, tokenizer, *, max_concurrency: int = 8, max_queue: int = 32) -> None:
+    def __init__(self, model, tokenizer, *, max_concurrency: int = 8, max_queue: int = 32,
+                 prompt_cache: PromptCache | None = None) -> None:
         if max_concurrency < 1 or max_queue < 0:
             raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
         self.model = model
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
+        self.prompt_cache = prompt_cache
         self.block_size = model.config.block_size
         self.vocab_size = model.config.vocab_size
         self.tokenizer_vocab = tokenizer.vocab_size  # ids at or past it are never chosen (sampling.mask_vocab)
@@ -341,9 +353,10 @@ class Scheduler:
         """Sequences generating ("active") and waiting ("queued"), places held by prompts being scored
         ("scoring"), and counters since the start."""
         with self._cond:
+            cache = {"prompt_cache": self.prompt_cache.stats()} if self.prompt_cache is not None else {}
             return {"active": self._running(), "queued": len(self._waiting), "scoring": self._held,
                     "slots": self.max_concurrency,
-                    "max_queue": self.max_queue, **self.counters}
+                    "max_queue": self.max_queue, **self.counters, **cache}
 
     def _running(self) -> int:
         return sum(not s.cancelled for s in self._active) + sum(not s.cancelled for s in self._admitting)
@@ -470,6 +483,7 @@ class Scheduler:
                 self._fail(s, result)
                 done.append(i)
             elif result is True:
+                self._keep(s, i)
                 done.append(i)
         self._remove(done)
 
@@ -479,9 +493,18 @@ class Scheduler:
         bs = self.block_size
         if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
             s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
-        logits = self._threads.prefill(lambda: prefill(self.model, s.context(), self._cache.slot(row)))
+        slot = self._cache.slot(row)
+        if self.prompt_cache is not None:
+            s.cached = self.prompt_cache.load(s.context()[0].tolist(), slot)
+        logits = self._threads.prefill(lambda: prefill(self.model, s.context()[:, s.cached:], slot, s.cached))
         s.filled = s.length
         return logits
+
+    def _keep(self, s: Sequence, row: int) -> None:
+        """Keep a finished sequence's keys and values in the prompt cache, where its row holds its tokens
+        from the start (a sequence whose context slid past block_size holds only its end)."""
+        if self.prompt_cache is not None and s.filled == s.length - 1:
+            self.prompt_cache.store(s.context()[0, : s.filled].tolist(), self._cache.slot(row))
 
     def _advance(self, s: Sequence, logits: torch.Tensor) -> bool:
         """Choose s's next token from logits (1, V), report its text; True when s is finished."""
@@ -493,6 +516,8 @@ class Scheduler:
             x = x + s.bias
         if s.counts is not None:
             x = x - s.frequency_penalty * s.counts - s.presence_penalty * (s.counts > 0)
+        if s.matcher is not None:
+            x = s.matcher.mask(x)
         history = s.context() if s.sampling.repetition_penalty != 1.0 else None
         token = int(sample(x, history, s.sampling, s.generator)[0])
         s.append(token)
@@ -501,12 +526,13 @@ class Scheduler:
             s.counts[0, token] += 1
         if token in s.stop_tokens:
             return self._finish(s, "stop")
+        complete = s.matcher is not None and s.matcher.advance(token)
         decoded, lead = s.decoder.push_at(token)
         if s.logprobs is not None:
             s.pending.append(_token_info(raw, token, s.logprobs, s.chars + lead))
         s.chars += len(decoded)
         text = s.stopper.push(decoded)
-        if s.stopper.done:
+        if s.stopper.done or complete:
             return self._finish(s, "stop", text)
         if s.generated >= s.max_tokens:
             return self._finish(s, "length", text)
@@ -521,7 +547,8 @@ class Scheduler:
                 reason = "stop"
             text += tail + s.stopper.flush()
         tokens = _sent_tokens(s, text) if s.stopper.done else s.pending
-        _safe_emit(s, Event(s.index, text, tokens, finish_reason=reason, completion_tokens=s.generated))
+        _safe_emit(s, Event(s.index, text, tokens, finish_reason=reason, completion_tokens=s.generated,
+                            cached_tokens=s.cached))
         self.counters["completed"] += 1
         return True
 

@@ -51,6 +51,8 @@ class ServerState:
         # template, any other model gets the plain-text "User: ... Assistant:" prompt
         self.stop_tokens = stop_ids(tokenizer)
         self.template = getattr(tokenizer, "chat_template", None)
+        # a request's grammar that takes longer to compile is refused (tinygpt.server.structured)
+        self.compile_seconds = 10.0
         self.created = int(time.time())
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
         self.encodable = lru_cache(maxsize=4096)(self._encodable)

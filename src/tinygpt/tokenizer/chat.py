@@ -59,9 +59,11 @@ def check_messages(messages: Any, roles: Sequence[str] = ROLES, *, training: boo
         role, content = m.get("role"), m.get("content")
         if role not in roles:
             raise ChatError(f"message {n} has an unknown role {role!r} (expected {', '.join(roles)})")
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            continue  # a turn of tool calls alone
         if not isinstance(content, str):
             raise ChatError(f"message {n} ({role}) has no text content")
-        if not content.strip() and (training or role != "assistant"):
+        if not content.strip() and (training or role not in ("assistant", "tool")):
             raise ChatError(f"message {n} ({role}) has empty content")
     if training and not any(m["role"] == "assistant" for m in messages):
         raise ChatError("the conversation has no assistant turn")
@@ -115,23 +117,36 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Rendere
     return Rendered(ids, mask)
 
 
-def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[dict] | None = None
+                       ) -> list[int]:
     """The ids a model continues to write the assistant's next turn: the messages, then the assistant's start.
+
+    Args:
+        tokenizer: a tokenizer with a chat template.
+        messages: the conversation; with a Jinja template also tool results (role "tool") and assistant
+            turns of tool calls (`tool_calls`, their arguments objects), as transformers passes them.
+        tools: OpenAI's function tools: a Jinja template is given them; for tinygpt's own, which has no
+            tools, they and the calls and results are written into the messages (toolcalls.text_messages).
 
     Raises:
         ChatError, TokenizerError: as render_chat (no assistant turn is needed).
     """
     template = chat_template_of(tokenizer)
-    check_messages(messages, template.roles, training=False)
     if isinstance(template, JinjaChatTemplate):
-        return template.prompt_ids(tokenizer, messages)
+        check_messages(messages, (*template.roles, "tool"), training=False)
+        return template.prompt_ids(tokenizer, messages, tools)
+    if tools or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages if isinstance(m, dict)):
+        from ..toolcalls import text_messages  # here: toolcalls reads a vocabulary (constrain), which imports this
+
+        messages = text_messages(messages, tools)
+    check_messages(messages, template.roles, training=False)
     ids, _ = _render(tokenizer, template, messages)
     return ids + [tokenizer.special_ids()[template.start_token("assistant")]]
 
 
 def fit_chat_prompt(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], max_tokens: int
-) -> tuple[list[dict[str, str]], list[int], int]:
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], max_tokens: int, tools: list[dict] | None = None
+) -> tuple[list[dict[str, Any]], list[int], int]:
     """The conversation trimmed oldest-first until its prompt (render_chat_prompt) holds at most
     `max_tokens` ids, a whole exchange at a time: the oldest message and what follows it up to the next
     user message go together, so what is kept starts with a user's turn, as templates that require the
@@ -142,6 +157,7 @@ def fit_chat_prompt(
         tokenizer: a tokenizer with a chat template.
         messages: the conversation so far, ending with the message to answer.
         max_tokens: the prompt's budget (the model's context less room for the reply).
+        tools: the tools the template is given (render_chat_prompt).
 
     Returns:
         (the messages kept, their prompt's ids, how many messages were dropped).
@@ -150,7 +166,7 @@ def fit_chat_prompt(
     rest = messages[len(system):]
     dropped = 0
     while True:
-        ids = render_chat_prompt(tokenizer, system + rest)
+        ids = render_chat_prompt(tokenizer, system + rest, tools)
         following = next((i for i in range(1, len(rest)) if rest[i].get("role") == "user"), None)
         if len(ids) <= max_tokens or following is None:
             return system + rest, ids, dropped

@@ -136,8 +136,10 @@ class JinjaChatTemplate:
         """Whether the template marks the assistant's replies with {% generation %}."""
         return re.search(r"\{%-?\s*generation\s*-?%\}", self.source) is not None
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> tuple[str, list]:
-        """The conversation's text, and the (start, end) characters of its {% generation %} blocks.
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> tuple[str, list]:
+        """The conversation's text, and the (start, end) characters of its {% generation %} blocks; `tools`
+        as apply_chat_template passes them (OpenAI's function objects).
 
         Raises:
             ChatError: the template raises (raise_exception, an undefined name, a sandbox refusal).
@@ -149,7 +151,7 @@ class JinjaChatTemplate:
         spans: list[tuple[int, int]] = []
         token = _GENERATION.set((blocks, spans))
         try:
-            for chunk in template.generate(messages=[dict(m) for m in messages], tools=None, documents=None,
+            for chunk in template.generate(messages=[dict(m) for m in messages], tools=tools, documents=None,
                                            add_generation_prompt=add_generation_prompt, **self.tokens):
                 blocks.append(chunk)
         except jinja2.TemplateError as e:
@@ -188,9 +190,10 @@ class JinjaChatTemplate:
             spans.append((len(before), len(through)))
         return spans
 
-    def prompt_ids(self, tokenizer: HFTokenizer, messages: list[dict[str, str]]) -> list[int]:
-        """The ids a model continues to write the assistant's next turn (add_generation_prompt)."""
-        return tokenizer.encode_rendered(self.render(messages, add_generation_prompt=True)[0])[0]
+    def prompt_ids(self, tokenizer: HFTokenizer, messages: list[dict[str, Any]],
+                   tools: list[dict] | None = None) -> list[int]:
+        """The ids a model continues to write the assistant's next turn (add_generation_prompt), with `tools`."""
+        return tokenizer.encode_rendered(self.render(messages, add_generation_prompt=True, tools=tools)[0])[0]
 
     def turn_ends(self, tokenizer: HFTokenizer) -> list[str]:
         """The special token the template writes right after a reply (its end of turn), as a list of
