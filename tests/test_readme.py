@@ -110,6 +110,9 @@ SKIP = {
     "emergence.run_emergence(": "trains for a minute; tests/test_emergence.py runs the lab and probes its heads",
     "PeftModel.from_pretrained(": "needs make demo's runs; tests/test_peft.py loads an adapter run in PEFT the same way",
     'tinygpt.finetune("hf/gpt2"': "needs GPT-2 downloaded; tests/test_finetune.py makes the same calls on a tiny model",
+    "response_format=Person": "needs a running `tinygpt serve`; tests/test_structured_server.py parses such models",
+    "def add(a: int, b: int)": "needs a running `tinygpt serve`; tests/test_structured_server.py runs a tool loop",
+    'regex=r"[0-9]{4}': "needs a trained run; tests/test_constrain.py makes the same calls on a tiny model",
 }
 
 
