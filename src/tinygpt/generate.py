@@ -22,13 +22,14 @@ import torch
 
 from . import fastpath
 from .config.sampling import SampleConfig
+from .constrain import Constraint, Rows, compile_grammar
 from .device import free_cores
 from .errors import ConfigError
 from .interop import quantize
-from .constrain import Constraint, Rows, compile_grammar
 from .kv_cache import KVCache
 from .prompt_cache import PromptCache
 from .sampling import choose, process_logits
+from .tokenizer.base import Tokenizer
 
 
 def prefill(model, idx: torch.Tensor, kv_cache: KVCache, start: int = 0) -> torch.Tensor:
@@ -270,7 +271,8 @@ class _Ends:
         return self.on and bool(self.finished.all())
 
 
-def _rows(model, idx: torch.Tensor, tokenizer, stops: list[int], constraint: Constraint | None) -> Rows | None:
+def _rows(model, idx: torch.Tensor, tokenizer: Tokenizer | None, stops: list[int],
+          constraint: Constraint | None) -> Rows | None:
     """A grammar's matchers for every row of idx, or None without a constraint."""
     if constraint is None:
         return None
@@ -296,7 +298,7 @@ def generate_stream(
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
     compile: bool = False,
-    tokenizer=None,
+    tokenizer: Tokenizer | None = None,
     json_schema: dict | str | None = None,
     regex: str | None = None,
     choices: list[str] | None = None,
@@ -384,7 +386,7 @@ def generate(
     observer: Callable[[StepTrace], None] | None = None,
     vocab_size: int | None = None,
     compile: bool = False,
-    tokenizer=None,
+    tokenizer: Tokenizer | None = None,
     json_schema: dict | str | None = None,
     regex: str | None = None,
     choices: list[str] | None = None,

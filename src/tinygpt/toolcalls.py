@@ -96,7 +96,7 @@ def calls_constraint(fmt: CallFormat, tools: list[dict], parallel: bool = True) 
                "required": ["name", fmt.arguments], "additionalProperties": False} for t in tools]
     schema = {"x-guidance": JSON_LAYOUT, **({"anyOf": bodies} if len(bodies) > 1 else bodies[0])}
     call = f"{_literal(fmt.prefix)} body {_literal(fmt.suffix)}".strip()
-    more = f" ({_literal(fmt.separator)} call)*".replace('"" ', "") if parallel and fmt.separator is not None else ""
+    more = f" ({_literal(fmt.separator)} call)*" if parallel and fmt.separator is not None else ""
     return Constraint.lark(f"start: call{more}\ncall: {call}\nbody: %json {json.dumps(schema)}\n")
 
 

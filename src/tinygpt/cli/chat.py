@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 from ..calc.units import plural
@@ -187,7 +188,7 @@ def _read_tools(path: str) -> list[dict]:
     return tools
 
 
-def _answer_calls(session: _Session, read=input) -> None:
+def _answer_calls(session: _Session, read: Callable[[str], str] = input) -> None:
     """Show each call of the last reply and take its result from the user, then let the model go on, until a
     reply calls nothing (or the user gives no result: Ctrl-D)."""
     import json

@@ -483,7 +483,7 @@ class Scheduler:
                 self._fail(s, result)
                 done.append(i)
             elif result is True:
-                self._keep(s, i)
+                _attempt(lambda: self._keep(s, i))  # a copy that fails costs the cache an entry, nothing else
                 done.append(i)
         self._remove(done)
 
