@@ -243,7 +243,7 @@ def test_prepare_chat_streams_the_file_in_memory_that_does_not_grow_with_it(tmp_
     34.5 MB; benchmarks/prepare_memory.py --format chat measures a 30 MB file's peak RSS)."""
     import tracemalloc
 
-    from tinygpt import data
+    from tinygpt.data import chat as data
 
     monkeypatch.setattr(data, "CHAT_BUFFER_TOKENS", 1 << 14, raising=False)  # flat from a small file on
 

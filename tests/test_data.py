@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from conftest import make_text
 from test_tokenizer import reference_encoding, write_gpt2_files
 
-from tinygpt import cli, data
+from tinygpt import cli
 from tinygpt.data import DataSet, get_batch, load_data, prepare, resolve_sources
+from tinygpt.data import sources as data_sources, text as data_text
 from tinygpt.errors import DataError, TinyGPTError
 from tinygpt.tokenizer import load_tokenizer
 
@@ -48,9 +49,9 @@ def make_corpus(root: Path) -> Path:
 @pytest.fixture
 def small_reads(monkeypatch):
     """Tiny read/piece/batch sizes, so chunk seams (mid-character, mid-word) happen everywhere."""
-    monkeypatch.setattr(data, "READ_BYTES", 5)
-    monkeypatch.setattr(data, "PIECE_CHARS", 12)
-    monkeypatch.setattr(data, "ENCODE_CHARS", 30)
+    monkeypatch.setattr(data_text, "READ_BYTES", 5)
+    monkeypatch.setattr(data_text, "PIECE_CHARS", 12)
+    monkeypatch.setattr(data_text, "ENCODE_CHARS", 30)
 
 
 # --- cutting text into pieces ----------------------------------------------------------------------
@@ -74,7 +75,7 @@ def bytelevel_pretokens(text):
 @given(st.text(alphabet=" \n\t\r\u3000ab'sl.é日😀", max_size=300), st.integers(1, 30), st.integers(1, 9))
 def test_pieces_are_cut_only_where_pretokenizers_split(text, size, chunk):
     """Encoding piece by piece must equal encoding the whole text: no pre-token may straddle a cut."""
-    pieces = list(data._pieces([text[i : i + chunk] for i in range(0, len(text), chunk)], size))
+    pieces = list(data_text._pieces([text[i : i + chunk] for i in range(0, len(text), chunk)], size))
     assert "".join(pieces) == text and all(pieces)
     for pretokens in (gpt2_pretokens, bytelevel_pretokens):
         assert [t for p in pieces for t in pretokens(p)] == pretokens(text)
@@ -82,7 +83,7 @@ def test_pieces_are_cut_only_where_pretokenizers_split(text, size, chunk):
 
 def test_pieces_are_about_the_asked_size():
     text = "word " * 1000
-    pieces = list(data._pieces([text], 64))
+    pieces = list(data_text._pieces([text], 64))
     assert len(pieces) > 70 and max(map(len, pieces)) <= 64
 
 
@@ -233,7 +234,7 @@ def test_replacements_are_counted_per_prepare_call(tmp_path):
 
 def test_python_stdlib_corpus_resolution():
     (src,) = resolve_sources(["python-stdlib"])
-    root = data.python_stdlib_root()
+    root = data_sources.python_stdlib_root()
     assert src.path == root and (root / "os.py").is_file()
     paths = [d.path for d in src.documents]
     assert root / "os.py" in paths and root / "json" / "decoder.py" in paths
@@ -248,21 +249,21 @@ def test_python_stdlib_corpus_resolution():
 def test_shakespeare_download_and_cache(tmp_path, monkeypatch):
     (tmp_path / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", (tmp_path / "input.txt").as_uri())
+    monkeypatch.setattr(data_sources, "SHAKESPEARE_URL", (tmp_path / "input.txt").as_uri())
     meta = prepare(["shakespeare"], tmp_path / "data")
     assert meta["sources"][0]["name"] == "shakespeare" and meta["train_chars"] + meta["val_chars"] == 61
     assert (tmp_path / "cache" / "shakespeare.txt").is_file()
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
+    monkeypatch.setattr(data_sources, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")
     prepare(["shakespeare"], tmp_path / "data")  # from the cache: no network needed
 
 
 def test_shakespeare_offline_names_the_local_file_alternative(tmp_path, monkeypatch):
     monkeypatch.setenv("TINYGPT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens there
+    monkeypatch.setattr(data_sources, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens there
     with pytest.raises(DataError, match=r"cannot download tiny-shakespeare .*tinygpt prepare path/to/shakespeare.txt"):
         prepare(["shakespeare"], tmp_path / "data")
     (tmp_path / "page.html").write_text("<html>captive portal</html>")
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", (tmp_path / "page.html").as_uri())
+    monkeypatch.setattr(data_sources, "SHAKESPEARE_URL", (tmp_path / "page.html").as_uri())
     with pytest.raises(DataError, match="is not tiny-shakespeare"):
         prepare(["shakespeare"], tmp_path / "data")
 

@@ -15,24 +15,23 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tinygpt import data
 from tinygpt.checkpoint import load, load_training
 from tinygpt.config import GPTConfig, TrainConfig
-from tinygpt.data import get_batch, load_data, prepare
+from tinygpt.data import datasets, get_batch, load_data, prepare
+from tinygpt.data.shards import OPEN_SHARDS, ShardedTokens
 from tinygpt.errors import DataError, TrainingError
 from tinygpt.fileio import hash_file
-from tinygpt.shards import OPEN_SHARDS, ShardedTokens
 from tinygpt.train import Stream, TrainCallback, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing é 日本 songs".split()
 SHARD = 1_000  # tokens per shard: several shards of each split from a small dataset
-FLOOR = data.MIN_SHARD_TOKENS  # prepare's smallest shard, lowered for this file's small shards
+FLOOR = datasets.MIN_SHARD_TOKENS  # prepare's smallest shard, lowered for this file's small shards
 
 
 @pytest.fixture(scope="module", autouse=True)
 def small_shards():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(data, "MIN_SHARD_TOKENS", 1)
+        patch.setattr(datasets, "MIN_SHARD_TOKENS", 1)
         yield
 
 
@@ -145,9 +144,10 @@ def test_max_tokens_takes_a_prefix(dataset, sharded):
 
 KILLED = """
 import os, signal, sys
-from tinygpt import data, shards
+from tinygpt import data
+from tinygpt.data import datasets, shards
 
-data.MIN_SHARD_TOKENS = 1
+datasets.MIN_SHARD_TOKENS = 1
 finish = shards.ShardWriter._finish
 def killed_at_third_shard(self, split):
     if split == "train" and self.open[split].index == 2:
@@ -179,10 +179,9 @@ def test_long_documents_are_encoded_a_few_at_a_time(dataset, sharded, tmp_path, 
     """A source's batch of rows is cut to about ENCODE_CHARS characters before it is encoded (a
     batch of 1,024 long documents held gigabytes of encodings in each worker); the shards are the same
     bytes, and a prepare killed between two cuts of one batch resumes to them."""
-    from tinygpt import data
     from tinygpt.tokenizer import BPETokenizer
 
-    monkeypatch.setattr(data, "ENCODE_CHARS", 300)
+    monkeypatch.setattr(datasets, "ENCODE_CHARS", 300)
     sizes = []
     encode_each = BPETokenizer.encode_each
 
@@ -197,7 +196,8 @@ def test_long_documents_are_encoded_a_few_at_a_time(dataset, sharded, tmp_path, 
     assert all(n == 1 or chars <= 300 for n, chars in sizes) and len(sizes) > 100  # 500 documents of 3-60 words
 
     killed = tmp_path / "killed"
-    run = subprocess.run([sys.executable, "-c", KILLED.replace("finish = ", "data.ENCODE_CHARS = 300\nfinish = ", 1),
+    run = subprocess.run([sys.executable, "-c",
+                          KILLED.replace("finish = ", "datasets.ENCODE_CHARS = 300\nfinish = ", 1),
                           str(dataset["parquet"]), str(killed), str(dataset["tok"]), str(SHARD)],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == -9, run.stderr
@@ -234,7 +234,7 @@ def test_bad_datasets_are_one_line_errors(dataset, tmp_path, monkeypatch):
     text.write_text("plain text\n")
     refused(text, "--shard-tokens applies to datasets", shard_tokens=10)
     refused(text, "--errors skip applies to datasets .* is text", errors="skip")
-    monkeypatch.setattr(data, "MIN_SHARD_TOKENS", FLOOR)  # 10 tokens a shard set out to write ~44,000 files
+    monkeypatch.setattr(datasets, "MIN_SHARD_TOKENS", FLOOR)  # 10 tokens a shard set out to write ~44,000 files
     assert FLOOR >= 1 << 16
     for doc in ("tutorials/train.md", "reference/formats.md"):
         assert f"at least {FLOOR:,}" in (Path(__file__).parents[1] / "docs" / doc).read_text(), doc
@@ -327,7 +327,7 @@ def test_cli_prepares_shards_and_refuses_in_one_line(dataset, tmp_path, cli, mon
     assert "shards" in r.stdout and (out / "train_00000.bin").stat().st_size == 4000 * 2
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--text-column", "body", "--out", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "its columns: text, id" in r.stderr
-    monkeypatch.setattr(data, "MIN_SHARD_TOKENS", FLOOR)
+    monkeypatch.setattr(datasets, "MIN_SHARD_TOKENS", FLOOR)
     r = cli("prepare", dataset["parquet"], "--tokenizer-file", dataset["tok"], "--shard-tokens", "10", "--out", out)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"below the floor of {FLOOR:,} tokens" in r.stderr
     assert load_data(out).meta["shard_tokens"] == 4000  # the folder that was there is untouched
@@ -366,7 +366,7 @@ def test_other_formats_give_the_same_rows_from_any_row_on(dataset, tmp_path):
     import csv
     import gzip
 
-    from tinygpt.datasources import dataset_source
+    from tinygpt.data.datasources import dataset_source
 
     docs = dataset["docs"][:60] + ['a "quoted"\nline, broken']
     with open(tmp_path / "docs.csv", "w", newline="") as f:
@@ -518,7 +518,7 @@ def test_each_shard_is_hashed_once_as_training_first_reads_it_and_again_on_resum
     read (not those its evaluations' random windows touch), once, and a resume, a new opening, again."""
     import shutil
 
-    from tinygpt import shards
+    from tinygpt.data import shards
 
     hashed: list[str] = []
 
@@ -603,7 +603,7 @@ def expected_bins(lengths: list[int]) -> dict[int, int]:
 def test_inspect_data_counts_documents_and_their_lengths(dataset, sharded, one_file, monkeypatch):
     """Every document's length is its own encoding's, in shards as in one file, however the files are
     chunked while they are read (7 ids at a time: documents and separators cut across chunks)."""
-    from tinygpt import data
+    from tinygpt.data import inspect as data
 
     tok = load_data(sharded[0]).tokenizer
     lengths = [len(tok.encode(d)) for d in dataset["docs"]]

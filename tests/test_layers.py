@@ -25,8 +25,8 @@ LAYERS = (
      ("fileio", "device", "tokenizer.*", "kv_cache", "prompt_cache", "sampling", "constrain", "toolcalls", "kernels")),
     ("model", "the GPT and its weight files", ("model", "weights")),
     ("workflows", "generation, data, training and fine-tuning, time-budget sizing, run folders, interchange",
-     ("generate", "data", "datasources", "shards", "optim", "throughput", "sizing", "train", "distributed", "checkpoint", "lora",
-      "finetune", "fastpath", "interop.*")),
+     ("generate", "data.*", "optim", "throughput", "sizing", "train", "distributed", "checkpoint", "lora", "finetune",
+      "fastpath", "interop.*")),
     ("the lab", "experiments built on the workflows: the lesson's tools, probes, sweeps, benchmarks", ("lab.*",)),
     ("front ends", "the HTTP server and the command line", ("server.*", "cli.*", "__main__")),
 )

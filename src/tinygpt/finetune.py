@@ -45,7 +45,7 @@ from . import checkpoint, distributed
 from .config.finetune import FinetuneConfig
 from .config.model import GPTConfig
 from .config.train import TrainConfig
-from .data import DataSet, load_data
+from .data.folder import DataSet, load_data
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .fileio import read_json, write_json

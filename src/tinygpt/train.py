@@ -32,8 +32,9 @@ import torch
 from . import checkpoint, distributed, kernels
 from .config.model import GPTConfig
 from .config.train import DATA_ORDERS, DEFAULT_LR, OPTIMIZERS, TrainConfig
-from .data import DataSet, check_same_tokenizer, get_batch, get_chat_batch, load_data, pack_conversations
-from .shards import ShardedTokens
+from .data.batches import get_batch, get_chat_batch, pack_conversations
+from .data.folder import DataSet, check_same_tokenizer, load_data
+from .data.shards import ShardedTokens
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
     CheckpointError,

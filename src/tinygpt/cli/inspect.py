@@ -160,7 +160,7 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     """
     import json
 
-    from ..data import inspect_data, length_label
+    from ..data.inspect import inspect_data, length_label
 
     if args.out:
         from ..lab.viz import check_picture

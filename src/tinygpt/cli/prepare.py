@@ -32,7 +32,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """
     import time
 
-    from ..data import prepare
+    from ..data.text import prepare
 
     if args.format == "chat":
         return _prepare_chat(args)
@@ -102,7 +102,7 @@ def _print_dataset_counts(meta: dict, skipped: int) -> None:
 
 def _prepare_chat(args: argparse.Namespace) -> int:
     """`prepare FILE.jsonl --format chat`: conversations into token files and loss masks."""
-    from ..data import prepare_chat
+    from ..data.chat import prepare_chat
 
     if len(args.sources) != 1:
         raise ConfigError("--format chat reads one JSONL file of conversations")

@@ -244,7 +244,7 @@ def _eval_data(run: str, data: str | None, tokenizer):
     """--data, or the data folder the run was trained on, checked against the run's tokenizer."""
     from pathlib import Path
 
-    from ..data import load_data
+    from ..data.folder import load_data
     from ..train import TRAIN_CONFIG, check_data_for_run, read_train_config
 
     if data is None and (Path(run) / TRAIN_CONFIG).exists():  # a Hugging Face folder has none

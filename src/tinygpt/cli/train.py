@@ -179,7 +179,7 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
 
     from ..config.fields import from_mapping
     from ..config.model import GPTConfig, with_arch
-    from ..data import load_data
+    from ..data.folder import load_data
     from ..sizing import SIZE_FIELDS, ModelChoice, choose_model
     from ..train import check_has_val
 

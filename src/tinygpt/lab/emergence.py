@@ -25,7 +25,7 @@ import numpy as np
 
 from ..config.model import GPTConfig
 from ..config.train import TrainConfig
-from ..data import prepare
+from ..data.text import prepare
 from ..errors import ConfigError
 from ..fileio import check_new_folder, write_json
 from ..tokenizer.char import CharTokenizer

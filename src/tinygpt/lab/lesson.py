@@ -140,7 +140,7 @@ def train_tiny(text: str, *, causal: bool = True, steps: int = 300, seed: int = 
     """
     import numpy as np
 
-    from ..data import get_batch
+    from ..data.batches import get_batch
     from ..tokenizer.char import CharTokenizer
 
     tokenizer = CharTokenizer.from_text(text)
@@ -171,7 +171,7 @@ def last_position_loss(run: TinyRun, text: str, windows: int = 64, seed: int = 0
     """
     import numpy as np
 
-    from ..data import get_batch
+    from ..data.batches import get_batch
 
     tokens = np.asarray(run.tokenizer.encode(text), dtype=np.int64)
     block = run.model.config.block_size

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data import get_batch, load_data
+from ..data.batches import get_batch
+from ..data.folder import load_data
 from ..errors import ConfigError, TrainingError
 from ..train import RunStart, TrainCallback, TrainResult
 

@@ -32,7 +32,7 @@ from ..calc import count_params, format_count
 from ..config.fields import from_mapping
 from ..config.model import GPTConfig, with_arch
 from ..config.train import RECIPE_MODEL, RECIPE_TRAIN, TrainConfig
-from ..data import load_data
+from ..data.folder import load_data
 from ..errors import ConfigError
 from ..train import TrainCallback, train
 

@@ -46,7 +46,7 @@ from ..calc import (
 from ..config.fields import MAX_THREADS
 from ..config.model import GPTConfig
 from ..config.train import TrainConfig
-from ..data import load_data
+from ..data.folder import load_data
 from ..errors import ConfigError, NonFiniteError, SweepError
 from ..fileio import atomic_write, read_json, write_json
 from ..train import has_checkpoint, train

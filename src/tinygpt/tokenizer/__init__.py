@@ -13,7 +13,7 @@ Four kinds share one small protocol (`Tokenizer`, in `base` with what they have 
 
 Every tokenizer has a fingerprint (`tokenizer.fingerprint()`): a SHA-256 of what it does, the same
 however it was built or saved. Data folders and runs carry it, so data prepared with another
-tokenizer is refused rather than trained on (`tinygpt.data.check_same_tokenizer`).
+tokenizer is refused rather than trained on (`tinygpt.data.folder.check_same_tokenizer`).
 
 Encoding treats all text as text: the literal string "<|endoftext|>" is never turned into the
 separator token (tiktoken's `encode_ordinary`). Documents are separated by the data pipeline,

@@ -123,7 +123,7 @@ class TokenizerBase:
     def encode_each(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text's ids as its own uint32 array, computed in the calling thread alone (no thread
         pool of the tokenizer's own; for BPE, with TOKENIZERS_PARALLELISM=false, as
-        tinygpt.shards.Encoder sets it): prepare's workers each run one such call at a time, in parallel,
+        tinygpt.data.datasets.Encoder sets it): prepare's workers each run one such call at a time, in parallel,
         since every kind's encoder releases the GIL while it works."""
         return [np.asarray(ids, dtype=np.uint32) for ids in self.encode_batch(texts)]
 

@@ -23,7 +23,7 @@ from .plans import CHAR_VOCAB, Plan, bench_config, train_dtypes
 
 def _char_data(root: Path, vocab: int) -> Path:
     """A prepared character data folder over `vocab` symbols (random text: only speed is measured)."""
-    from ...data import prepare
+    from ...data.text import prepare
 
     g = torch.Generator().manual_seed(0)
     alphabet = [chr(33 + i) for i in range(vocab)]

@@ -76,7 +76,7 @@ def plot_lengths(bins: Sequence[dict[str, int]], out: str | os.PathLike, *, what
     ax = fig.subplots()
     from matplotlib.ticker import MaxNLocator
 
-    from ...data import length_label
+    from ...data.inspect import length_label
 
     labels = [length_label(b["low"], b["high"]) for b in bins]
     ax.bar(range(len(bins)), [b["documents"] for b in bins], color="C0")

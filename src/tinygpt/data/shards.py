@@ -7,10 +7,6 @@ each full shard is reported (on_shard) so that prepare can record how far it got
 few encode batches whatever the data's size. `state()` and `ShardWriter(resume=...)` carry a
 writer across an interruption: the shards done, and how much of each split's open shard was synced.
 
-Encoding (Encoder): batches of texts are encoded on N worker threads, in order. Every tokenizer
-kind releases the GIL while it encodes (tokenizers' Rust BPE with its own thread pool turned off,
-tiktoken, numpy's lookup), so N threads use N cores, and the ids are those of one thread.
-
 Reading (ShardedTokens): a split's shards seen as one array: len, slices and windows that cross
 shard boundaries, so training on shards samples exactly the batches the same tokens in one file give.
 `check_windows` holds the shards some windows read to the sha256 prepare recorded, once each.
@@ -23,89 +19,23 @@ import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from .errors import DataError
-from .fileio import fsync_dir, hash_file
-from .tokenizer.base import Tokenizer
+from ..errors import DataError
+from ..fileio import fsync_dir, hash_file
 
 SPLITS = ("train", "val")
 PART = ".part"
 OPEN_SHARDS = 4  # shards a reader keeps mapped: a window crosses at most two
 SHARD_FILE = re.compile(r"(train|val)_(\d{5,})\.bin")
 
-T = TypeVar("T")
-
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}_{index:05d}.bin"
-
-
-def default_workers() -> int:
-    """The cores this process may run on (its CPU affinity, which a container's limit narrows)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Encoding on worker threads
-
-
-class Encoder:
-    """Encodes batches of texts with `tokenizer` on `workers` threads; `map` yields each batch's
-    arrays in the order the batches came, holding at most two batches per worker in flight.
-
-    Use it as a context manager: while open, Hugging Face tokenizers run without their own thread
-    pool (TOKENIZERS_PARALLELISM=false), so that N workers are N threads, not N pools.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, workers: int) -> None:
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise DataError(f"workers must be an integer >= 1, got {workers!r}")
-        self.tokenizer, self.workers = tokenizer, workers
-        self._pool: ThreadPoolExecutor | None = None
-        self._saved_env: str | None = None
-
-    def __enter__(self) -> Encoder:
-        self._saved_env = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="tinygpt-encode")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        assert self._pool is not None
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._saved_env is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = self._saved_env
-
-    def map(self, batches: Iterable[T], texts_of: Callable[[T], list[str]]) -> Iterator[tuple[T, list[np.ndarray]]]:
-        """(batch, the arrays of texts_of(batch)) for each batch, in order."""
-        assert self._pool is not None, "use the Encoder as a context manager"
-        pending: collections.deque[tuple[T, Future]] = collections.deque()
-        source = iter(batches)
-        try:
-            while True:
-                while len(pending) < 2 * self.workers:
-                    batch = next(source, None)
-                    if batch is None:
-                        break
-                    pending.append((batch, self._pool.submit(self.tokenizer.encode_each, texts_of(batch))))
-                if not pending:
-                    return
-                batch, future = pending.popleft()
-                yield batch, future.result()
-        finally:
-            for _, future in pending:  # a consumer that stopped early (--max-tokens reached)
-                future.cancel()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,4 +299,3 @@ class ShardedTokens:
         for b, o in enumerate(np.asarray(offsets, dtype=np.int64).tolist()):
             rows[b] = self._read(o, o + width)
         return rows
-

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 from urllib.parse import urlparse
 
-from .errors import DataError, MissingDependencyError
-from .fileio import printable_path
+from ..errors import DataError, MissingDependencyError
+from ..fileio import printable_path
+from .sources import walk_files
 
 HUB_PREFIX = "hf:"
 # suffix -> the reader (a `datasets` builder name, or parquet through pyarrow)
@@ -73,6 +74,20 @@ def is_dataset_folder(files: list[Path]) -> bool:
 
 def is_hub_name(source: str) -> bool:
     return str(source).startswith(HUB_PREFIX)
+
+
+def is_dataset(source: str) -> bool:
+    """Whether a SOURCE is a dataset: hf:NAME, a parquet / JSONL / CSV file, or a folder of them.
+
+    Args:
+        source: a SOURCE as given to prepare.
+    """
+    if is_hub_name(source):
+        return True
+    path = Path(source).expanduser()
+    if path.is_file():
+        return data_kind(path) is not None
+    return path.is_dir() and is_dataset_folder(walk_files(path.resolve(), []))
 
 
 @dataclass(frozen=True)
