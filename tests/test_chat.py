@@ -310,7 +310,8 @@ def test_packed_rows_hold_whole_conversations_and_never_learn_across_them(chat_d
 
 def test_masked_positions_add_nothing_to_the_loss_or_its_gradient(chat_data):
     from tinygpt.data import load_data
-    from tinygpt.train import Batches, batch_loss
+    from tinygpt.data.batches import Batches
+    from tinygpt.train import batch_loss
 
     ds = load_data(chat_data)
     batches = Batches.of(ds, "train", 32)

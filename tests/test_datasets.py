@@ -18,10 +18,11 @@ import torch
 from tinygpt.checkpoint import load, load_training
 from tinygpt.config import GPTConfig, TrainConfig
 from tinygpt.data import datasets, get_batch, load_data, prepare
+from tinygpt.data.batches import Stream
 from tinygpt.data.shards import OPEN_SHARDS, ShardedTokens
 from tinygpt.errors import DataError, TrainingError
 from tinygpt.fileio import hash_file
-from tinygpt.train import Stream, TrainCallback, train
+from tinygpt.train import TrainCallback, train
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing é 日本 songs".split()
 SHARD = 1_000  # tokens per shard: several shards of each split from a small dataset

@@ -34,15 +34,16 @@ def test_token_65536_round_trips_through_prepare_batches_training_and_sampling(t
     assert x[0, 1].item() == TOP and y[0, 0].item() == TOP and x.dtype == torch.int64
 
     train_module = importlib.import_module("tinygpt.train")
+    batches_module = importlib.import_module("tinygpt.data.batches")
     seen = []
-    real_get_batch = train_module.get_batch
+    real_get_batch = batches_module.get_batch
 
     def recording_get_batch(tokens, offsets, block):
         xb, yb = real_get_batch(tokens, offsets, block)
         seen.append(int(xb.max()))
         return xb, yb
 
-    monkeypatch.setattr(train_module, "get_batch", recording_get_batch)
+    monkeypatch.setattr(batches_module, "get_batch", recording_get_batch)
     model = GPTConfig(vocab_size=TOP + 1, block_size=8, n_layer=1, n_head=1, n_embd=8)
     cfg = TrainConfig(batch_size=2, max_iters=1, eval_interval=1, eval_iters=1, device="cpu", dtype="float32")
     result = train_module.train(tmp_path / "data", tmp_path / "run", model, cfg, progress=False)
