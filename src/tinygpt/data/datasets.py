@@ -137,6 +137,15 @@ class DatasetArgs:
         if self.resume and self.shard_tokens is None:
             raise DataError("--resume continues from the last complete shard: give --shard-tokens")
 
+    def refuse_for_text(self, names: list[str]) -> None:
+        """Refuse any of these settings given for text SOURCEs `names`: they apply to datasets alone."""
+        for flag, value in (("--max-tokens", self.max_tokens), ("--shard-tokens", self.shard_tokens),
+                            ("--workers", self.workers), ("--resume", self.resume or None),
+                            ("--errors skip", self.errors if self.errors == "skip" else None)):
+            if value is not None:
+                raise DataError(f"{flag} applies to datasets (hf:NAME, parquet, JSONL or CSV files); "
+                                f"{names[0]} is text")
+
 
 def _dataset_sources(names: list[str], out: Path, column: str, errors: str) -> list[DatasetSource]:
     srcs = []

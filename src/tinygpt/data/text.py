@@ -251,17 +251,27 @@ def prepare(
     check_out_dir(out)
     check_tokenizer_args(tokenizer, vocab_size, tokenizer_file)
     names = [str(sources)] if isinstance(sources, (str, os.PathLike)) else [str(s) for s in sources]
+    dataset = DatasetArgs(text_column, max_tokens, shard_tokens, workers, resume, errors)
+    if _are_datasets(names):
+        return prepare_dataset(names, out, tokenizer, vocab_size, val_fraction, tokenizer_file, progress, dataset)
+    dataset.refuse_for_text(names)
+    return _prepare_text(names, out, tokenizer, vocab_size, val_fraction, errors, tokenizer_file, progress)
+
+
+def _are_datasets(names: list[str]) -> bool:
+    """Whether the SOURCEs are datasets, all of them, or text, all of them: the two are prepared apart."""
     datasets = [is_dataset(n) for n in names]
-    if any(datasets):
-        if not all(datasets):
-            text = names[datasets.index(False)]
-            raise DataError(f"{text} is text and {names[datasets.index(True)]} a dataset: prepare them apart")
-        return prepare_dataset(names, out, tokenizer, vocab_size, val_fraction, tokenizer_file, progress,
-                               DatasetArgs(text_column, max_tokens, shard_tokens, workers, resume, errors))
-    for flag, value in (("--max-tokens", max_tokens), ("--shard-tokens", shard_tokens), ("--workers", workers),
-                        ("--resume", resume or None), ("--errors skip", errors if errors == "skip" else None)):
-        if value is not None:
-            raise DataError(f"{flag} applies to datasets (hf:NAME, parquet, JSONL or CSV files); {names[0]} is text")
+    if any(datasets) and not all(datasets):
+        raise DataError(f"{names[datasets.index(False)]} is text and {names[datasets.index(True)]} a dataset: "
+                        "prepare them apart")
+    return any(datasets)
+
+
+def _prepare_text(names: list[str], out: Path, tokenizer: str | Tokenizer | None, vocab_size: int | None,
+                  val_fraction: float, errors: str, tokenizer_file: str | os.PathLike | None,
+                  progress: ProgressFn | None) -> dict[str, Any]:
+    """prepare() for text: the sources resolved, read twice (the vocabulary and the split, then the ids),
+    the folder published. Returns the meta.json contents."""
     srcs = resolve_sources(names, exclude=[out])
     tok_or_kind = make_tokenizer(tokenizer, tokenizer_file)
     reader = _Reader([d for s in srcs for d in s.documents], errors, progress)
