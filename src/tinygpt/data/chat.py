@@ -24,7 +24,7 @@ from ..tokenizer.bpe import DEFAULT_BPE_VOCAB, BPETokenizer
 from ..tokenizer.char import CharTokenizer
 from ..tokenizer.chat import check_messages, render_chat, with_chat_template
 from ..tokenizer.chat_template import ChatTemplate
-from .folder import FORMAT, VERSION, check_out_dir, publish, token_dtype
+from .folder import check_out_dir, folder_meta, publish, token_dtype
 from .settings import SHOW_BAD_LINES, check_prepare_args, check_tokenizer_args, make_tokenizer, split_point
 
 CHAT_ERRORS = ("strict", "skip")
@@ -185,9 +185,7 @@ def prepare_chat(
             raise DataError(f"{src}: no conversation the tokenizer can encode: {' | '.join(_bad_lines(unencodable))}")
         skipped = sorted(malformed + unencodable)
         meta = {
-            "format": FORMAT, "version": VERSION, "content": "chat",
-            "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
-            "dtype": token_dtype(tok.vocab_size).name, **counts,
+            **folder_meta(tok, counts, "chat"),
             "conversations": counts["train_conversations"] + counts["val_conversations"],
             "trained_tokens": counts["train_trained_tokens"] + counts["val_trained_tokens"],
             "val_fraction": val_fraction, "eot_id": tok.eot_id, "chat_template": tok.chat_template.to_dict(),

@@ -32,10 +32,9 @@ from ..errors import DataError, TokenizerError
 from ..fileio import read_json, write_json
 from ..tokenizer.base import Tokenizer, load_tokenizer
 from ..tokenizer.bpe import DEFAULT_BPE_VOCAB, BPETokenizer
-from ..tokenizer.char import CharTokenizer
 from .datasources import DatasetSource, data_kind, dataset_source, is_hub_name
-from .folder import FORMAT, VERSION, check_out_dir, publish, token_dtype
-from .settings import ENCODE_CHARS, SHOW_BAD_LINES, ProgressFn, check_separator, make_tokenizer
+from .folder import check_out_dir, folder_meta, publish, token_dtype
+from .settings import ENCODE_CHARS, SHOW_BAD_LINES, Alphabet, ProgressFn, check_separator, make_tokenizer
 from .shards import ShardWriter
 from .sources import walk_files
 
@@ -175,10 +174,10 @@ def _dataset_tokenizer(srcs: list[DatasetSource], tok_or_kind: Tokenizer | str, 
     if tok_or_kind == "bpe":
         return BPETokenizer.train(_dataset_texts(srcs), bpe_vocab, show_progress=progress is not None)
     if tok_or_kind == "char":
-        seen = np.zeros(0x110000, dtype=bool)
+        alphabet = Alphabet()
         for text in _dataset_texts(srcs):
-            seen[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)] = True
-        return CharTokenizer(map(chr, np.flatnonzero(seen).tolist()))
+            alphabet.add(text)
+        return alphabet.tokenizer()
     return tok_or_kind
 
 
@@ -228,11 +227,8 @@ def prepare_dataset(names: list[str], out: Path, tokenizer: str | Tokenizer | No
         if not (work / STATE_FILE).is_file():  # no shard to resume from: nothing worth keeping
             shutil.rmtree(work, ignore_errors=True)
         raise
-    meta = {
-        "format": FORMAT, "version": VERSION, "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(),
-        "vocab_size": tok.vocab_size, "dtype": token_dtype(tok.vocab_size).name, **counts,
-        "val_fraction": val_fraction, "eot_id": tok.eot_id, "sources": [s.to_meta() for s in srcs],
-    }
+    meta = {**folder_meta(tok, counts), "val_fraction": val_fraction, "eot_id": tok.eot_id,
+            "sources": [s.to_meta() for s in srcs]}
     if tokenizer == "bpe" and tokenizer_file is None:
         meta["requested_vocab_size"] = vocab_size or DEFAULT_BPE_VOCAB
     (work / STATE_FILE).unlink(missing_ok=True)

@@ -51,6 +51,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
+def folder_meta(tok: Tokenizer, counts: dict[str, Any], content: str | None = None) -> dict[str, Any]:
+    """What every data folder's meta.json begins with: its format, the tokenizer (kind, fingerprint,
+    vocabulary, the files' dtype), then `counts`; `content` ("chat") says what else it holds.
+
+    Args:
+        tok: the tokenizer the folder was written with.
+        counts: the splits' tokens, characters, bytes (and documents or conversations).
+        content: "chat" for conversations with a loss mask; None for running text.
+    """
+    return {"format": FORMAT, "version": VERSION, **({"content": content} if content else {}),
+            "tokenizer": tok.kind, "tokenizer_fingerprint": tok.fingerprint(), "vocab_size": tok.vocab_size,
+            "dtype": token_dtype(tok.vocab_size).name, **counts}
+
+
 def check_out_dir(out: Path) -> None:
     """Refuse to write over anything but an empty folder or a tinygpt data folder; refuse a file, or a
     path below one.

@@ -11,9 +11,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import DataError, TokenizerError
 from ..tokenizer.base import EOT, KINDS, Tokenizer, load_tokenizer
 from ..tokenizer.bpe import check_bpe_vocab_size
+from ..tokenizer.char import CharTokenizer
 from ..tokenizer.gpt2 import GPT2Tokenizer
 
 MAX_VAL_FRACTION = 0.5
@@ -129,6 +132,25 @@ def check_separator(tok: Tokenizer | str, tokenizer_file: str | os.PathLike | No
     where = f"{tokenizer_file}: the" if tokenizer_file is not None else "the"
     raise DataError(f"{where} {tok.kind} tokenizer has no {EOT} token to separate the {documents:,} files; add it "
                     "to its vocabulary (as the last id, as GPT-2's vocab.json has it) or prepare one file")
+
+
+class Alphabet:
+    """The characters a corpus holds, a flag per code point, noted as its text goes by: what a char
+    vocabulary is learned from, or a reused one checked against."""
+
+    def __init__(self) -> None:
+        self.seen = np.zeros(0x110000, dtype=bool)
+
+    def add(self, text: str) -> None:
+        self.seen[np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)] = True
+
+    def tokenizer(self) -> CharTokenizer:
+        """A char vocabulary of these characters, in code point order."""
+        return CharTokenizer(map(chr, np.flatnonzero(self.seen).tolist()))
+
+    def missing(self, tok: CharTokenizer) -> list[str]:
+        """These characters `tok` has no id for, in code point order."""
+        return [chr(c) for c in np.flatnonzero(self.seen & (tok.table < 0)).tolist()]
 
 
 def _hf_folder_tokenizer(path: Path) -> Tokenizer | None:

@@ -41,9 +41,9 @@ from ..tokenizer.bpe import DEFAULT_BPE_VOCAB, BPETokenizer
 from ..tokenizer.char import CharTokenizer
 from .datasets import DatasetArgs, prepare_dataset
 from .datasources import is_dataset
-from .folder import FORMAT, VERSION, check_out_dir, publish, token_dtype
-from .settings import (ENCODE_CHARS, ProgressFn, check_prepare_args, check_separator, check_tokenizer_args,
-                       make_tokenizer, split_point)
+from .folder import check_out_dir, folder_meta, publish, token_dtype
+from .settings import (ENCODE_CHARS, Alphabet, ProgressFn, check_prepare_args, check_separator,
+                       check_tokenizer_args, make_tokenizer, split_point)
 from .sources import Document, Source, resolve_sources
 
 READ_BYTES = 1 << 20  # bytes per read from a file
@@ -283,21 +283,9 @@ def _prepare_text(names: list[str], out: Path, tokenizer: str | Tokenizer | None
     tmp = temp_folder(out)  # renamed into place once complete
     try:
         counts = _second_pass(reader, tok, split_at, tmp)
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "tokenizer": tok.kind,
-            "tokenizer_fingerprint": tok.fingerprint(),
-            "vocab_size": tok.vocab_size,
-            "dtype": token_dtype(tok.vocab_size).name,
-            **counts,
-            "val_fraction": val_fraction,
-            "documents": len(reader.docs),
-            "eot_id": tok.eot_id,
-            "sources": [s.to_meta() for s in srcs],
-            "errors": errors,
-            "replacements": replacements,
-        }
+        meta = {**folder_meta(tok, counts), "val_fraction": val_fraction, "documents": len(reader.docs),
+                "eot_id": tok.eot_id, "sources": [s.to_meta() for s in srcs], "errors": errors,
+                "replacements": replacements}
         if tok_or_kind == "bpe":
             meta["requested_vocab_size"] = bpe_vocab
         publish(tmp, out, tok, meta, tokenizer_file)
@@ -337,11 +325,11 @@ class _Reader:
 @dataclass
 class _Scan:
     """What the first pass finds in each source, and the corpus alphabet when a char vocabulary
-    is learned or checked (a flag per code point)."""
+    is learned or checked."""
 
     chars: list[int]
     has_text: list[bool]  # a character that is not whitespace
-    seen: np.ndarray | None
+    alphabet: Alphabet | None
 
 
 def _scanned(srcs: list[Source], reader: _Reader, phase: str, scan: _Scan) -> Iterator[str]:
@@ -351,8 +339,8 @@ def _scanned(srcs: list[Source], reader: _Reader, phase: str, scan: _Scan) -> It
         for doc in src.documents:
             for piece in reader.pieces(doc, phase, done):
                 scan.chars[i] += len(piece)
-                if scan.seen is not None:
-                    scan.seen[np.frombuffer(piece.encode("utf-32-le"), dtype=np.uint32)] = True
+                if scan.alphabet is not None:
+                    scan.alphabet.add(piece)
                 if not scan.has_text[i] and not piece.isspace():
                     scan.has_text[i] = True
                 yield piece
@@ -364,7 +352,7 @@ def _first_pass(
     """Pass 1: count characters (for the split), check there is text, and learn the vocabulary (char,
     or BPE trained on the pieces as they stream by) or check a reused char vocabulary against it."""
     checks_alphabet = tok_or_kind == "char" or isinstance(tok_or_kind, CharTokenizer)
-    scan = _Scan([0] * len(srcs), [False] * len(srcs), np.zeros(0x110000, dtype=bool) if checks_alphabet else None)
+    scan = _Scan([0] * len(srcs), [False] * len(srcs), Alphabet() if checks_alphabet else None)
     pieces = _scanned(srcs, reader, "train bpe" if tok_or_kind == "bpe" else "read", scan)
     if tok_or_kind == "bpe":
         tok = BPETokenizer.train(pieces, bpe_vocab, show_progress=reader.progress is not None)
@@ -377,11 +365,11 @@ def _first_pass(
                 f"source {src.name} is empty" if scan.chars[i] == 0 else f"source {src.name} holds only whitespace"
             )
     if tok_or_kind == "char":
-        tok = CharTokenizer(map(chr, np.flatnonzero(scan.seen).tolist()))
+        tok = scan.alphabet.tokenizer()
     elif tok_or_kind != "bpe":
         tok = tok_or_kind
-    if isinstance(tok, CharTokenizer) and scan.seen is not None and (tok.table[scan.seen] < 0).any():
-        missing = [chr(c) for c in np.flatnonzero(scan.seen & (tok.table < 0)).tolist()]
+    missing = scan.alphabet.missing(tok) if isinstance(tok, CharTokenizer) and scan.alphabet is not None else []
+    if missing:
         shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
