@@ -203,11 +203,13 @@ def check_same_tokenizer(
         return
 
     def label(tok: Tokenizer | None, fp: str) -> str:
-        return short_fingerprint(fp) if tok is None else f"{tok.kind}, {tok.vocab_size:,} tokens, {short_fingerprint(fp)}"
+        short = short_fingerprint(fp)
+        return short if tok is None else f"{tok.kind}, {tok.vocab_size:,} tokens, {short}"
 
     raise DataError(
-        f"{dataset.path} was prepared with another tokenizer than {owner}'s ({label(dataset.tokenizer, dataset.fingerprint)}"
-        f" against {label(tokenizer, theirs)}): its ids would mean other text; "
+        f"{dataset.path} was prepared with another tokenizer than {owner}'s "
+        f"({label(dataset.tokenizer, dataset.fingerprint)} against {label(tokenizer, theirs)}): its ids would mean "
+        "other text; "
         + (remedy or f"prepare the text again with --tokenizer-file {owner}")
     )
 

@@ -165,7 +165,8 @@ def _hf_folder_tokenizer(path: Path) -> Tokenizer | None:
         return None
     tok = load_hf_tokenizer(path)
     if tok is None:
-        raise DataError(f"{path}: a Hugging Face folder without a tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+        raise DataError(f"{path}: a Hugging Face folder without a tokenizer (tokenizer.json, or vocab.json + "
+                        "merges.txt)")
     return tok
 
 
