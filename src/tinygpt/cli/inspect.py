@@ -13,7 +13,6 @@ from .common import (NATURAL, POSITIVE, RATE, Number, add_device_flag, json_line
                      utf8_flag)
 
 HISTOGRAM_WIDTH = 40  # characters of the longest bar of `inspect data`'s histogram
-SHARD_ROWS = 6  # `inspect data` prints a split of more shards as its first and last three, the rest on one row
 
 
 def cmd_lesson(args: argparse.Namespace) -> int:
@@ -160,7 +159,7 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     """
     import json
 
-    from ..data.inspect import inspect_data, length_label
+    from ..data.inspect import file_rows, inspect_data, length_label
 
     if args.out:
         from ..lab.viz import check_picture
@@ -178,21 +177,11 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
            else "no separator between documents: their lengths are unknown")
     print(f"{info['path']}: {'chat' if chat else 'text'}, {info['tokenizer']} tokenizer (vocab "
           f"{info['vocab_size']:,}, {info['dtype']}); {eot}")
+
     def count(n: int | None) -> str:
         return "-" if n is None else f"{n:,}"
 
-    rows = []
-    for split, s in info["splits"].items():
-        files, cut = s["files"], SHARD_ROWS // 2
-        if len(files) > SHARD_ROWS:
-            middle = files[cut:-cut]
-            docs = None if middle[0]["documents"] is None else sum(f["documents"] for f in middle)
-            files = [*files[:cut], {"file": f"... {len(middle):,} more", "tokens": sum(f["tokens"] for f in middle),
-                                    "documents": docs}, *files[-cut:]]
-        rows += [(split, f["file"], f["tokens"], f["documents"]) for f in files]
-        if len(s["files"]) > 1:
-            rows.append((split, plural(len(s["files"]), "shard"), s["tokens"], s["documents"]))
-
+    rows = file_rows(info)
     width = max(len("file"), *(len(r[1]) for r in rows))
     print(f"{'split':<5}  {'file':<{width}}  {'tokens':>14}  {what:>13}")
     for split, name, tokens, docs in rows:

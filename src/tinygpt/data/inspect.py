@@ -1,6 +1,7 @@
 """Looking inside a data folder (`tinygpt inspect data`): each split's files with their tokens and
 documents, the documents' lengths as a histogram, and the first tokens decoded; every file read a
-chunk at a time and checked against meta.json as it goes.
+chunk at a time and checked against meta.json as it goes. file_rows lists the files as the command's
+table does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from ..calc.units import plural
 from ..errors import DataError
 from .folder import DataSet, load_data
 from .shards import ShardedTokens
 
 SCAN_TOKENS = 1 << 24  # ids read at a time while a folder is surveyed: memory stays a chunk whatever its size
 LENGTH_BINS = 64  # document lengths by powers of two: bin 0 holds empty documents, bin k 2**(k-1) .. 2**k - 1
+SHARD_ROWS = 6  # file_rows lists a split of more shards as its first and last three, the rest on one row
 
 
 def length_bin(k: int) -> tuple[int, int]:
@@ -155,3 +158,25 @@ def inspect_data(path: str | os.PathLike, *, first_tokens: int = 32) -> dict[str
         "documents": meta.get("documents") if lengths is None else lengths.count, "splits": splits,
         "lengths": None if lengths is None else lengths.to_dict(), "first": first,
     }
+
+
+def file_rows(info: dict[str, Any]) -> list[tuple[str, str, int, int | None]]:
+    """inspect_data's files as `tinygpt inspect data` lists them, (split, file, tokens, documents) a row: a
+    split of more than SHARD_ROWS shards as its first and last SHARD_ROWS // 2 with the shards between summed
+    on one row, and a split of several shards followed by its totals.
+
+    Args:
+        info: what inspect_data returned.
+    """
+    rows = []
+    for split, s in info["splits"].items():
+        files, cut = s["files"], SHARD_ROWS // 2
+        if len(files) > SHARD_ROWS:
+            middle = files[cut:-cut]
+            docs = None if middle[0]["documents"] is None else sum(f["documents"] for f in middle)
+            files = [*files[:cut], {"file": f"... {len(middle):,} more", "tokens": sum(f["tokens"] for f in middle),
+                                    "documents": docs}, *files[-cut:]]
+        rows += [(split, f["file"], f["tokens"], f["documents"]) for f in files]
+        if len(s["files"]) > 1:
+            rows.append((split, plural(len(s["files"]), "shard"), s["tokens"], s["documents"]))
+    return rows
