@@ -1,0 +1,1 @@
+"""The course's last stage, learning from preferences and rewards: tasks whose answers a program checks."""
