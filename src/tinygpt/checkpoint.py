@@ -1,4 +1,6 @@
-"""Run folders: weights in safetensors, config.json, the tokenizer, the training state, adapters.
+"""A run folder's model: its weights in safetensors, beside config.json and the tokenizer, saved and
+loaded; adapter runs; a training checkpoint's pair of weights and state. The folder's files and their
+names are tinygpt.run_folder's (RunFolder): this module writes and reads the weights at its paths.
 
     RUN/config.json         the GPTConfig, as JSON
     RUN/model.safetensors   the weights (a tied head is stored once, as wte.weight)
@@ -30,7 +32,8 @@ against the checksum, with the adapters applied) and a Hugging Face folder of GP
 Every file is written atomically: to a temporary file in the same folder, fsync, rename. The
 weights and the training state are two files, so a save renames the weights first and the state
 last; a kill between the two renames leaves the new state complete as `train_state.pt.tmp`, and
-the next resume finishes the rename (both files carry the step, so the pair is checked).
+the next resume finishes the rename (RunFolder.load_state: both files carry the step, so the pair is
+checked).
 Nothing here unpickles: safetensors for tensors (read through tinygpt.weights),
 torch.load(weights_only=True) for the state.
 """
@@ -47,31 +50,22 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .config.lora import LoraConfig
 from .config.model import GPTConfig
 from .device import resolve_device
-from .errors import CheckpointError, ConfigError, TokenizerError
-from .fileio import atomic_write, check_folder_path, check_regular_file, fsync_dir, new_folder, read_json, write_json
-from .interop.hf import config_from_hf, is_hf_folder, load_hf
+from .errors import CheckpointError, TokenizerError
+from .fileio import atomic_write, fsync_dir, new_folder, write_json
+from .interop.hf import is_hf_folder, load_hf
 from .interop.hf_tokenizer import load_hf_tokenizer
-from .interop.peft import lora_from_peft, peft_config, to_peft_state_dict
+from .interop.peft import peft_config, to_peft_state_dict
 from .lora import adapter_state_dict, apply_lora, load_adapter_state_dict, lora_config_of, weights_checksum
 from .lora import merge as merge_lora
 from .model import GPT
+from .run_folder import RunFolder
+# what users and tests import from here about a folder; the run folder answers them
+from .run_folder import is_adapter_run, load_config, load_training, read_adapter_config, weights_step
 from .tokenizer.base import Tokenizer
 from .tokenizer.base import load_tokenizer as read_tokenizer
-from .weights import TIED_KEY, check_layers, model_from_tensors, read_header, read_weights, reconfigured
-
-CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-TOKENIZER = "tokenizer.json"
-STATE = "train_state.pt"
-ADAPTER_CONFIG = "adapter_config.json"  # PEFT's; what makes a folder an adapter run
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # PEFT's
-ADAPTER_BASE = "tinygpt_adapter.json"  # tinygpt's own: the base's path and checksum
-ADAPTER_FORMAT = "tinygpt-lora"
-ADAPTER_VERSION = 2
-V1_WEIGHTS = "adapter.safetensors"  # version 1: tinygpt's names, its settings in adapter_config.json
+from .weights import TIED_KEY, check_layers, model_from_tensors, read_weights, reconfigured
 
 
 def _weights(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
@@ -104,63 +98,14 @@ def save(
         state_dict: the weights to write instead of model.state_dict() (a sharded model's,
             gathered in full).
     """
-    path = Path(path)
+    path, folder = Path(path), RunFolder(path)
     path.mkdir(parents=True, exist_ok=True)
-    write_json(path / CONFIG, model.config.to_dict())
+    write_json(folder.config_file, model.config.to_dict())
     if tokenizer is not None:
-        tokenizer.save(path / TOKENIZER)
+        tokenizer.save(folder.tokenizer_file)
     metadata = {"format": "pt", "step": str(step if step is not None else -1)}
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(_weights(model, state_dict), str(tmp), metadata=metadata))
+    atomic_write(folder.weights_file, lambda tmp: save_file(_weights(model, state_dict), str(tmp), metadata=metadata))
     return path
-
-
-def load_config(path: str | Path) -> GPTConfig:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: {'a file, not a run folder' if path.exists() else 'no such run folder'}")
-    if not (path / CONFIG).exists() or not ((path / WEIGHTS).exists() or is_adapter_run(path)):
-        raise CheckpointError(f"{path}: not a tinygpt run (it needs {CONFIG} and {WEIGHTS})")
-    try:
-        return GPTConfig.from_dict(read_json(path / CONFIG, CheckpointError))
-    except ConfigError as e:
-        raise CheckpointError(f"{path / CONFIG}: {e}") from None
-
-
-def weights_file(path: str | Path) -> Path:
-    """The file holding what a run trains: adapter_model.safetensors in an adapter run (adapter.safetensors
-    in one of the first format), else model.safetensors."""
-    if not is_adapter_run(path):
-        return Path(path) / WEIGHTS
-    return Path(path) / (V1_WEIGHTS if _is_v1(path) else ADAPTER_WEIGHTS)
-
-
-def has_weights(path: str | Path) -> bool:
-    """Whether a folder holds a run's weights or an adapter run's adapters."""
-    return weights_file(path).exists()
-
-
-def weights_step(path: str | Path) -> int:
-    """The training step stored with a run's weights, or an adapter run's adapters (-1 when saved
-    outside training)."""
-    file = weights_file(path)
-    step = read_header(file).get("__metadata__", {}).get("step", "-1")
-    if not re.fullmatch(r"-1|[0-9]+", step):
-        raise CheckpointError(f"{file}: the step in its metadata is {step!r}, not a number")
-    return int(step)
-
-
-def is_adapter_run(path: str | Path) -> bool:
-    """True for an adapter run: a folder holding adapter_config.json (save_adapter_run's, or a PEFT adapter's)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def _is_v1(run: str | Path) -> bool:
-    """An adapter run of tinygpt's first format: its adapter_config.json is tinygpt's own."""
-    try:
-        info = read_json(Path(run) / ADAPTER_CONFIG, CheckpointError)
-    except CheckpointError:
-        return False
-    return isinstance(info, dict) and info.get("format") == ADAPTER_FORMAT
 
 
 def load(
@@ -188,13 +133,13 @@ def load(
         CheckpointError: not a run, a corrupt file, a config.json that disagrees with the weights,
             or an adapter run whose base is missing or has changed.
     """
-    path = Path(path)
-    if is_adapter_run(path):
+    path, folder = Path(path), RunFolder(path)
+    if folder.is_adapter_run():
         return load_adapter_run(path, device=device, allow_nonfinite=allow_nonfinite, merge_adapters=merge, base=base)
     if is_hf_folder(path):
         return load_hf(path, device=device, allow_nonfinite=allow_nonfinite)
-    config = load_config(path)
-    tensors, _ = read_weights(path / WEIGHTS)
+    config = folder.model_config()
+    tensors, _ = read_weights(folder.weights_file)
     check_layers(config, tensors, str(path))  # before a model of config's size is built
     return model_from_tensors(config, tensors, str(path), device=device, allow_nonfinite=allow_nonfinite)
 
@@ -222,7 +167,8 @@ def load_run(
     tokenizer = folder_tokenizer(path)
     if tokenizer is None:
         if tokenizer_required:
-            wanted = "tokenizer.json, or GPT-2's vocab.json + merges.txt" if is_hf_folder(path) else TOKENIZER
+            wanted = ("tokenizer.json, or GPT-2's vocab.json + merges.txt" if is_hf_folder(path)
+                      else RunFolder(path).tokenizer_file.name)
             raise TokenizerError(f"{path}: no tokenizer ({wanted})")
         return model, None
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -247,7 +193,7 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
         (the model, its tokenizer or None), as saved in `out`.
     """
     src, out = Path(src), Path(out)
-    _check_new_run(out, "import")
+    RunFolder(out).check_empty("import")
     model = load_hf(src)
     tokenizer = load_hf_tokenizer(src)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
@@ -259,13 +205,6 @@ def import_hf(src: str | Path, out: str | Path) -> tuple[GPT, Tokenizer | None]:
     return model, tokenizer
 
 
-def _stored_base(base: Path, out: Path) -> str:
-    """The base's path as adapter_config.json keeps it: absolute as given, else relative to `out`."""
-    if base.is_absolute():
-        return str(base)
-    return os.path.relpath(os.path.abspath(base), os.path.abspath(out))
-
-
 def folder_tokenizer(path: str | Path, base: str | Path | None = None) -> Tokenizer | None:
     """The tokenizer a model folder carries (a run's tokenizer.json, a Hugging Face folder's own files; a
     PEFT adapter's, which has none of its own, is its base's), or None.
@@ -274,14 +213,14 @@ def folder_tokenizer(path: str | Path, base: str | Path | None = None) -> Tokeni
         path: the folder.
         base: an adapter run's base, where it is not the one the run names.
     """
-    path = Path(path)
+    path, folder = Path(path), RunFolder(path)
     if is_hf_folder(path):
         return load_hf_tokenizer(path)
-    if (path / TOKENIZER).exists():
+    if folder.tokenizer_file.exists():
         return read_tokenizer(path)
-    if is_adapter_run(path):
-        base = read_adapter_config(path, base).base
-        return None if is_adapter_run(base) else folder_tokenizer(base)
+    if folder.is_adapter_run():
+        base = folder.adapter_run(base).base
+        return None if RunFolder(base).is_adapter_run() else folder_tokenizer(base)
     return None
 
 
@@ -333,159 +272,44 @@ def save_adapter_run(
     """
     config = lora_config_of(model)
     tensors = adapter_state_dict(model)  # raises for a model without adapters
-    out, base = Path(out), Path(base)
+    out, base, folder = Path(out), Path(base), RunFolder(out)
     if not base.is_dir():
         raise CheckpointError(f"{base}: no such base model folder")
-    if is_adapter_run(base):
+    if RunFolder(base).is_adapter_run():
         raise CheckpointError(f"{base} is an adapter run: the base of adapters must be a full model (merge it first)")
-    if (out / WEIGHTS).exists():
-        raise CheckpointError(f"{out} holds a full model ({WEIGHTS}); write the adapters to another folder")
+    if folder.weights_file.exists():
+        raise CheckpointError(f"{out} holds a full model ({folder.weights_file.name}); write the adapters to another "
+                              "folder")
     settings = peft_config(config, model.config, str(base))
     out.mkdir(parents=True, exist_ok=True)
-    bookkeeping = {
-        "format": ADAPTER_FORMAT,
-        "version": ADAPTER_VERSION,
-        "base": {"path": _stored_base(base, out), "checksum": base_checksum or weights_checksum(model)},
-    }
+    checksum = base_checksum or weights_checksum(model)
     metadata = {"format": "pt", "step": str(step if step is not None else -1)}
     state = {k: v.contiguous().cpu() for k, v in to_peft_state_dict(tensors, model.config).items()}
-    atomic_write(out / ADAPTER_WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=metadata))
+    atomic_write(folder.adapter_weights_file, lambda tmp: save_file(state, str(tmp), metadata=metadata))
     tokenizer = tokenizer if tokenizer is not None else folder_tokenizer(base)
     if tokenizer is not None:
-        tokenizer.save(out / TOKENIZER)
-    write_json(out / CONFIG, model.config.to_dict())
-    write_json(out / ADAPTER_BASE, bookkeeping)
-    write_json(out / ADAPTER_CONFIG, settings)  # last: it is what makes the folder an adapter run
-    (out / V1_WEIGHTS).unlink(missing_ok=True)  # a first-format run's adapters, rewritten above
+        tokenizer.save(folder.tokenizer_file)
+    write_json(folder.config_file, model.config.to_dict())
+    folder.write_adapter_base(base, checksum)
+    write_json(folder.adapter_config_file, settings)  # last: it is what makes the folder an adapter run
+    folder.v1_weights_file.unlink(missing_ok=True)  # a first-format run's adapters, rewritten above
     return out
-
-
-@dataclasses.dataclass(frozen=True)
-class AdapterRun:
-    """What an adapter run's files say.
-
-    Args:
-        lora: the LoRA settings the adapters were trained with.
-        base: the base model's folder, resolved (a relative path is relative to the adapter run).
-        checksum: weights_checksum of the base the adapters were trained on; None for a PEFT
-            adapter trained elsewhere, which carries none.
-        weights: the adapters' file.
-        names: each tensor's key in that file -> its tinygpt name (h.0.attn.c_attn.lora_A, ...).
-    """
-
-    lora: LoraConfig
-    base: Path
-    checksum: str | None
-    weights: Path
-    names: dict[str, str]
-
-    @property
-    def shown_base(self) -> str:
-        """The base's path for messages, ".." folded away lexically (lora/../base -> base); loading
-        follows the path as stored, which differs only where a symlink is in it."""
-        return os.path.normpath(self.base)
-
-
-def _stored_base_info(file: Path, info: Any) -> tuple[str, str]:
-    """The base's stored path and checksum from tinygpt's bookkeeping (either format's), checked."""
-    base = info.get("base") if isinstance(info, dict) else None
-    if not (isinstance(base, dict) and isinstance(base.get("path"), str) and base["path"]
-            and isinstance(base.get("checksum"), str)):
-        raise CheckpointError(f"{file}: \"base\" must hold the base model's \"path\" and \"checksum\"")
-    return base["path"], base["checksum"]
-
-
-def _read_v1(run: Path, info: dict[str, Any]) -> AdapterRun:
-    file = run / ADAPTER_CONFIG
-    if info.get("version") != 1:
-        raise CheckpointError(f"{file}: version {info.get('version')!r}; this tinygpt reads version 1 of that "
-                              f"format, and version {ADAPTER_VERSION} as PEFT's adapter_config.json")
-    path, checksum = _stored_base_info(file, info)
-    try:
-        lora = LoraConfig.from_dict(info.get("lora"))
-    except ConfigError as e:
-        raise CheckpointError(f"{file}: {e}") from None
-    weights = run / V1_WEIGHTS
-    names = {k: k for k in read_header(weights) if k != "__metadata__"}
-    return AdapterRun(lora=lora, base=run / path, checksum=checksum, weights=weights, names=names)
-
-
-def _folder_config(path: Path) -> GPTConfig:
-    """The architecture of a model folder: a run's config.json, or a Hugging Face folder's."""
-    if is_hf_folder(path):
-        return config_from_hf(read_json(path / CONFIG, CheckpointError), str(path))
-    return load_config(path)
-
-
-def read_adapter_config(run: str | Path, base: str | Path | None = None) -> AdapterRun:
-    """The settings and the base of an adapter run: a tinygpt one (PEFT's files and tinygpt_adapter.json,
-    or the first format), or a PEFT adapter trained elsewhere, whose base is `base` or else its
-    base_model_name_or_path when that is a folder.
-
-    Args:
-        run: the adapter run's folder.
-        base: the base model's folder, where it is not the one the run names.
-
-    Raises:
-        CheckpointError: a file missing, not JSON, or holding what tinygpt's LoRA does not compute; a
-            PEFT adapter whose base is not given and not found.
-    """
-    run = Path(run)
-    file = run / ADAPTER_CONFIG
-    info = read_json(file, CheckpointError)
-    if isinstance(info, dict) and info.get("format") == ADAPTER_FORMAT:
-        found = _read_v1(run, info)
-        return found if base is None else dataclasses.replace(found, base=Path(base))
-    checksum = None
-    if (run / ADAPTER_BASE).exists():
-        bookkeeping = read_json(run / ADAPTER_BASE, CheckpointError)
-        if not isinstance(bookkeeping, dict) or bookkeeping.get("format") != ADAPTER_FORMAT:
-            raise CheckpointError(f"{run / ADAPTER_BASE}: not tinygpt's adapter bookkeeping "
-                                  f"(no \"format\": \"{ADAPTER_FORMAT}\")")
-        if bookkeeping.get("version") != ADAPTER_VERSION:
-            raise CheckpointError(f"{run / ADAPTER_BASE}: version {bookkeeping.get('version')!r}; this tinygpt "
-                                  f"reads version {ADAPTER_VERSION}")
-        stored, checksum = _stored_base_info(run / ADAPTER_BASE, bookkeeping)
-        base = run / stored if base is None else Path(base)  # an absolute stored path wins over run /
-    elif base is None:  # a PEFT adapter trained elsewhere: its base where PEFT would look for it
-        named = info.get("base_model_name_or_path") if isinstance(info, dict) else None
-        if not (isinstance(named, str) and named and Path(named).is_dir()):
-            raise CheckpointError(
-                f"{run}: a PEFT adapter with no {ADAPTER_BASE} naming its base, and its base_model_name_or_path "
-                f"{named!r} is not a folder here; give its base: tinygpt import {run} --base BASE --out RUN")
-        base = Path(named)
-    base = Path(base)
-    weights = run / ADAPTER_WEIGHTS
-    keys = [k for k in read_header(weights) if k != "__metadata__"]
-    if (run / CONFIG).exists():  # tinygpt's: the base's architecture, kept beside the adapters
-        config = load_config(run)
-    elif base.is_dir() and not is_adapter_run(base):
-        config = _folder_config(base)
-    else:
-        raise CheckpointError(f"{run}: its base model {os.path.normpath(base)} is missing or is not a full model")
-    try:
-        lora, names = lora_from_peft(info, keys, config, str(run))
-    except ConfigError as e:
-        raise CheckpointError(f"{run}: {e}") from None
-    return AdapterRun(lora=lora, base=base, checksum=checksum, weights=weights, names=names)
 
 
 def _check_same_architecture(run: Path, base: str, model: GPT) -> GPTConfig:
     """The run's config.json must describe the base it loads, but for what fine-tuning may set on its
     own: dropout, and a block_size shorter than the base's (the position embedding cropped). The
     run's config (the base's when the run has none)."""
-    if not (run / CONFIG).exists():
+    folder = RunFolder(run)
+    if not folder.config_file.exists():
         return model.config
-    try:
-        saved = GPTConfig.from_dict(read_json(run / CONFIG, CheckpointError))
-    except ConfigError as e:
-        raise CheckpointError(f"{run / CONFIG}: {e}") from None
+    saved = folder.read_config()
     differ = [f.name for f in dataclasses.fields(GPTConfig)
               if f.name != "dropout" and getattr(saved, f.name) != getattr(model.config, f.name)
               and not (f.name == "block_size" and saved.block_size < model.config.block_size)]
     if differ:
         raise CheckpointError(f"{run}: the base model {base} is not the architecture these adapters were trained on "
-                              f"({', '.join(differ)} differ from {run / CONFIG})")
+                              f"({', '.join(differ)} differ from {folder.config_file})")
     return saved
 
 
@@ -512,22 +336,23 @@ def load_adapter_run(
         CheckpointError: a damaged adapter file, or a base that is missing, is not a full model, or
             whose weights are not the ones the adapters were trained on (the message names its path).
     """
-    run = Path(run)
+    run, folder = Path(run), RunFolder(run)
     shown = None if base is None else str(base)
     if base is not None and not Path(base).is_dir():
         raise CheckpointError(f"{run}: its base model {shown} is missing")
-    info = read_adapter_config(run, base)
+    info = folder.adapter_run(base)
     config, shown = info.lora, shown or info.shown_base
+    bookkeeping = folder.adapter_base_file.name
     if not info.base.is_dir():
-        raise CheckpointError(f"{run}: its base model {shown} is missing ({ADAPTER_BASE} names it); "
+        raise CheckpointError(f"{run}: its base model {shown} is missing ({bookkeeping} names it); "
                               "put the base back there or edit base.path")
-    if is_adapter_run(info.base):
+    if RunFolder(info.base).is_adapter_run():
         raise CheckpointError(f"{run}: its base model {shown} is itself an adapter run; the base must be a full model")
     model = load(info.base, device="cpu", allow_nonfinite=allow_nonfinite)
     checksum = weights_checksum(model)
     if info.checksum is not None and checksum != info.checksum:
         raise CheckpointError(f"{run}: the base model {shown} has changed since these adapters were trained "
-                              f"(its weights' checksum is {checksum[:19]}..., {ADAPTER_BASE} expects "
+                              f"(its weights' checksum is {checksum[:19]}..., {bookkeeping} expects "
                               f"{info.checksum[:19]}...)")
     model = model if dtype is None else model.to(dtype)  # after the checksum, which is of the weights as stored
     model = reconfigured(model, _check_same_architecture(run, shown, model), shown)  # a cropped context
@@ -551,15 +376,7 @@ def check_merge_target(out: str | Path, *taken: str | Path) -> None:
     if any(out.resolve() == Path(t).resolve() for t in taken):
         raise CheckpointError(f"{out} is a folder this job reads or writes (the run or its base); "
                               "merge into a new folder")
-    _check_new_run(out, "merge")
-
-
-def _check_new_run(out: Path, job: str) -> None:
-    """Refuse `out` as the folder of a run that `job` ("import", "merge") makes: something already
-    there (anything but an empty folder), a path below a file, or where nothing can be written."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} already exists; {job} into a new folder")
-    check_folder_path(out, CheckpointError)
+    RunFolder(out).check_empty("merge")
 
 
 def merge_run(run: str | Path, out: str | Path, base: str | Path | None = None) -> tuple[GPT, Tokenizer | None]:
@@ -578,9 +395,10 @@ def merge_run(run: str | Path, out: str | Path, base: str | Path | None = None) 
     Raises:
         CheckpointError: `run` is not an adapter run or cannot be loaded, or `out` is taken.
     """
-    run, out = Path(run), Path(out)
-    if not is_adapter_run(run):
-        raise CheckpointError(f"{run}: not an adapter run (no {ADAPTER_CONFIG}), so there is nothing to merge")
+    run, out, folder = Path(run), Path(out), RunFolder(run)
+    if not folder.is_adapter_run():
+        raise CheckpointError(f"{run}: not an adapter run (no {folder.adapter_config_file.name}), so there is "
+                              "nothing to merge")
     check_merge_target(out)
     model = load_adapter_run(run, merge_adapters=True, base=base)
     tokenizer = folder_tokenizer(run, base)
@@ -607,11 +425,11 @@ def import_peft(src: str | Path, out: str | Path, base: str | Path | None = None
         CheckpointError: `src` is not a LoRA adapter tinygpt computes, the base does not fit it, or
             `out` is taken.
     """
-    src, out = Path(src), Path(out)
-    if not is_adapter_run(src):
-        raise CheckpointError(f"{src}: not a PEFT adapter (no {ADAPTER_CONFIG})")
-    _check_new_run(out, "import")
-    info = read_adapter_config(src, base)
+    src, out, folder = Path(src), Path(out), RunFolder(src)
+    if not folder.is_adapter_run():
+        raise CheckpointError(f"{src}: not a PEFT adapter (no {folder.adapter_config_file.name})")
+    RunFolder(out).check_empty("import")
+    info = folder.adapter_run(base)
     model = load_adapter_run(src, base=info.base)
     tokenizer = folder_tokenizer(src, info.base)
     save_adapter_run(model, out, base if base is not None else info.base, tokenizer, base_checksum=info.checksum)
@@ -628,9 +446,9 @@ def save_training(
     """Save weights and training state as one consistent pair (see the module docstring); state_dict as in save().
     With adapter_base, the pair is an adapter run's adapters (save_adapter_run, its base and base_checksum)
     and the state."""
-    run = Path(run)
+    run, folder = Path(run), RunFolder(run)
     step = int(state["step"])
-    state_tmp = run / (STATE + ".tmp")
+    state_tmp = folder.pending_state_file
     weights_replaced = False
     try:
         # complete and synced before the weights are replaced; through a Python file, so that a failed
@@ -644,7 +462,7 @@ def save_training(
         else:
             save(model, run, tokenizer, step=step, state_dict=state_dict)
         weights_replaced = True
-        os.replace(state_tmp, run / STATE)
+        os.replace(state_tmp, folder.state_file)
         fsync_dir(run)
     except BaseException as e:
         if not weights_replaced:  # a failed save (ENOSPC, ...) leaves the previous pair as it was
@@ -653,8 +471,8 @@ def save_training(
         if cause is None:
             raise
         kept = "a --resume completes it" if weights_replaced else "the previous checkpoint is unchanged"
-        if not weights_replaced and has_weights(run):
-            kept = f"the checkpoint of step {weights_step(run)} is unchanged"
+        if not weights_replaced and folder.has_weights():
+            kept = f"the checkpoint of step {folder.weights_step()} is unchanged"
         raise CheckpointError(f"{run}: could not save the checkpoint of step {step}: {cause.strerror or cause}; "
                               f"{kept}") from e
 
@@ -670,48 +488,3 @@ def _os_error(e: BaseException | None) -> OSError | None:
             return OSError(int(code.group(1)), os.strerror(int(code.group(1))))
         e = e.__cause__ or e.__context__
     return None
-
-
-def _read_state(file: Path) -> dict[str, Any]:
-    check_regular_file(file, CheckpointError)
-    try:
-        return torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # a truncated zip, or an object that weights_only refuses to build
-        # torch's message spans lines and suggests weights_only=False, which would run the file's code:
-        # keep the reason only
-        text = str(e)
-        found = re.search(r"WeightsUnpickler error: \s*(.*?)(?: Please use|\n\n|$)", text, re.DOTALL)
-        reason = found.group(1).strip() if found else (text.strip().splitlines() or [type(e).__name__])[0]
-        if "GLOBAL" in reason:
-            reason += ": the file asks to build objects other than tensors and plain data, which tinygpt never does"
-        raise CheckpointError(f"{file}: unreadable training state ({reason})") from None
-
-
-def load_training(run: str | Path) -> dict[str, Any]:
-    """The training state of a run, matched to its weights; finishes a save cut short by a kill and
-    removes the temporary files such a save leaves (the caller is about to write this run)."""
-    run = Path(run)
-    step = weights_step(run)
-    # temp files of saves a kill cut short: atomic_write's (.NAME.tmp-PID), and safetensors' own (it
-    # writes through a .tmpXXXXXX beside its target, the default name of Rust's tempfile crate)
-    for stale in [*run.glob(".*.tmp-*"), *run.glob(".tmp??????")]:
-        if stale.is_file():
-            stale.unlink(missing_ok=True)
-    pending = run / (STATE + ".tmp")
-    if pending.exists():
-        try:
-            candidate = _read_state(pending)
-        except CheckpointError:
-            candidate = None
-        if isinstance(candidate, dict) and candidate.get("step") == step:
-            os.replace(pending, run / STATE)  # the kill came between the two renames: roll forward
-        else:
-            pending.unlink()
-    if not (run / STATE).exists():
-        raise CheckpointError(f"{run}: no {STATE}, so there is no training to resume")
-    state = _read_state(run / STATE)
-    if not isinstance(state, dict) or type(state.get("step")) is not int:
-        raise CheckpointError(f"{run / STATE}: not a training state (no step)")
-    if state["step"] != step:
-        raise CheckpointError(f"{run}: training state is for step {state.get('step')} but the weights for {step}")
-    return state

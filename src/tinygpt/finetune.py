@@ -48,17 +48,15 @@ from .config.train import TrainConfig
 from .data.folder import DataSet, load_data
 from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError
-from .fileio import read_json, write_json
 from .generate import generate
 from .lora import apply_lora, check_rank, weights_checksum
 from .model import GPT, grow_vocab
+from .run_folder import RunFolder
 from .tokenizer.base import Tokenizer, encode_named
 from .tokenizer.chat import render_chat_prompt, stop_ids, with_chat_template
-from .train import (TRAIN_CONFIG, Start, TrainCallback, TrainResult, check_data_for_run, conversations_within,
-                    evaluate, evaluate_chat, has_checkpoint, train)
+from .train import Start, TrainCallback, TrainResult, conversations_within, evaluate, evaluate_chat, train
 from .weights import reconfigured
 
-REPORT = "finetune_report.json"
 # What the library's finetune() trains with when no TrainConfig is given: nanoGPT's GPT-2 recipe
 # (a constant rate after a short warmup, few steps, frequent evaluations) rather than pretraining's.
 DEFAULT_TRAIN = dict(lr_schedule="constant", warmup=10, max_iters=200, eval_interval=50, eval_iters=10,
@@ -184,7 +182,7 @@ def finetune(
         data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
         model_config = _finetune_config(base.config, cfg, from_, new_ids)
-        if resume and has_checkpoint(out):
+        if resume and RunFolder(out).has_weights():
             model_config = _check_resume(out, from_, base_checksum, cfg, model_config)
         texts = _report_texts(from_, dataset, cfg, tokenizer)
         prompts = _sample_prompts(texts[0], data_tokenizer, cfg)  # refused here, before any measuring or training
@@ -199,9 +197,9 @@ def finetune(
         after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
         after = _measure(after_model, texts, prompts, data_tokenizer, cfg)
         report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started,
-                         checkpoint.weights_step(out), _dtype_names(dtypes.values()))
+                         RunFolder(out).weights_step(), _dtype_names(dtypes.values()))
         if ctx.is_main:
-            write_json(out / REPORT, report)
+            RunFolder(out).write_report(report)
             if merge is not None:
                 checkpoint.merge_run(out, merge)
         ctx.barrier()
@@ -236,10 +234,8 @@ def read_report(run: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: the run has none (it was not fine-tuned, or is still training) or it is not JSON.
     """
-    file = Path(run) / REPORT
-    if not file.is_file():
-        raise CheckpointError(f"{run}: no {REPORT} (written when `tinygpt finetune` ends)")
-    report = read_json(file, CheckpointError)
+    folder = RunFolder(run)
+    report, file = folder.read_report(), folder.report_file
     if not isinstance(report, dict) or not isinstance(report.get("before"), dict):
         raise CheckpointError(f"{file}: not a fine-tuning report")
     wrong = _report_error(report) or _report_mismatch(report)
@@ -326,7 +322,7 @@ def data_tokenizer_for(from_: Path, dataset: DataSet, tokenizer: Tokenizer) -> T
         DataError: any other tokenizer (the message gives the prepare command).
     """
     try:
-        check_data_for_run(from_, dataset, tokenizer, remedy=f"prepare it with: {prepare_command(dataset, from_)}")
+        RunFolder(from_).check_data(dataset, tokenizer, remedy=f"prepare it with: {prepare_command(dataset, from_)}")
         return tokenizer
     except DataError:
         template = dataset.tokenizer.chat_template if dataset.is_chat else None
@@ -415,11 +411,11 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
     Raises:
         ConfigError: naming the setting, or the base.
     """
-    record = read_json(out / TRAIN_CONFIG, ConfigError) if (out / TRAIN_CONFIG).exists() else None
-    saved = record.get("finetune") if isinstance(record, dict) else None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"{out} is not a fine-tune run (its {TRAIN_CONFIG} has no finetune settings): continue "
-                          "it with tinygpt train --resume, or fine-tune into a new folder")
+    folder = RunFolder(out)
+    saved = folder.finetune_settings(ConfigError)
+    if saved is None:
+        raise ConfigError(f"{out} is not a fine-tune run (its {folder.record_file.name} has no finetune settings): "
+                          "continue it with tinygpt train --resume, or fine-tune into a new folder")
     now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
     keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
         else ("method", "freeze_embeddings", "freeze_layers")
@@ -429,11 +425,11 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
                               "drop the setting to resume it")
     # the base's checksum as the run recorded it (an adapter run's own config names it too)
     expected = saved.get("base_checksum")
-    if expected is None and checkpoint.is_adapter_run(out):
-        expected = checkpoint.read_adapter_config(out).checksum
+    if expected is None and folder.is_adapter_run():
+        expected = folder.adapter_run().checksum
     if expected is not None and expected != base_checksum:
         raise ConfigError(f"{from_} is not the base {out} was fine-tuned from: resume it from that base")
-    saved = checkpoint.load_config(out)
+    saved = folder.model_config()
     if saved.block_size < config.block_size and saved == dataclasses.replace(config, block_size=saved.block_size):
         return saved
     return config
@@ -442,7 +438,7 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
 def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
            new_ids: range, dtypes: dict[str, torch.dtype]) -> Start:
     lora = cfg.method == "lora"
-    if lora and checkpoint.is_adapter_run(from_):
+    if lora and RunFolder(from_).is_adapter_run():
         raise ConfigError(f"{from_} is an adapter run: LoRA needs a full model as its base (tinygpt merge it first)")
 
     def build() -> GPT:
@@ -519,14 +515,12 @@ def _val_text(name: str, dataset: DataSet, what: str, n: int) -> _Text:
 def _base_val_data(from_: Path, tokenizer) -> DataSet | None:
     """The data a tinygpt base was trained on, when its train_config.json names a folder still there
     and prepared with the base's tokenizer; else None (a Hugging Face folder records none)."""
-    file = from_ / TRAIN_CONFIG
-    saved = read_json(file, CheckpointError) if file.is_file() else None
-    folder = saved.get("data") if isinstance(saved, dict) else None
-    if not isinstance(folder, str) or not Path(folder).is_dir():
+    folder = RunFolder(from_).trained_on(CheckpointError)
+    if folder is None or not Path(folder).is_dir():
         return None
     try:
         own = load_data(folder)
-        check_data_for_run(from_, own, tokenizer)
+        RunFolder(from_).check_data(own, tokenizer)
     except DataError:
         return None
     return own if len(own.val) >= 2 else None

@@ -13,9 +13,7 @@ is saved (an adapter run, for LoRA) and read back, and keep best."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import shutil
 import signal
 import sys
 import threading
@@ -31,9 +29,9 @@ import torch
 
 from . import checkpoint, distributed, kernels
 from .config.model import GPTConfig
-from .config.train import DATA_ORDERS, DEFAULT_LR, OPTIMIZERS, TrainConfig
+from .config.train import DEFAULT_LR, TrainConfig
 from .data.batches import Batches, Stream, data_order, share
-from .data.folder import DataSet, check_same_tokenizer, load_data
+from .data.folder import DataSet, load_data
 from .data.shards import ShardedTokens
 from .device import allow_fast_float32, autocast, resolve_device, resolve_dtype
 from .errors import (
@@ -43,17 +41,14 @@ from .errors import (
     TinyGPTError,
     TrainingError,
 )
-from .fileio import atomic_write, check_folder_path, read_json, write_json
 from .model import GPT
 from .optim import BudgetSchedule, decay_start, lr_at, lr_scales, make_optimizer, warmup_steps
+from .run_folder import MetricsLog, RunFolder
+# what users and tests import from here about a run folder; the run folder answers them
+from .run_folder import check_data_for_run, has_checkpoint, read_train_config
 from .sizing import ModelChoice
 
 DEFAULT_MAX_ITERS = 2000
-METRICS = "metrics.jsonl"
-# a WSD run's checkpoint of the last step at the constant rate: a run folder of its own inside the
-# run, from which a copy continues with another length (and so another decay)
-BEFORE_DECAY = "before-decay"
-TRAIN_CONFIG = "train_config.json"
 CALIBRATION_STEPS = 5  # steps timed before a --max-time run first estimates its schedule's length
 SPEED_WINDOW = 20  # a time budget's step time: the median of this many most recent steps
 
@@ -424,16 +419,17 @@ def train(
                           "tinygpt.sizing.choose_model (sized for the data or a time budget)")
     cfg = train_config or TrainConfig()
     hooks = _AllOf([*([ProgressBar()] if progress else []), *callbacks])
+    folder = RunFolder(Path(out))
     with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
         try:
-            setup = _settings(ctx, Path(out), load_data(data), model_config, cfg, resume, notes)
-            run = _Run(ctx, Path(out), setup, clock)
+            setup = _settings(ctx, folder, load_data(data), model_config, cfg, resume, notes)
+            run = _Run(ctx, folder, setup, clock)
             run.record_settings(data, setup.notes, fresh=setup.state is None)
             return _steps(run, hooks, should_stop, clock)
         except Exception as e:
             if not ctx.enabled or isinstance(e, TinyGPTError) or not distributed.is_comm_failure(e):
                 raise
-            kept = "its last checkpoint is kept" if has_checkpoint(out) else "no checkpoint yet"
+            kept = "its last checkpoint is kept" if folder.has_weights() else "no checkpoint yet"
             raise TrainingError(
                 f"process {ctx.rank}: lost contact with the other processes ({distributed.describe_failure(e)}); "
                 f"{out}: {kept}"
@@ -461,7 +457,7 @@ class _Setup:
 
 
 def _settings(
-    ctx: distributed.Dist, run: Path, dataset: DataSet, model_config: GPTConfig | ModelChoice | Start | None,
+    ctx: distributed.Dist, run: RunFolder, dataset: DataSet, model_config: GPTConfig | ModelChoice | Start | None,
     cfg: TrainConfig, resume: bool, notes: dict[str, Any] | None,
 ) -> _Setup:
     """Phase 1: the model's settings (the run's own on resume), its training state, the learning rate
@@ -471,22 +467,22 @@ def _settings(
     model_config = choice.config if choice is not None else start.config if start is not None else model_config
     state = None
     if resume:
-        saved = checkpoint.load_config(run)
+        saved = run.model_config()
         if model_config is not None and model_config != saved:
-            raise TrainingError(f"{run}: the model settings differ from the run's; drop them to resume")
+            raise TrainingError(f"{run.path}: the model settings differ from the run's; drop them to resume")
         model_config = saved
         if start is None:
-            _refuse_fine_tune_run(run)
-        check_data_for_run(run, dataset)  # before anything in the run is touched
-        state = ctx.main_first(lambda: checkpoint.load_training(run))  # rank 0 may finish a cut-short save
-        _check_state(state, run)
+            run.check_not_fine_tune()
+        run.check_data(dataset)  # before anything in the run is touched
+        state = ctx.main_first(run.load_state)  # rank 0 may finish a cut-short save
+        run.check_state(state)
     else:
-        check_new_run(run)
+        run.check_new()
         if choice is not None:
             notes = {**(notes or {}), "model_choice": choice.to_dict()}
     if cfg.lr is None:
         if resume:
-            lr = read_train_config(run)[0].lr if (run / TRAIN_CONFIG).exists() else None
+            lr = run.train_config()[0].lr if run.recorded() else None
         else:  # a model sized for a time budget trains at the rate for its width
             lr = choice.lr if choice is not None else None
         if lr is None and start is not None:  # fine-tuning's rate, far below pretraining's
@@ -500,16 +496,6 @@ def _settings(
             raise TrainingError(f"the train split has {n:,} tokens, fewer than one sequential batch of {rows} x "
                                 f"{setup.window} + 1; use more text, a smaller batch or --data-order random")
     return setup
-
-
-def _refuse_fine_tune_run(run: Path) -> None:
-    """A fine-tune run resumes with finetune, which knows its base, what it freezes and its window: without
-    them its steps would train at the model's whole context (its base's)."""
-    record = read_json(run / TRAIN_CONFIG, TrainingError) if (run / TRAIN_CONFIG).exists() else None
-    tuned = record.get("finetune") if isinstance(record, dict) else None
-    if isinstance(tuned, dict):
-        raise TrainingError(f"{run} is a fine-tune run: continue it with tinygpt finetune {tuned.get('from', 'FROM')} "
-                            f"--data DATA --out {run} --resume")
 
 
 def check_has_val(dataset: DataSet) -> None:
@@ -546,7 +532,7 @@ class _Run:
     the schedule, the random streams), with the phases of the loop as methods: train_step (the loss
     is `loss`), evaluate, save, decide. Phase 2, setting up, is the constructor (and restore, on resume)."""
 
-    def __init__(self, ctx: distributed.Dist, folder: Path, setup: _Setup,
+    def __init__(self, ctx: distributed.Dist, folder: RunFolder, setup: _Setup,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         cfg = self.cfg = setup.cfg
         self.clock, self.started = clock, 0.0  # started: when this invocation's steps began (_steps sets it)
@@ -604,9 +590,9 @@ class _Run:
             self.horizon if cfg.max_iters is None else None)
         kind = state.get("optimizer_kind", "adamw")  # a state saved before muon existed is AdamW's
         if kind != cfg.optimizer:
-            raise TrainingError(f"{run} trained with --optimizer {kind}: resume it with {kind} (its optimizer state "
-                                f"is {kind}'s), or start a new run for {cfg.optimizer}")
-        _check_optimizer_state(state["optimizer"], self.optimizer, run)
+            raise TrainingError(f"{run.path} trained with --optimizer {kind}: resume it with {kind} (its optimizer "
+                                f"state is {kind}'s), or start a new run for {cfg.optimizer}")
+        run.check_optimizer_state(state["optimizer"], self.optimizer)
         try:
             distributed.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
             if state.get("scaler"):
@@ -615,31 +601,23 @@ class _Run:
             self.data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
             saved = state.get("data") or {"order": "random"}  # a state saved before data orders existed: random
             if saved["order"] != self.order:
-                raise TrainingError(f"{run} trained with --data-order {saved['order']}: resume it with that order")
+                raise TrainingError(f"{run.path} trained with --data-order {saved['order']}: resume it with that order")
             if self.stream is not None:
-                self.stream.restore(saved, run / checkpoint.STATE)
+                self.stream.restore(saved, run.state_file)
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
             why = f"{type(e).__name__}: {e}".splitlines()[0]
-            raise CheckpointError(f"{run / checkpoint.STATE}: does not fit this run ({why})") from None
+            raise CheckpointError(f"{run.state_file}: does not fit this run ({why})") from None
         if ctx.is_main:
-            _metrics_upto(run, self.step)
+            run.truncate_metrics(self.step)
 
     def record_settings(self, data: str | Path, notes: dict[str, Any] | None, *, fresh: bool) -> None:
         """Rank 0 writes train_config.json (the data, its tokenizer's fingerprint, the settings, the notes
         merged with a resumed run's) and, for a new run, an empty metrics.jsonl."""
-        run = self.folder
         if not self.ctx.is_main:
             return
-        run.mkdir(parents=True, exist_ok=True)
-        if not fresh and (run / TRAIN_CONFIG).exists():
-            saved = read_json(run / TRAIN_CONFIG, TrainingError)
-            previous = saved.get("notes") if isinstance(saved, dict) else None
-            notes = {**(previous if isinstance(previous, dict) else {}), **(notes or {})}
         record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": self.dataset.fingerprint,
                   "train": self.cfg.to_dict(), **(self.start.record if self.start is not None else {})}
-        write_json(run / TRAIN_CONFIG, {**record, "notes": notes} if notes else record)
-        if fresh:
-            (run / METRICS).write_text("")
+        self.folder.write_record(record, notes, fresh=fresh)
 
     def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The training loss of one micro-batch (Batches.get: inputs x, targets y, and for chat the
@@ -654,7 +632,7 @@ class _Run:
         lr = (self.schedule.next_lr(self.step) if self.schedule is not None
               else lr_at(self.step, cfg, self.horizon, self.warmup))
         if self.decay_begins(before):  # kept as it is before this step, the first of the decay
-            self.save(self.folder / BEFORE_DECAY, before)
+            self.save(self.folder.before_decay, before)
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
             group["lr"] = lr * scale
         loss_sum = torch.zeros((), device=self.device)
@@ -711,7 +689,7 @@ class _Run:
         record = {"step": self.step, "tokens": self.tokens, "train_loss": losses["train"], "val_loss": losses["val"]}
         return {**record, "eval_iters": iters} if iters is not None and iters < self.cfg.eval_iters else record
 
-    def save(self, folder: Path | None = None, schedule: dict[str, float] | None = None) -> None:
+    def save(self, folder: RunFolder | None = None, schedule: dict[str, float] | None = None) -> None:
         """Phase 4b: a checkpoint of the weights and the training state (every process takes part; rank 0 writes)
         in the run folder, or as a run folder of its own (`folder`, with the run's settings and metrics so
         far beside it, and the schedule's state `schedule` in place of the current one)."""
@@ -742,10 +720,8 @@ class _Run:
             train_state["master"] = master
         base, checksum = (self.start.adapter_base, self.start.base_checksum) if self.start else (None, None)
         if folder is not None:
-            folder.mkdir(exist_ok=True)
-            for name in (TRAIN_CONFIG, METRICS):
-                atomic_write(folder / name, lambda tmp, name=name: shutil.copyfile(self.folder / name, tmp))
-        checkpoint.save_training(folder or self.folder, self.model, train_state, self.dataset.tokenizer,
+            self.folder.copy_records(folder)
+        checkpoint.save_training((folder or self.folder).path, self.model, train_state, self.dataset.tokenizer,
                                  state_dict=weights, adapter_base=base, base_checksum=checksum)
 
     def stored(self, weights: dict[str, torch.Tensor] | None) -> tuple[dict | None, dict | None]:
@@ -792,18 +768,18 @@ class _Run:
         return self.horizon
 
 
-def _build_model(setup: _Setup, folder: Path, home: torch.device) -> GPT:
+def _build_model(setup: _Setup, folder: RunFolder, home: torch.device) -> GPT:
     """The model a run starts from: new from the seed (the same in every process), or the checkpoint's
     (its float32 weights, where the checkpoint kept them beside rounded ones); a Start's own (a
     pretrained model) when it has one."""
     if setup.state is None:
         return (setup.start.build() if setup.start is not None else GPT(setup.model_config)).to(home)
-    model = setup.start.load(folder) if setup.start is not None else checkpoint.load(folder)
+    model = setup.start.load(folder.path) if setup.start is not None else checkpoint.load(folder.path)
     if setup.state.get("master") is not None:
         try:
             model.float().load_state_dict(setup.state["master"])
         except RuntimeError as e:
-            raise CheckpointError(f"{folder / checkpoint.STATE}: its float32 weights do not fit the run's model "
+            raise CheckpointError(f"{folder.state_file}: its float32 weights do not fit the run's model "
                                   f"({' '.join(str(e).split())[:300]})") from None
     return model.to(home)
 
@@ -812,13 +788,13 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
            clock: Callable[[], float]) -> TrainResult:
     """The loop: steps until a stop, evaluating and saving every eval_interval steps and at the end."""
     cfg = run.cfg
-    metrics = _Metrics(run.folder / METRICS if run.ctx.is_main else None)
+    metrics = run.folder.metrics_log() if run.ctx.is_main else MetricsLog(None)
     stop = _Stop()
     loss: float | None = None
     val_loss: float | None = None
     stopped = "max_iters"
     try:
-        hooks.on_start(RunStart(run.folder, run.ctx.rank, run.ctx.world_size, run.step, run.total(), run.model,
+        hooks.on_start(RunStart(run.folder.path, run.ctx.rank, run.ctx.world_size, run.step, run.total(), run.model,
                                 metrics.log))
         if run.device.type == "cpu":
             kernels.lowbit()  # training's GELU and attention kernels, compiled (once a machine) before the clock
@@ -854,14 +830,15 @@ def _steps(run: _Run, hooks: TrainCallback, should_stop: Callable[[int], bool] |
                 val_loss = _evaluate_and_save(run, metrics, hooks, iters)
             run.ctx.barrier()  # nobody leaves before rank 0's checkpoint is on disk
         now = clock()
-        result = TrainResult(run.folder, run.step, loss, val_loss, stopped, run.tokens, now - started, run.seconds(now))
+        result = TrainResult(run.folder.path, run.step, loss, val_loss, stopped, run.tokens, now - started,
+                             run.seconds(now))
         hooks.on_end(result, run.model)
         return result
     finally:
         metrics.close()
 
 
-def _evaluate_and_save(run: _Run, metrics: _Metrics, hooks: TrainCallback, iters: int | None = None) -> float:
+def _evaluate_and_save(run: _Run, metrics: MetricsLog, hooks: TrainCallback, iters: int | None = None) -> float:
     """Phase 4: evaluate, log it, save a checkpoint (with keep best, only one that improves on the
     lowest validation loss saved); the validation loss."""
     record = run.evaluate(iters)
@@ -874,25 +851,6 @@ def _evaluate_and_save(run: _Run, metrics: _Metrics, hooks: TrainCallback, iters
         run.best = min(run.best, record["val_loss"])
         run.save()
     return record["val_loss"]
-
-
-class _Metrics:
-    """metrics.jsonl, one JSON line per step and per evaluation (rank 0 only: `file` None elsewhere)."""
-
-    def __init__(self, file: Path | None) -> None:
-        self.path, self.file = file, open(file, "a") if file is not None else None
-
-    def log(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            try:
-                self.file.write(json.dumps(record) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk: say which file
-                raise OSError(e.errno, e.strerror, str(self.path)) from e
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 class _Stop:
@@ -918,82 +876,6 @@ def _signals(stop: _Stop):
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-
-
-def _metrics_upto(run: Path, step: int) -> None:
-    """On resume, drop metric lines logged after the checkpoint (those steps are redone), and a last
-    line cut short (a full disk, a power cut)."""
-    file = run / METRICS
-    if not file.exists():
-        return
-
-    def logged_step(line: str) -> int | None:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            return None
-        return record.get("step") if isinstance(record, dict) and type(record.get("step")) is int else None
-
-    lines = file.read_text(errors="replace").splitlines()
-    kept = [line for line in lines if (s := logged_step(line)) is not None and s <= step]
-    atomic_write(file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-
-
-def _check_state(state: dict[str, Any], run: Path) -> None:
-    """Refuse a training state that train() did not write (damaged, or crafted) with a CheckpointError
-    naming the field, before anything is restored from it."""
-
-    def count(v: Any) -> bool:
-        return type(v) is int and v >= 0
-
-    def rng_state(v: Any) -> bool:
-        return isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1
-
-    def fraction(v: Any) -> bool:
-        return type(v) is float and 0.0 <= v <= 1.0
-
-    rng, opt, schedule, data = state.get("rng"), state.get("optimizer"), state.get("schedule"), state.get("data")
-    checks = {
-        "tokens": count(state.get("tokens")),
-        "elapsed": state.get("elapsed") is None or type(state["elapsed"]) is float and 0 <= state["elapsed"] < math.inf,
-        "max_iters": state.get("max_iters") is None or count(state.get("max_iters")),
-        "begun_max_iters": state.get("begun_max_iters") is None or count(state.get("begun_max_iters")),
-        "optimizer": isinstance(opt, dict) and isinstance(opt.get("state"), dict)
-        and isinstance(opt.get("param_groups"), list)
-        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in opt["param_groups"]),
-        "scaler": state.get("scaler") is None or isinstance(state.get("scaler"), dict),
-        "rng": isinstance(rng, dict) and rng_state(rng.get("torch")) and rng_state(rng.get("data")),
-        "schedule": schedule is None or isinstance(schedule, dict) and fraction(schedule.get("warm"))
-        and fraction(schedule.get("progress")),
-        "optimizer_kind": state.get("optimizer_kind") in (None, *OPTIMIZERS),
-        "master": state.get("master") is None or isinstance(state["master"], dict)
-        and all(isinstance(k, str) and isinstance(v, torch.Tensor) and v.is_floating_point()
-                for k, v in state["master"].items()),
-        "data": data is None or isinstance(data, dict) and data.get("order") in DATA_ORDERS
-        and (data["order"] == "random" or all(count(data.get(k)) for k in ("position", "epoch", "shard", "offset"))),
-    }
-    bad = [name for name, ok in checks.items() if not ok]
-    if bad:
-        raise CheckpointError(f"{run / checkpoint.STATE}: not a training state tinygpt wrote ({bad[0]} is missing "
-                              "or of the wrong type)")
-
-
-def _check_optimizer_state(saved: dict[str, Any], optimizer: torch.optim.Optimizer, run: Path) -> None:
-    """The saved AdamW moments must have the shapes of the parameters they belong to: a mismatch would
-    load silently and fail inside the first optimizer step."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    sizes = [len(g["params"]) for g in saved["param_groups"]]
-    where = run / checkpoint.STATE
-    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
-        raise CheckpointError(f"{where}: its optimizer state has parameter groups of {sizes}, this model needs "
-                              f"{[len(g['params']) for g in optimizer.param_groups]}")
-    for index, moments in saved["state"].items():
-        if type(index) is not int or not 0 <= index < len(params) or not isinstance(moments, dict):
-            raise CheckpointError(f"{where}: its optimizer state names parameter {index!r}, which this model lacks")
-        for name, t in moments.items():
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape != params[index].shape:
-                raise CheckpointError(f"{where}: optimizer {name} of parameter {index} has shape {tuple(t.shape)}, "
-                                      f"the parameter {tuple(params[index].shape)}")
 
 
 def _restore_rng(rng: dict[str, Any], ctx: distributed.Dist, device: torch.device, fresh_seed: int) -> None:
@@ -1063,65 +945,6 @@ class _Pace:
         per_batch = self.per_eval() / self.cfg.eval_iters
         affordable = (self.cfg.max_time - (now - self.started)) / per_batch if per_batch > 0 else math.inf
         return int(max(1, min(self.cfg.eval_iters, affordable)))
-
-
-def has_checkpoint(run: str | Path) -> bool:
-    """Whether a run folder holds weights (or an adapter run's adapters) to resume from (a run killed
-    before its first save holds none)."""
-    return checkpoint.has_weights(run)
-
-
-def check_new_run(run: str | Path) -> None:
-    """Refuse to start a new run in a folder that holds one: its weights, or a training state
-    without them (a save renames the weights first, so that is a run whose weights were lost,
-    not one killed before its first save; a new run would write over what is left of it). Refuse
-    a path that cannot become a folder too: a file, or a path below one.
-
-    Raises:
-        TrainingError: naming what the folder holds, or the file in the way.
-    """
-    check_folder_path(run, TrainingError)
-    if has_checkpoint(run):
-        raise TrainingError(f"{run} already holds a run: pass --resume to continue it, or pick another --out")
-    run = Path(run)
-    if (run / checkpoint.STATE).exists() or (run / (checkpoint.STATE + ".tmp")).exists():
-        raise TrainingError(f"{run} holds a training state but not its weights ({checkpoint.weights_file(run).name} "
-                            "is missing): restore them to resume, or pick another --out")
-
-
-def check_data_for_run(run: str | Path, dataset: DataSet, tokenizer: Any = None, *, remedy: str | None = None) -> None:
-    """Refuse data prepared with another tokenizer than the run's (what `train --resume` and `eval
-    --data` check): the run's fingerprint is the one train_config.json recorded, else its tokenizer's.
-
-    Args:
-        run: a run folder (or a Hugging Face GPT-2 folder, which records nothing).
-        dataset: the data folder (load_data).
-        tokenizer: the run's tokenizer when the caller has loaded it; else read from run/tokenizer.json.
-        remedy: what the message tells the user to do (see data.check_same_tokenizer).
-
-    Raises:
-        DataError: the tokenizers differ (one line naming both).
-    """
-    run = Path(run)
-    recorded = None
-    if (run / TRAIN_CONFIG).is_file():
-        saved = read_json(run / TRAIN_CONFIG, TrainingError)
-        recorded = saved.get("tokenizer_fingerprint") if isinstance(saved, dict) else None
-        recorded = recorded if isinstance(recorded, str) else None
-    if tokenizer is None and (run / checkpoint.TOKENIZER).is_file():
-        from .tokenizer.base import load_tokenizer
-
-        tokenizer = load_tokenizer(run)
-    check_same_tokenizer(dataset, tokenizer, str(run), fingerprint=recorded, remedy=remedy)
-
-
-def read_train_config(run: str | Path) -> tuple[TrainConfig, str | None]:
-    """The training settings a run was last trained with, and its data folder."""
-    saved = read_json(Path(run) / TRAIN_CONFIG, TrainingError)
-    try:
-        return TrainConfig.from_dict(saved["train"]), saved.get("data")
-    except (KeyError, TypeError, ValueError) as e:
-        raise TrainingError(f"{run}: {TRAIN_CONFIG} is not valid ({e})") from None
 
 
 def eval_report(result: dict[str, Any], n_tokens: int, *, chars: int, nbytes: int, kind: str) -> dict[str, Any]:

@@ -65,6 +65,7 @@ def _once(predicate):
 
 def inject(fault: str, at: int | None, patch) -> None:
     checkpoint = importlib.import_module("tinygpt.checkpoint")
+    run_folder = importlib.import_module("tinygpt.run_folder")
     train = importlib.import_module("tinygpt.train")  # `tinygpt.train` the name is the function
 
     if fault == "state":
@@ -132,7 +133,7 @@ def inject(fault: str, at: int | None, patch) -> None:
             f = builtins.open(path, mode, *args, **kw)
             return Metrics(f) if str(path).endswith("metrics.jsonl") and "a" in mode else f
 
-        patch(train, "open", open_, raising=False)
+        patch(run_folder, "open", open_, raising=False)
     elif fault in ("nan-loss", "nan-grad"):
         real_loss = train.batch_loss
         calls = []

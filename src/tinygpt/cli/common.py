@@ -256,9 +256,10 @@ def time_trained(result) -> str:
 
 def kept_checkpoint(run: str) -> str:
     """What a run that stopped on a non-finite loss keeps, for its error line."""
-    from ..train import has_checkpoint
+    from ..run_folder import RunFolder
 
-    return f"the last checkpoint in {run} is unchanged" if has_checkpoint(run) else f"no checkpoint was saved in {run}"
+    return (f"the last checkpoint in {run} is unchanged" if RunFolder(run).has_weights()
+            else f"no checkpoint was saved in {run}")
 
 
 def cleans_up_on_sigterm(command):

@@ -49,17 +49,15 @@ def _configs(args: argparse.Namespace, resume: bool):
     """(FinetuneConfig, TrainConfig) of the flags; on resume, over the run's own settings."""
     from ..config.fields import from_mapping
     from ..config.train import TrainConfig
-    from ..fileio import read_json
     from ..finetune import DEFAULT_TRAIN
-    from ..train import TRAIN_CONFIG, read_train_config
+    from ..run_folder import RunFolder
 
     _, train_over, _ = train_settings(args)
     if not resume:
         return _finetune_config(args, None), from_mapping(TrainConfig, {**DEFAULT_TRAIN, **train_over})
-    saved_train, _ = read_train_config(args.out)
-    record = read_json(f"{args.out}/{TRAIN_CONFIG}", ConfigError)
-    saved = record.get("finetune") if isinstance(record, dict) else None
-    ft = _finetune_config(args, saved if isinstance(saved, dict) else None)
+    folder = RunFolder(args.out)
+    saved_train, _ = folder.train_config()
+    ft = _finetune_config(args, folder.finetune_settings(ConfigError))
     return ft, from_mapping(TrainConfig, {**saved_train.to_dict(), **train_over})
 
 
@@ -87,9 +85,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from ..distributed import process_group
     from ..errors import NonFiniteError
     from ..finetune import finetune
-    from ..train import has_checkpoint
+    from ..run_folder import RunFolder
 
-    resume = args.resume and has_checkpoint(args.out)
+    resume = args.resume and RunFolder(args.out).has_weights()
     if args.resume and not resume and os.environ.get("RANK", "0") == "0":
         print(f"no checkpoint in {args.out} yet: starting a new run there", file=sys.stderr)
     ft, train_cfg = _configs(args, resume)

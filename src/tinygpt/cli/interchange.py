@@ -31,7 +31,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..calc import format_count
-    from ..checkpoint import TOKENIZER, load_run
+    from ..checkpoint import load_run
+    from ..run_folder import RunFolder
 
     src, out = Path(args.run), Path(args.out)
     if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
@@ -43,16 +44,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     tok = _tokenizer_words(tokenizer)
     if args.format == "hf":
         from ..interop.hf import export_hf
-
-        from ..interop.hf_folder import CONFIG
-        from ..fileio import read_json
+        from ..interop.hf_folder import read_hf_config
 
         export_hf(model, tokenizer, out)
-        arch = read_json(out / CONFIG, ConfigError)["architectures"][0]
+        arch = read_hf_config(out, ConfigError)["architectures"][0]
         print(f"exported {src} to {out} (Hugging Face {arch}: {params}, {tok})")
         print(f"  transformers: AutoModelForCausalLM.from_pretrained('{out}'), AutoTokenizer.from_pretrained('{out}')")
         if tokenizer is None:
-            print(f"  note: {src} has no {TOKENIZER}, so {out} holds the model alone")
+            print(f"  note: {src} has no {RunFolder(src).tokenizer_file.name}, so {out} holds the model alone")
     else:
         from ..interop.gguf import export_gguf, gguf_arch, gguf_notes
 
@@ -79,9 +78,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     folder): the adapters, the base's path and checksum, its config and tokenizer.
     """
     from ..calc import format_count
-    from ..checkpoint import import_hf, import_peft, is_adapter_run
+    from ..checkpoint import import_hf, import_peft
+    from ..run_folder import RunFolder
 
-    if is_adapter_run(args.dir):
+    if RunFolder(args.dir).is_adapter_run():
         model, tokenizer = import_peft(args.dir, args.out, args.base)
         lora = model.lora_config
         print(f"imported the PEFT adapter {args.dir} to {args.out}: LoRA r={lora.rank}, alpha {lora.alpha:g} on "
@@ -114,10 +114,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
             base_model_name_or_path is used when it is a folder).
     """
     from ..calc import format_count
-    from ..checkpoint import merge_run, read_adapter_config
+    from ..checkpoint import merge_run
+    from ..run_folder import RunFolder
 
     model, tokenizer = merge_run(args.run, args.out, args.base)
-    info = read_adapter_config(args.run, args.base)
+    info = RunFolder(args.run).adapter_run(args.base)
     lora = info.lora
     print(f"merged {args.run} (LoRA r={lora.rank}, alpha {lora.alpha:g} on {', '.join(lora.targets)}) into the "
           f"weights of {info.shown_base}: wrote {args.out} ({format_count(model.num_params())} parameters"

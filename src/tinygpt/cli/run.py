@@ -242,19 +242,18 @@ def _from_text(path: str, tokenizer, unknown: str) -> _Scored:
 
 def _eval_data(run: str, data: str | None, tokenizer):
     """--data, or the data folder the run was trained on, checked against the run's tokenizer."""
-    from pathlib import Path
-
     from ..data.folder import load_data
-    from ..train import TRAIN_CONFIG, check_data_for_run, read_train_config
+    from ..run_folder import RunFolder
 
-    if data is None and (Path(run) / TRAIN_CONFIG).exists():  # a Hugging Face folder has none
-        data = read_train_config(run)[1]
+    folder = RunFolder(run)
+    if data is None and folder.recorded():  # a Hugging Face folder has none
+        data = folder.train_config()[1]
     if data is None:
         raise ConfigError(f"{run} holds a model but no data of its own (an imported or Hugging Face folder): "
                           "give --data DIR (a folder from `tinygpt prepare` with this model's tokenizer) "
                           "or --text FILE")
     dataset = load_data(data)
-    check_data_for_run(run, dataset, tokenizer)
+    folder.check_data(dataset, tokenizer)
     return dataset
 
 

@@ -13,18 +13,19 @@ def _run_config(run: str) -> tuple[dict, str]:
     """The architecture in a run folder's config.json (or a Hugging Face GPT-2 folder's, or the file itself)."""
     from pathlib import Path
 
-    from ..checkpoint import CONFIG
+    from ..config.model import GPTConfig
     from ..fileio import parse_json
     from ..interop.hf import is_hf_config
-    from ..config.model import GPTConfig
+    from ..run_folder import RunFolder
 
-    path = Path(run)
+    folder = RunFolder(run)
+    path, name = Path(run), folder.config_file.name
     if path.is_dir():
-        path = path / CONFIG
+        path = folder.config_file
         if not path.is_file():
-            raise ConfigError(f"{run}: no {CONFIG} in this folder (is it a tinygpt run?)")
+            raise ConfigError(f"{run}: no {name} in this folder (is it a tinygpt run?)")
     elif not path.is_file():
-        raise ConfigError(f"{run}: no such run folder or {CONFIG} file")
+        raise ConfigError(f"{run}: no such run folder or {name} file")
     try:
         data = parse_json(path.read_text())
     except ValueError as e:

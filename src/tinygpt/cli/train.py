@@ -69,15 +69,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     from ..device import resolve_device
     from ..distributed import process_group
     from ..errors import NonFiniteError
-    from ..train import check_new_run, has_checkpoint, train
+    from ..run_folder import RunFolder
+    from ..train import train
 
     model_over, train_over, preset = train_settings(args)
-    resume = args.resume and has_checkpoint(args.out)
+    folder = RunFolder(args.out)
+    resume = args.resume and folder.has_weights()
     begun = None  # the model a run killed before its first save was started with
     if not resume:  # before a time budget's sizing: a folder holding a run (or its lost weights' state), a file
-        check_new_run(args.out)
+        folder.check_new()
     if args.resume and not resume:
-        begun = _begun_with(args.out)
+        begun = folder.begun_with()
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.sweep and (resume or begun or preset or distributed):
         why = ("--preset" if preset else f"--resume: {args.out} already has its model" if resume or begun
@@ -87,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         again = "it over with the settings it began with" if begun else "a new run there"
         print(f"no checkpoint in {args.out} yet: starting {again}", file=sys.stderr)
     if resume or begun:
-        model_cfg, train_cfg = _resumed_configs(args.out, model_over, train_over, preset, begun)
+        model_cfg, train_cfg = _resumed_configs(folder, model_over, train_over, preset, begun)
     else:
         model_over, train_over = with_recipe(model_over, train_over, preset)
         train_cfg = from_mapping(TrainConfig, train_over)
@@ -132,45 +134,21 @@ def with_recipe(model_over: dict, train_over: dict, preset: str | None) -> tuple
     return model_over, {**recipe, **train_over}
 
 
-def _resumed_configs(run: str, model_over: dict, train_over: dict, preset: str | None, begun=None):
-    """(model, TrainConfig) to continue `run` with, or to start it over (`begun`, its recorded
-    ModelChoice): its saved settings with the flags over them. The model is None on resume (the
-    run's own) and `begun` on a start over, a new GPTConfig only when --preset or a model flag
+def _resumed_configs(run, model_over: dict, train_over: dict, preset: str | None, begun=None):
+    """(model, TrainConfig) to continue `run` (a RunFolder) with, or to start it over (`begun`, its
+    recorded ModelChoice): its saved settings with the flags over them. The model is None on resume
+    (the run's own) and `begun` on a start over, a new GPTConfig only when --preset or a model flag
     changes the saved one."""
-    from ..checkpoint import load_config
     from ..config.fields import from_mapping
     from ..config.model import GPTConfig, with_arch
     from ..config.train import TrainConfig
-    from ..train import read_train_config
 
-    saved, _ = read_train_config(run)
+    saved, _ = run.train_config()
     train_cfg = from_mapping(TrainConfig, {**saved.to_dict(), **train_over})
     if not (model_over or preset):
         return begun, train_cfg
-    base = (GPTConfig.from_preset(preset) if preset else begun.config if begun else load_config(run)).to_dict()
+    base = (GPTConfig.from_preset(preset) if preset else begun.config if begun else run.model_config()).to_dict()
     return from_mapping(GPTConfig, with_arch(base, model_over)), train_cfg
-
-
-def _begun_with(run: str):
-    """The ModelChoice that train_config.json recorded for a run that has no checkpoint yet (one
-    killed before its first save), or None where there is no record of one."""
-    from ..errors import TrainingError
-    from ..fileio import read_json
-    from ..sizing import ModelChoice
-    from ..train import TRAIN_CONFIG
-
-    file = os.path.join(run, TRAIN_CONFIG)
-    if not os.path.isfile(file):
-        return None
-    saved = read_json(file, TrainingError)
-    notes = saved.get("notes") if isinstance(saved, dict) else None
-    choice = notes.get("model_choice") if isinstance(notes, dict) else None
-    if not isinstance(choice, dict):
-        return None
-    try:
-        return ModelChoice.from_dict(choice)
-    except ConfigError as e:
-        raise TrainingError(f"{file}: {e}") from None
 
 
 def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: str | None, distributed: bool):

@@ -4,6 +4,7 @@ the Llama family, LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (tinyg
     is_hf_folder(path)          a folder whose config.json names a model_type (a run's never does)
     read_hf_weights(path)       model.safetensors, or the shards model.safetensors.index.json names
     config_from_hf(data)        config.json -> GPTConfig, by model_type
+    folder_config(path)         the folder's GPTConfig, from its config.json
     load_hf(path)               the folder's model
     export_hf(model, tok, out)  the folder transformers' AutoModelForCausalLM loads, by config.arch
     to_transformers(model)      the model as transformers' own class (needs the hf extra)
@@ -22,12 +23,11 @@ import torch
 
 from ..config.model import GPTConfig
 from ..errors import CheckpointError, MissingDependencyError
-from ..fileio import read_json
 from ..weights import check_layers, model_from_tensors
-from .hf_folder import CONFIG, FAMILY, MODEL_TYPES, is_hf_config, is_hf_folder, read_hf_weights
+from .hf_folder import FAMILY, MODEL_TYPES, is_hf_config, is_hf_folder, read_hf_config, read_hf_weights
 
-__all__ = ["config_from_hf", "export_hf", "hf_name", "is_hf_config", "is_hf_folder", "load_hf", "read_hf_weights",
-           "to_transformers"]
+__all__ = ["config_from_hf", "export_hf", "folder_config", "hf_name", "is_hf_config", "is_hf_folder", "load_hf",
+           "read_hf_weights", "to_transformers"]
 
 def config_from_hf(data: Any, where: str) -> GPTConfig:
     """The GPTConfig of a Hugging Face config.json of a model_type tinygpt reads (MODEL_TYPES).
@@ -50,6 +50,15 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
                           f"{', '.join(MODEL_TYPES)})")
 
 
+def folder_config(path: str | Path) -> GPTConfig:
+    """The GPTConfig of a Hugging Face folder, from its config.json (config_from_hf).
+
+    Args:
+        path: the folder.
+    """
+    return config_from_hf(read_hf_config(path), str(path))
+
+
 def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfinite: bool = False) -> Any:
     """A Hugging Face folder's model as a tinygpt GPT in eval mode, its weights in the dtype stored.
 
@@ -65,8 +74,7 @@ def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfi
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such folder")
-    data = read_json(path / CONFIG, CheckpointError)
-    config = config_from_hf(data, str(path))
+    config = folder_config(path)
     tensors = read_hf_weights(path)
     if config.arch == "gpt2":
         from .hf_gpt2 import from_hf_state_dict

@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..fileio import check_folder_path, read_json
 from ..weights import read_weights
 
-# Hugging Face's names; a tinygpt run folder uses the first two too (tinygpt.checkpoint), which is why a
+# Hugging Face's names; a tinygpt run folder uses the first two too (tinygpt.run_folder), which is why a
 # Hugging Face folder is told apart by the model_type in its config.json (is_hf_folder)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -28,6 +28,16 @@ MODEL_TYPES = ("gpt2", *FAMILY)
 def is_hf_config(data: Any) -> bool:
     """True for the content of a Hugging Face config.json: it names a `model_type` (a run's never does)."""
     return isinstance(data, dict) and "model_type" in data
+
+
+def read_hf_config(path: str | Path, error: type[Exception] = CheckpointError) -> Any:
+    """A Hugging Face folder's config.json as read.
+
+    Args:
+        path: the folder.
+        error: the exception a missing or broken file raises.
+    """
+    return read_json(Path(path) / CONFIG, error)
 
 
 def is_hf_folder(path: str | Path) -> bool:

@@ -1,6 +1,6 @@
 """Hugging Face PEFT's LoRA adapter format, as PEFT's `save_pretrained` writes it and
 `PeftModel.from_pretrained` reads it: adapter_config.json and adapter_model.safetensors
-(tinygpt.checkpoint keeps adapter runs in this format, its own bookkeeping in a file beside).
+(tinygpt.checkpoint keeps adapter runs in this format, tinygpt.run_folder its own bookkeeping in a file beside).
 
     peft_config(lora, config, base)          adapter_config.json for tinygpt's LoRA settings
     to_peft_state_dict(tensors, config)      tinygpt's adapter tensors under PEFT's keys

@@ -1,4 +1,4 @@
-"""The scaling experiment: train a grid of models through train.py, fit how the best model size and
+"""The scaling experiment: train a grid of models through tinygpt.train, fit how the best model size and
 the loss move with compute, and hand the results to viz for the plots.
 
 The grid is an IsoFLOP design (Hoffmann et al. 2022, "approach 2"): for each compute budget C,
@@ -49,7 +49,8 @@ from ..config.train import TrainConfig
 from ..data.folder import load_data
 from ..errors import ConfigError, NonFiniteError, SweepError
 from ..fileio import atomic_write, read_json, write_json
-from ..train import has_checkpoint, train
+from ..run_folder import RunFolder
+from ..train import train
 
 RESULTS = "results.json"
 RESULTS_CSV = "results.csv"
@@ -311,7 +312,7 @@ def _last_eval(run: Path) -> tuple[float | None, float | None]:
     import json
 
     last = (None, None)
-    path = run / "metrics.jsonl"
+    path = RunFolder(run).metrics_file
     if path.exists():
         for line in path.read_text().splitlines():
             if '"val_loss"' in line:
@@ -428,7 +429,7 @@ def _train_grid(data: Path, out: Path, grid: list[GridPoint], settings: SweepSet
         record = point.record()
         try:
             result = train(data, run, point.config, settings.train_config(point.steps),
-                           resume=has_checkpoint(run), progress=progress,
+                           resume=RunFolder(run).has_weights(), progress=progress,
                            notes={"sweep": {k: record[k] for k in ("budget", "target_params", "params", "steps")}})
         except NonFiniteError as e:
             record.update(status="diverged", val_loss=None, train_loss=None, error=str(e))

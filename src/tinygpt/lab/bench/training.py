@@ -41,7 +41,8 @@ def train_tinygpt(
 ) -> dict[str, Any]:
     """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones: with compile,
     the first of them compiles)."""
-    from ...train import METRICS, train
+    from ...run_folder import RunFolder
+    from ...train import train
 
     with tempfile.TemporaryDirectory() as tmp:
         tc = TrainConfig(
@@ -51,7 +52,7 @@ def train_tinygpt(
         start = time.perf_counter()
         train(data, Path(tmp) / "run", cfg, tc, progress=False)
         wall = time.perf_counter() - start
-        lines = [json.loads(line) for line in (Path(tmp) / "run" / METRICS).read_text().splitlines()]
+        lines = [json.loads(line) for line in RunFolder(Path(tmp) / "run").metrics_file.read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in lines if "tokens_per_s" in r][warmup:]
     return {"tokens_per_s": statistics.median(rates), "wall_s": wall}
 

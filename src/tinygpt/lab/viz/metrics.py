@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import CheckpointError
+from ...run_folder import RunFolder
 
 
 @dataclass
@@ -39,7 +40,7 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
         CheckpointError: no such run, no metrics.jsonl, a corrupt line, or no step logged yet.
     """
     path = Path(run)
-    file = path / "metrics.jsonl" if path.is_dir() else path
+    file = RunFolder(path).metrics_file if path.is_dir() else path
     if not path.exists():
         raise CheckpointError(f"{run}: no such run folder")
     if not file.is_file():
