@@ -62,15 +62,16 @@ def trace_cli(folder: str | Path, patch) -> list:
     tracers made, one per call, so a caller can tell that the CLI went through train()."""
     import tinygpt.cli  # noqa: F401  (its modules, if they hold `train` themselves, are patched too)
 
-    train_module = importlib.import_module("tinygpt.train")  # `tinygpt.train` the name is the function
+    train_module = importlib.import_module("tinygpt.train.loop")
     real, tracers = train_module.train, []
 
     def traced(*args, callbacks=(), **kwargs):
         tracers.append(Tracer(Path(folder)))
         return real(*args, callbacks=[*callbacks, tracers[-1]], **kwargs)
 
+    homes = ("tinygpt.train", "tinygpt.train.loop")  # the package's name for it, and where it is defined
     for name, module in list(sys.modules.items()):
-        if name == "tinygpt.train" or (name.startswith("tinygpt.cli") and getattr(module, "train", None) is real):
+        if name in homes or (name.startswith("tinygpt.cli") and getattr(module, "train", None) is real):
             patch(module, "train", traced)
     return tracers
 

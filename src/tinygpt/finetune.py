@@ -54,7 +54,10 @@ from .model import GPT, grow_vocab
 from .run_folder import RunFolder
 from .tokenizer.base import Tokenizer, encode_named
 from .tokenizer.chat import render_chat_prompt, stop_ids, with_chat_template
-from .train import Start, TrainCallback, TrainResult, conversations_within, evaluate, evaluate_chat, train
+from .train.callbacks import TrainCallback, TrainResult
+from .train.evaluation import conversations_within, evaluate, evaluate_chat
+from .train.loop import train
+from .train.run import Start
 from .weights import reconfigured
 
 # What the library's finetune() trains with when no TrainConfig is given: nanoGPT's GPT-2 recipe

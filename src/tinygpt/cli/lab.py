@@ -35,7 +35,7 @@ def cmd_emergence(args: argparse.Namespace) -> int:
         default to the lesson's settings (PyTorch's init, an untied head). --json: end with one JSON line.
     """
     from ..lab import emergence
-    from ..train import ProgressBar
+    from ..train.callbacks import ProgressBar
 
     fields = ("vocab_size", "context", "steps", "probe_interval", "seed", "n_head", "n_embd", "init", "tie_weights",
               "activation", "batch_size", "lr", "warmup", "weight_decay", "device")

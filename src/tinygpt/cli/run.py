@@ -162,7 +162,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from ..train import eval_report, evaluate
+    from ..train.evaluation import eval_report, evaluate
 
     if args.unknown == "skip" and not args.text:
         raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
@@ -268,7 +268,7 @@ def _eval_chat(args: argparse.Namespace, model, dataset) -> int:
     evaluation counts it, each conversation alone; --max-tokens keeps the first conversations that fit."""
     import math
 
-    from ..train import conversations_within, evaluate_chat
+    from ..train.evaluation import conversations_within, evaluate_chat
 
     keep = None if args.max_tokens is None else conversations_within(dataset, args.max_tokens)
     result = evaluate_chat(model, dataset, batch_size=args.batch_size, conversations=keep)

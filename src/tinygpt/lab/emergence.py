@@ -29,7 +29,8 @@ from ..data.text import prepare
 from ..errors import ConfigError
 from ..fileio import check_new_folder, write_json
 from ..tokenizer.char import CharTokenizer
-from ..train import TrainCallback, train
+from ..train.callbacks import TrainCallback
+from ..train.loop import train
 from . import probes, viz
 
 # the data's characters: letters and digits first, then ASCII's other printable ones, then Latin-1's

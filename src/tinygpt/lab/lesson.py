@@ -248,7 +248,7 @@ def decoding_pitfall(run: TinyRun | None = None, prompt: str = "Beautiful is ", 
     """
     import numpy as np
 
-    from ..train import evaluate
+    from ..train.evaluation import evaluate
 
     out = []
     with _one_thread():

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..data.batches import get_batch
 from ..data.folder import load_data
 from ..errors import ConfigError, TrainingError
-from ..train import RunStart, TrainCallback, TrainResult
+from ..train.callbacks import RunStart, TrainCallback, TrainResult
 
 PROBE_SEQUENCES = 32  # repeated sequences per probe: the scores' noise is about 1/sqrt(32 x period)
 ICL_WINDOWS = 16  # validation windows per in-context learning score

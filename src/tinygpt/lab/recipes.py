@@ -34,7 +34,8 @@ from ..config.model import GPTConfig, with_arch
 from ..config.train import RECIPE_MODEL, RECIPE_TRAIN, TrainConfig
 from ..data.folder import load_data
 from ..errors import ConfigError
-from ..train import TrainCallback, train
+from ..train.callbacks import TrainCallback
+from ..train.loop import train
 
 
 @dataclass(frozen=True)

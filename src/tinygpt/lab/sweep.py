@@ -50,7 +50,7 @@ from ..data.folder import load_data
 from ..errors import ConfigError, NonFiniteError, SweepError
 from ..fileio import atomic_write, read_json, write_json
 from ..run_folder import RunFolder
-from ..train import train
+from ..train.loop import train
 
 RESULTS = "results.json"
 RESULTS_CSV = "results.csv"

@@ -42,7 +42,7 @@ def train_tinygpt(
     """Tokens/s of `steps` real tinygpt.train optimizer steps (after `warmup` untimed ones: with compile,
     the first of them compiles)."""
     from ...run_folder import RunFolder
-    from ...train import train
+    from ...train.loop import train
 
     with tempfile.TemporaryDirectory() as tmp:
         tc = TrainConfig(
