@@ -69,7 +69,7 @@ def test_resume_is_bitwise_equal(char_data, tmp_path, stop_at):
 
 
 def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch):
-    train_module = importlib.import_module("tinygpt.train.run")
+    train_module = importlib.import_module("tinygpt.train.objectives")
 
     run = tmp_path / "run"
     train(char_data, run, MODEL, cfg(max_iters=5), progress=False)
@@ -226,7 +226,7 @@ class FakeMachine:
     (until, seconds per step): the machine gets busier or quieter at those times."""
 
     def __init__(self, monkeypatch, phases):
-        train_module = importlib.import_module("tinygpt.train.run")
+        train_module = importlib.import_module("tinygpt.train.objectives")
         self.now, self.phases, real = 0.0, phases, train_module.batch_loss
 
         def timed_loss(model, batch, device):

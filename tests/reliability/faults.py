@@ -66,7 +66,7 @@ def _once(predicate):
 def inject(fault: str, at: int | None, patch) -> None:
     checkpoint = importlib.import_module("tinygpt.checkpoint")
     run_folder = importlib.import_module("tinygpt.run_folder")
-    run = importlib.import_module("tinygpt.train.run")
+    objectives = importlib.import_module("tinygpt.train.objectives")
 
     if fault == "state":
         strike = _once(lambda path, mode: str(path).endswith("train_state.pt.tmp") and "w" in mode)
@@ -135,7 +135,7 @@ def inject(fault: str, at: int | None, patch) -> None:
 
         patch(run_folder, "open", open_, raising=False)
     elif fault in ("nan-loss", "nan-grad"):
-        real_loss = run.batch_loss
+        real_loss = objectives.batch_loss
         calls = []
 
         class NanGrad(torch.autograd.Function):
@@ -155,6 +155,6 @@ def inject(fault: str, at: int | None, patch) -> None:
                     return loss * float("nan") if fault == "nan-loss" else NanGrad.apply(loss)
             return loss
 
-        patch(run, "batch_loss", batch_loss)
+        patch(objectives, "batch_loss", batch_loss)
     else:
         raise ValueError(f"unknown fault {fault!r}")

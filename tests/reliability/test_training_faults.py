@@ -81,7 +81,7 @@ def test_exit_code_3_is_only_for_a_nonfinite_stop(char_data, tmp_path, capsys):
 def test_clipping_holds_exploding_gradients_to_max_norm(char_data, tmp_path, monkeypatch):
     """Gradients scaled by 1e6 (the loss times 1e6): the norm logged is the unclipped one, and the
     gradients the optimizer sees have norm <= grad_clip."""
-    train_module = __import__("tinygpt.train.run", fromlist=["batch_loss"])
+    train_module = __import__("tinygpt.train.objectives", fromlist=["batch_loss"])
     real_loss = train_module.batch_loss
     monkeypatch.setattr(train_module, "batch_loss", lambda model, batch, device: real_loss(model, batch, device) * 1e6)
     clipped = []

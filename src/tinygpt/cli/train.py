@@ -159,7 +159,7 @@ def _new_model(args: argparse.Namespace, train_cfg, model_over: dict, preset: st
     from ..config.model import GPTConfig, with_arch
     from ..data.folder import load_data
     from ..sizing import SIZE_FIELDS, ModelChoice, choose_model
-    from ..train.run import check_has_val
+    from ..train.objectives import check_has_val
 
     dataset = load_data(args.data)
     check_has_val(dataset)  # before a time budget's speed is measured

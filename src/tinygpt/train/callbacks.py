@@ -61,14 +61,17 @@ class TrainCallback:
         """Before the first step."""
 
     def on_batch(self, offsets: torch.Tensor) -> None:
-        """Every micro-step's batch as it is drawn: this process's window start positions in the train split."""
+        """Every micro-step's batch as it is drawn: where this process's rows come from in the train split
+        (the objective's Batch.positions: window start positions for text, packed rows for chat data)."""
 
     def on_step(self, record: dict[str, Any], total: int | None) -> None:
         """After every optimizer step (and its evaluation, when one was due) with the step's metrics line
-        (step, tokens, loss, lr, grad_norm, tokens_per_s, time) and the run's length as now estimated."""
+        (step, tokens, loss, lr, grad_norm, the objective's metrics if it logs any, tokens_per_s, time) and
+        the run's length as now estimated."""
 
     def on_eval(self, record: dict[str, Any]) -> None:
-        """After every evaluation, with its metrics line (step, tokens, train_loss, val_loss)."""
+        """After every evaluation, with its metrics line (step, tokens and the objective's evaluation: for
+        the next-token loss train_loss and val_loss)."""
 
     def on_end(self, result: TrainResult, model: torch.nn.Module) -> None:
         """Once the run has stopped and its last checkpoint is on disk, with the trained model."""
@@ -99,9 +102,9 @@ class ProgressBar(TrainCallback):
         self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=tok_s, refresh=False)
 
     def on_eval(self, record: dict[str, Any]) -> None:
-        if self.show:
-            self.bar.write(f"step {record['step']}: train loss {record['train_loss']:.4f}, "
-                           f"val loss {record['val_loss']:.4f}")
+        if self.show:  # an objective's evaluation has a val_loss; the next-token loss's, a train_loss too
+            train = f"train loss {record['train_loss']:.4f}, " if "train_loss" in record else ""
+            self.bar.write(f"step {record['step']}: {train}val loss {record['val_loss']:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,7 +1,7 @@
 """Scoring a model on held-out text for the commands and reports (`tinygpt eval`, a fine-tune's before
 and after): the loss over a whole token stream (evaluate), over a chat split's assistant tokens
 (evaluate_chat), and what a loss comes to in perplexity and bits (eval_report). A run's own
-evaluation, on sampled batches as it trains, is the run's (tinygpt.train.run)."""
+evaluation, on sampled batches as it trains, is its objective's (tinygpt.train.objectives)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..data.folder import DataSet
 from ..device import autocast
 from ..errors import TrainingError
 from ..model import GPT
-from .run import batch_loss
+from .objectives import batch_loss
 
 
 @torch.no_grad()

@@ -5,10 +5,11 @@ what a caller shows as a run goes (a progress bar, a trace) hangs on its TrainCa
 
 train() reads top to bottom: the settings, checked before anything is written (run.settings), the run
 set up (run.Run, restored on resume by state.restore), then the loop in steps: Run.train_step,
-Run.evaluate and Run.save as it goes, with Run.decide to stop. Fine-tuning (tinygpt.finetune) is this
-loop with a Start: the starting model built elsewhere (a pretrained one, with what is not to train
-frozen or LoRA's adapters added), how a checkpoint of it is saved (an adapter run, for LoRA) and read
-back, and keep best."""
+Run.evaluate and Run.save as it goes, with Run.decide to stop. What a step optimises is the run's
+objective (tinygpt.train.objectives): the loop asks it for each micro-batch and its loss, and for each
+evaluation. Fine-tuning (tinygpt.finetune) is this loop with a Start: the starting model built elsewhere
+(a pretrained one, with what is not to train frozen or LoRA's adapters added), how a checkpoint of it is
+saved (an adapter run, for LoRA) and read back, keep best, and the objective when it is not the data's own."""
 
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ def _steps(run: Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | 
                 dt = now - t0
                 pace.step(dt)
                 loss = record["loss"]
-                record.update(tokens_per_s=run.tokens_per_step / dt if dt > 0 else None, time=now - started)
+                record.update(tokens_per_s=run.step_tokens / dt if dt > 0 else None, time=now - started)
                 metrics.log(record)
                 if run.step % cfg.eval_interval == 0:
                     t_eval = clock()

@@ -1,8 +1,7 @@
 """A run as it trains. Phase 1, settings: what to train and how, every refusal made before anything is
 written (Setup; a Start for a model built elsewhere). Phase 2, Run: the model, its optimizer and the
 state a checkpoint keeps, built (or restored, on resume: tinygpt.train.state); then the phases the
-loop goes through, a method each: train_step (the loss of a batch: batch_loss), evaluate (the loss on
-both splits: estimate_loss), save, decide."""
+loop goes through, a method each: train_step, evaluate, save, decide."""
 
 from __future__ import annotations
 
@@ -14,15 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import checkpoint, distributed
 from ..config.model import GPTConfig
 from ..config.train import DEFAULT_LR, TrainConfig
-from ..data.batches import Batches, Stream, data_order, share
 from ..data.folder import DataSet
-from ..data.shards import ShardedTokens
 from ..device import allow_fast_float32, autocast, resolve_dtype
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..model import GPT
@@ -31,6 +27,7 @@ from ..run_folder import RunFolder
 from ..sizing import ModelChoice
 from . import state
 from .callbacks import TrainCallback
+from .objectives import Objective, objective_for
 from .pacing import Pace, Stop
 
 DEFAULT_MAX_ITERS = 2000
@@ -62,6 +59,9 @@ class Start:
         dtypes: each weight's dtype in the checkpoints (a bfloat16 base's, so its run is saved in
             bfloat16), where the model trains in float32; the float32 weights a save rounds are kept
             in the training state, and a resume goes on from them. None: saved as trained.
+        objective: what a step optimises, made from (dataset, cfg, window, ctx) as
+            tinygpt.train.objectives.Objective is; None: the data's own (objective_for: the masked
+            loss on chat data, else the next-token loss).
     """
 
     config: GPTConfig
@@ -74,6 +74,7 @@ class Start:
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
     window: int | None = None
     dtypes: dict[str, torch.dtype] | None = None
+    objective: Callable[[DataSet, TrainConfig, int, distributed.Dist], Objective] | None = None
 
 
 @dataclass
@@ -86,6 +87,7 @@ class Setup:
     state: dict[str, Any] | None  # the checkpoint's training state, when resuming
     notes: dict[str, Any] | None  # to record in train_config.json
     start: Start | None = None  # a model built elsewhere (fine-tuning)
+    objective: Objective | None = None  # what a step optimises
 
     @property
     def window(self) -> int:
@@ -99,7 +101,7 @@ def settings(
     cfg: TrainConfig, resume: bool, notes: dict[str, Any] | None,
 ) -> Setup:
     """Phase 1: the model's settings (the run's own on resume), its training state, the learning rate
-    left to choose; everything refused here leaves the run folder as it was."""
+    left to choose, the objective; everything refused here leaves the run folder as it was."""
     choice = model_config if isinstance(model_config, ModelChoice) else None
     start = model_config if isinstance(model_config, Start) else None
     model_config = choice.config if choice is not None else start.config if start is not None else model_config
@@ -127,81 +129,18 @@ def settings(
             lr = start.lr
         cfg = dataclasses.replace(cfg, lr=lr or DEFAULT_LR)
     setup = Setup(dataset, model_config, cfg, state, notes, start)
-    _check_fits(model_config, dataset, setup.window)
-    if data_order(cfg, dataset) == "sequential":
-        rows, n = cfg.batch_size * ctx.world_size, len(dataset.train)
-        if n < rows * setup.window + 1:
-            raise TrainingError(f"the train split has {n:,} tokens, fewer than one sequential batch of {rows} x "
-                                f"{setup.window} + 1; use more text, a smaller batch or --data-order random")
-    return setup
-
-
-def check_has_val(dataset: DataSet) -> None:
-    """Refuse a data folder prepared without a validation split (training evaluates on it)."""
-    if not dataset.is_chat and not int(dataset.meta["val_tokens"]):
-        raise TrainingError(f"{dataset.path} has no validation split (prepared with --val-fraction 0): "
-                            "prepare it again with a --val-fraction above 0")
-
-
-def _check_fits(model_config: GPTConfig, dataset: DataSet, block: int) -> None:
-    """The model must cover the data's vocabulary, and each split must hold one training window of
-    `block` tokens (chat data: one conversation)."""
     vocab = int(dataset.meta["vocab_size"])
     if model_config.vocab_size < vocab:
         raise TrainingError(f"vocab_size={model_config.vocab_size} is smaller than the data's vocabulary of {vocab}")
-    if dataset.is_chat:
-        for split in ("train", "val"):
-            if not dataset.meta[f"{split}_conversations"]:
-                raise TrainingError(f"the {split} split of {dataset.path} holds no conversation; "
-                                    "prepare more conversations or another --val-fraction")
-        return
-    check_has_val(dataset)
-    for split in ("train", "val"):
-        n = len(getattr(dataset, split))
-        if n < block + 1:
-            raise TrainingError(
-                f"the {split} split has {n} tokens, fewer than block_size + 1 = {block + 1}; "
-                "use more text or a smaller --block-size"
-            )
-
-
-def batch_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, ...], device) -> torch.Tensor:
-    """The loss of one batch from Batches.get: every target's for text; the weighted targets' (the
-    assistant's tokens), each conversation seeing only itself, for chat. The model computes it
-    from its last hidden states (GPT.forward's targets), so a batch's logits never exist whole."""
-    if len(batch) == 2:
-        x, y = batch
-        return model(x.to(device), targets=y.to(device))
-    x, y, weights, documents = (t.to(device) for t in batch)
-    return model(x, documents=documents, targets=y, loss_weights=weights)
-
-
-@torch.no_grad()
-def estimate_loss(
-    model: GPT, tokens: np.ndarray | Batches, cfg: TrainConfig, device, dtype, *, rank: int = 0,
-    world_size: int = 1, iters: int | None = None,
-) -> float:
-    """Mean loss over eval_iters random batches (the first `iters` of them when given); the same
-    batches at every evaluation. On chat data (a Batches of it) the loss is the assistant's tokens'.
-
-    With several processes each batch holds batch_size x world_size sequences and this process
-    evaluates its own slice; the mean of the processes' results is the loss over the whole batch.
-    """
-    batches = tokens if isinstance(tokens, Batches) else Batches(tokens, model.config.block_size)
-    g = torch.Generator().manual_seed(cfg.seed + 1)
-    losses = []
-    for _ in range(cfg.eval_iters if iters is None else iters):
-        positions = batches.sample(cfg.batch_size * world_size, g)
-        batch = batches.get(share(positions, rank, cfg.batch_size))
-        with autocast(device, dtype):
-            losses.append(batch_loss(model, batch, device).item())
-    return float(np.mean(losses))
+    make = start.objective if start is not None and start.objective is not None else objective_for
+    setup.objective = make(dataset, cfg, setup.window, ctx)
+    return setup
 
 
 class Run:
     """One run as it trains: the model, its optimizer and what a checkpoint keeps (step, tokens seen,
-    the schedule, the random streams), with the phases of the loop as methods: train_step (the loss
-    is `loss`), evaluate, save, decide. Phase 2, setting up, is the constructor (and restore, on resume)."""
+    the schedule, the random streams, the objective's own), with the phases of the loop as methods:
+    train_step, evaluate, save, decide. Phase 2, setting up, is the constructor (and restore, on resume)."""
 
     def __init__(self, ctx: distributed.Dist, folder: RunFolder, setup: Setup,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -209,6 +148,7 @@ class Run:
         self.clock, self.started = clock, 0.0  # started: when this invocation's steps began (the loop sets it)
         self.seconds_before = 0.0  # the run's training time before this invocation (a resumed checkpoint's)
         self.ctx, self.folder, self.dataset, self.start = ctx, folder, setup.dataset, setup.start
+        self.objective = setup.objective
         self.device, self.dtype = ctx.device, resolve_dtype(cfg.dtype, ctx.device)
         allow_fast_float32(self.device)
         fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
@@ -224,13 +164,7 @@ class Run:
         if ctx.rank > 0:  # each process draws its own dropout masks
             torch.manual_seed(cfg.seed + ctx.rank)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.dtype is torch.float16)
-        self.data_rng = torch.Generator().manual_seed(cfg.seed)
-        self.block = setup.window
-        self.batches = {s: Batches.of(self.dataset, s, self.block) for s in ("train", "val")}
-        self.order = data_order(cfg, self.dataset)
-        self.stream = Stream(self.dataset.train, self.block) if self.order == "sequential" else None
-        self.tokens_per_step = cfg.batch_size * cfg.grad_accum * self.block * ctx.world_size
-        self.step, self.tokens, self.horizon = 0, 0, cfg.max_iters
+        self.step, self.tokens, self.step_tokens, self.horizon = 0, 0, 0, cfg.max_iters
         self.keep_best = setup.start is not None and setup.start.keep == "best"
         self.best = math.inf  # the lowest validation loss saved, with keep best
         self.budget = cfg.max_iters is None and cfg.max_time is not None  # a time budget alone: its length is estimated
@@ -254,12 +188,6 @@ class Run:
                   "train": self.cfg.to_dict(), **(self.start.record if self.start is not None else {})}
         self.folder.write_record(record, notes, fresh=fresh)
 
-    def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The training loss of one micro-batch (Batches.get: inputs x, targets y, and for chat the
-        targets' weights and document ids), under autocast."""
-        with autocast(self.device, self.dtype):
-            return batch_loss(self.step_model, batch, self.device)
-
     def train_step(self, hooks: TrainCallback) -> dict[str, Any]:
         """Phase 3: one optimizer step on a global batch (grad_accum micro-steps); its metrics line."""
         cfg, ctx = self.cfg, self.ctx
@@ -271,21 +199,22 @@ class Run:
         for group, scale in zip(self.optimizer.param_groups, self.lr_scales):
             group["lr"] = lr * scale
         loss_sum = torch.zeros((), device=self.device)
+        sums: dict[str, torch.Tensor] = {}
+        self.step_tokens = 0
         for micro in range(cfg.grad_accum):
-            # every process draws the whole global batch (from the same generator, or the next in the
-            # stream) and takes its slice
-            rows = cfg.batch_size * ctx.world_size
-            offsets = self.stream.draw(rows) if self.stream else self.batches["train"].sample(rows, self.data_rng)
-            if isinstance(self.dataset.train, ShardedTokens):  # the whole global batch's: every process stops alike
-                self.dataset.train.check_windows(offsets.numpy(), self.block + 1)
-            offsets = share(offsets, ctx.rank, cfg.batch_size)
-            hooks.on_batch(offsets)
-            batch = self.batches["train"].get(offsets)
+            with autocast(self.device, self.dtype):
+                batch = self.objective.draw(self.model)
+            hooks.on_batch(batch.positions)
+            self.step_tokens += batch.tokens
             # gradients are reduced across processes once, in the last micro-step's backward
             with distributed.gradient_sync(self.wrapped, micro == cfg.grad_accum - 1):
-                loss = self.loss(batch) / cfg.grad_accum
+                with autocast(self.device, self.dtype):
+                    loss, metrics = self.objective.loss(self.step_model, batch)
+                loss = loss / cfg.grad_accum
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0) + value.detach() / cfg.grad_accum
         loss_value = ctx.mean(loss_sum)  # the global batch's loss, the same in every process
         if not math.isfinite(loss_value):
             raise NonFiniteError(f"step {self.step + 1}: the loss is {loss_value}; stopped before the update",
@@ -301,8 +230,9 @@ class Run:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens += self.tokens_per_step
-        return {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm}
+        self.tokens += self.step_tokens
+        return {"step": self.step, "tokens": self.tokens, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                **{name: ctx.mean(value) for name, value in sums.items()}}
 
     def decay_begins(self, before: dict[str, float] | None) -> bool:
         """Whether the step about to run is a WSD run's first at a decaying rate (`before`: a time
@@ -314,15 +244,12 @@ class Run:
         return self.step == decay_start(self.cfg, self.horizon, self.warmup)
 
     def evaluate(self, iters: int | None = None) -> dict[str, Any]:
-        """Phase 4a: the loss on both splits (eval_iters batches, or the first `iters`); its metrics line."""
+        """Phase 4a: the objective's evaluation (eval_iters batches, or the first `iters`); its metrics line."""
         self.model.eval()
-        losses = {
-            s: self.ctx.mean(estimate_loss(self.model, self.batches[s], self.cfg, self.device, self.dtype,
-                                           rank=self.ctx.rank, world_size=self.ctx.world_size, iters=iters))
-            for s in ("train", "val")
-        }
+        with autocast(self.device, self.dtype):
+            values = self.objective.evaluate(self.model, iters)
         self.model.train()
-        record = {"step": self.step, "tokens": self.tokens, "train_loss": losses["train"], "val_loss": losses["val"]}
+        record = {"step": self.step, "tokens": self.tokens, **values}
         return {**record, "eval_iters": iters} if iters is not None and iters < self.cfg.eval_iters else record
 
     def save(self, folder: RunFolder | None = None, schedule: dict[str, float] | None = None) -> None:

@@ -1,5 +1,5 @@
 """A run's saved state: what a checkpoint keeps beside the weights (train_state.pt: the step, the tokens,
-the time, the schedule, the optimizer and gradient scaler, every random stream, the data's position),
+the time, the schedule, the optimizer and gradient scaler, every random stream, the objective's own),
 and how a resume puts it back. The file's shape and every check on it are the run folder's
 (RunFolder.load_state, check_state, check_optimizer_state): nothing is restored before they pass."""
 
@@ -23,7 +23,7 @@ def save(run: Run, folder: RunFolder | None = None, schedule: dict[str, float] |
     of its own, with the run's train_config.json and metrics.jsonl so far copied beside it), with the
     schedule's state `schedule` in place of the current one. Every process takes part; rank 0 writes."""
     ctx, device = run.ctx, run.device
-    rng = {"torch": torch.get_rng_state(), "data": run.data_rng.get_state()}
+    rng = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     if ctx.enabled:  # every process's dropout stream, so a resume on as many processes is exact
@@ -41,8 +41,8 @@ def save(run: Run, folder: RunFolder | None = None, schedule: dict[str, float] |
         "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None, "rng": rng,
         "schedule": schedule or (run.schedule.state() if run.schedule is not None else None),
         "optimizer_kind": run.cfg.optimizer,
-        "data": run.stream.state() if run.stream is not None else {"order": "random"},
     }
+    run.objective.save_state(train_state)
     if run.keep_best:
         train_state["best_val"] = run.best
     if master is not None:
@@ -67,7 +67,7 @@ def _stored(run: Run, weights: dict[str, torch.Tensor] | None) -> tuple[dict | N
 
 def restore(run: Run, state: dict[str, Any]) -> None:
     """Put a checkpoint's training state back into the run being set up: where it was, its optimizer,
-    its random streams, its data's position; then drop the metrics logged after it."""
+    its random streams, its objective's position; then drop the metrics logged after it."""
     cfg, ctx, folder = run.cfg, run.ctx, run.folder
     run.step, run.tokens = int(state["step"]), int(state["tokens"])
     run.seconds_before = state.get("elapsed") or 0.0  # a state saved before it was kept: unknown, none
@@ -90,12 +90,7 @@ def restore(run: Run, state: dict[str, Any]) -> None:
         if state.get("scaler"):
             run.scaler.load_state_dict(state["scaler"])
         _restore_rng(state["rng"], ctx, run.device, cfg.seed + ctx.rank + 1_000_003 * run.step)
-        run.data_rng.set_state(state["rng"]["data"])  # the same in every process: they draw the same global batches
-        saved = state.get("data") or {"order": "random"}  # a state saved before data orders existed: random
-        if saved["order"] != run.order:
-            raise TrainingError(f"{folder.path} trained with --data-order {saved['order']}: resume it with that order")
-        if run.stream is not None:
-            run.stream.restore(saved, folder.state_file)
+        run.objective.restore_state(state, folder)
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         why = f"{type(e).__name__}: {e}".splitlines()[0]
         raise CheckpointError(f"{folder.state_file}: does not fit this run ({why})") from None
