@@ -167,42 +167,30 @@ def finetune(
     """
     cfg = config or FinetuneConfig()
     tcfg = train_config or TrainConfig(**DEFAULT_TRAIN)
-    from_, out = Path(from_), Path(out)
-    if merge is not None and cfg.method != "lora":
-        raise ConfigError("merge goes with method lora: a full fine-tune is a plain run already")
-    if cfg.method == "lora" and tcfg.optimizer == "muon":
-        raise ConfigError("--optimizer muon trains whole weight matrices; LoRA's low-rank adapters train with "
-                          "adamw (or fine-tune with --method full)")
-    if merge is not None:  # before the training, not after it
-        checkpoint.check_merge_target(merge, out, from_)
+    from_, out, folder = Path(from_), Path(out), RunFolder(out)
+    _check_settings(cfg, tcfg, from_, out, merge)
     # under torchrun every process fine-tunes its slice of each batch (train() joins the job); each
     # measures the same "before" and "after", and rank 0 alone writes the report and the merged run
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
         dataset = load_data(data)
-        base = _load_base(from_)
-        base_checksum = weights_checksum(base)  # hashed once (every weight): a resume checks its base by it
-        tokenizer = _base_tokenizer(from_)
-        data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
-        new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
-        model_config = _finetune_config(base.config, cfg, from_, new_ids)
-        if resume and RunFolder(out).has_weights():
-            model_config = _check_resume(out, from_, base_checksum, cfg, model_config)
-        texts = _report_texts(from_, dataset, cfg, tokenizer)
-        prompts = _sample_prompts(texts[0], data_tokenizer, cfg)  # refused here, before any measuring or training
-        dtypes = {name: t.dtype for name, t in base.state_dict().items()}  # the base's, to save the run in
-        start = _start(from_, base_checksum, model_config, cfg, new_ids, dtypes)
-        before = _measure(_shaped(base, model_config, from_, new_ids), texts, prompts, data_tokenizer, cfg)
+        base = _Base.of(from_, dataset, cfg)
+        base_checksum = weights_checksum(base.model)  # hashed once (every weight): a resume checks its base by it
+        model_config = (_check_resume(out, from_, base_checksum, cfg, base.config) if resume and folder.has_weights()
+                        else base.config)
+        measure = _Measure.of(from_, dataset, cfg, base)  # its prompts refused here, before any measuring or training
+        dtypes = {name: t.dtype for name, t in base.model.state_dict().items()}  # the base's, to save the run in
+        start = _start(from_, base_checksum, model_config, cfg, base.new_ids, dtypes)
+        before = measure(_shaped(base.model, model_config, from_, base.new_ids))
         del base  # the training builds its own copy: do not hold two through the run
         counter, started = _CountParams(), time.perf_counter()
         result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
                        should_stop=should_stop)
         ctx.barrier()  # rank 0 has written the checkpoint the others read
-        after_model = checkpoint.load(out, merge=True)  # the kept checkpoint: with keep best, the best one
-        after = _measure(after_model, texts, prompts, data_tokenizer, cfg)
+        after = measure(checkpoint.load(out, merge=True))  # the kept checkpoint: with keep best, the best one
         report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started,
-                         RunFolder(out).weights_step(), _dtype_names(dtypes.values()))
+                         folder.weights_step(), _dtype_names(dtypes.values()))
         if ctx.is_main:
-            RunFolder(out).write_report(report)
+            folder.write_report(report)
             if merge is not None:
                 checkpoint.merge_run(out, merge)
         ctx.barrier()
@@ -220,15 +208,9 @@ def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | No
     Raises:
         As finetune() does for a base or data it refuses.
     """
-    cfg = config or FinetuneConfig()
     from_ = Path(from_)
-    dataset = load_data(data)
-    base = _load_base(from_)
-    tokenizer = _base_tokenizer(from_)
-    data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
-    new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)
-    model_config = _finetune_config(base.config, cfg, from_, new_ids)
-    return _shaped(base, model_config, from_, new_ids).eval(), data_tokenizer
+    base = _Base.of(from_, load_data(data), config or FinetuneConfig())
+    return _shaped(base.model, base.config, from_, base.new_ids).eval(), base.data_tokenizer
 
 
 def read_report(run: str | Path) -> dict[str, Any]:
@@ -335,6 +317,37 @@ def data_tokenizer_for(from_: Path, dataset: DataSet, tokenizer: Tokenizer) -> T
 
 
 # ---- the starting model -----------------------------------------------------------------------
+
+
+def _check_settings(cfg: FinetuneConfig, tcfg: TrainConfig, from_: Path, out: Path, merge: str | Path | None) -> None:
+    """Refuse what the settings cannot do together, before anything is loaded."""
+    if merge is not None and cfg.method != "lora":
+        raise ConfigError("merge goes with method lora: a full fine-tune is a plain run already")
+    if cfg.method == "lora" and tcfg.optimizer == "muon":
+        raise ConfigError("--optimizer muon trains whole weight matrices; LoRA's low-rank adapters train with "
+                          "adamw (or fine-tune with --method full)")
+    if merge is not None:  # before the training, not after it
+        checkpoint.check_merge_target(merge, out, from_)
+
+
+@dataclass
+class _Base:
+    """What a fine-tuning starts from: the base model as stored, its tokenizer, the data's (the base's, or
+    with a chat template's tokens after it: new_ids), and the model config fine-tuning trains."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    data_tokenizer: Tokenizer
+    new_ids: range
+    config: GPTConfig
+
+    @classmethod
+    def of(cls, from_: Path, dataset: DataSet, cfg: FinetuneConfig) -> _Base:
+        model = _load_base(from_)
+        tokenizer = _base_tokenizer(from_)
+        data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+        new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
+        return cls(model, tokenizer, data_tokenizer, new_ids, _finetune_config(model.config, cfg, from_, new_ids))
 
 
 def _load_base(from_: Path) -> GPT:
@@ -471,6 +484,25 @@ class _CountParams(TrainCallback):
 
 
 # ---- the report -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Measure:
+    """What the report measures a model on, before and after: the texts, the prompts sampled, the data's
+    tokenizer (_measure)."""
+
+    texts: list[_Text]
+    prompts: list[tuple[str, list[int]]]
+    tokenizer: Tokenizer
+    cfg: FinetuneConfig
+
+    @classmethod
+    def of(cls, from_: Path, dataset: DataSet, cfg: FinetuneConfig, base: _Base) -> _Measure:
+        texts = _report_texts(from_, dataset, cfg, base.tokenizer)
+        return cls(texts, _sample_prompts(texts[0], base.data_tokenizer, cfg), base.data_tokenizer, cfg)
+
+    def __call__(self, model: GPT) -> dict[str, Any]:
+        return _measure(model, self.texts, self.prompts, self.tokenizer, self.cfg)
 
 
 @dataclass
