@@ -183,6 +183,92 @@ def test_the_readme_shows_the_layers():
     assert shown == expected
 
 
+# A run folder's files (tinygpt.run_folder's docstring lists them), and the first format's adapters
+RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "train_state.pt", "train_config.json",
+             "metrics.jsonl", "finetune_report.json", "tinygpt_adapter.json", "before-decay", "adapter_config.json",
+             "adapter_model.safetensors", "adapter.safetensors")
+HF_FILES = {"config.json", "model.safetensors", "tokenizer.json"}  # a Hugging Face model folder's
+PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors"}  # a PEFT adapter's
+# (modules, the names they may spell): see test_only_the_run_folder_names_its_files for why
+RUN_FILES_ELSEWHERE = (
+    (r"interop(\..*)?", HF_FILES | PEFT_FILES),
+    (r"tokenizer\..*", {"tokenizer.json"}),
+    (r"data(\..*)?", {"tokenizer.json", "config.json"}),
+)
+_AS_PATH = re.compile(r"(?:.*/)?\.?(%s)(?:\.[\w.-]*)?" % "|".join(map(re.escape, RUN_FILES)))
+
+
+def _run_file(value: object) -> str | None:
+    """The run folder's file a string literal names as a path ("metrics.jsonl", "RUN/train_config.json",
+    "train_state.pt.tmp"), or None (any other text, a message or help that mentions one among its words)."""
+    found = _AS_PATH.fullmatch(value) if isinstance(value, str) else None
+    return found.group(1) if found else None
+
+
+def run_file_sites(modules: dict[str, Path] = MODULES) -> list[tuple[str, int, str]]:
+    """(module, line, file) wherever tinygpt's code names a run folder's file: a string literal that is its
+    name, or a constant bound to one (where it is read, imported, or read as module.NAME), but for the
+    names RUN_FILES_ELSEWHERE lets a module spell. Docstrings are prose, and left out."""
+    trees = {m: ast.parse(f.read_text()) for m, f in modules.items()}
+    constants = {(m, target.id): _run_file(node.value.value) for m, tree in trees.items() for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 and _run_file(node.value.value) for target in node.targets if isinstance(target, ast.Name)}
+    sites = set()
+    for module, tree in trees.items():
+        names = {n: f for (m, n), f in constants.items() if m == module}  # this module's constants, and imported
+        aliases = {}  # local name -> tinygpt module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (source := _resolve(module, node)) is not None:
+                for alias in node.names:
+                    if (source, alias.name) in constants:
+                        names[alias.asname or alias.name] = constants[source, alias.name]
+                        sites.add((module, node.lineno, constants[source, alias.name]))
+                    elif f"{source}.{alias.name}".strip(".") in modules:
+                        aliases[alias.asname or alias.name] = f"{source}.{alias.name}".strip(".")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("tinygpt.") and alias.asname:
+                        aliases[alias.asname] = alias.name.removeprefix("tinygpt.")
+        docstrings = {id(body[0].value) for node in ast.walk(tree) if isinstance(node, (
+            ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and (body := node.body)
+            and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            name = None
+            if isinstance(node, ast.Constant) and id(node) not in docstrings:
+                name = _run_file(node.value)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                name = names.get(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                name = constants.get((aliases[node.value.id], node.attr))
+            if name is not None:
+                sites.add((module, node.lineno, name))
+    return sorted((m, line, name) for m, line, name in sites
+                  if not any(re.fullmatch(where, m) and name in allowed for where, allowed in RUN_FILES_ELSEWHERE))
+
+
+def test_only_the_run_folder_names_its_files():
+    """A run folder's files are named in tinygpt.run_folder alone: every other module asks a RunFolder for
+    a path (folder.metrics_file) or an answer (folder.has_weights()), so what a run folder holds, and every
+    check on it, is in one place (issue 56). A name counts where code uses it as a path: a string literal
+    that is the name (or a path ending in it), or a constant bound to one, read, imported or read as
+    module.NAME; a message or a help text that mentions a file among its words is prose, as docstrings are.
+
+    What else may spell some of these names, and why:
+    - interop.*: config.json, model.safetensors and tokenizer.json are a Hugging Face model folder's own
+      files, adapter_config.json and adapter_model.safetensors a PEFT adapter's (DESIGN 14: the ecosystem's
+      formats as they are); interop reads and writes those formats. Not tinygpt's own files
+      (train_state.pt, train_config.json, metrics.jsonl, tinygpt_adapter.json, ...).
+    - tokenizer.*: tokenizer.json is a tokenizer's own file in whatever folder carries one (a run, a data
+      folder, a Hugging Face folder), which the tokenizer package saves and loads.
+    - data, data.*: a data folder holds its own tokenizer.json (beside meta.json, which is the data's and no
+      run's), and `prepare --tokenizer-file` tells a Hugging Face folder by its config.json before it
+      asks interop to read it.
+    """
+    elsewhere = [f"tinygpt.{module}:{line} names {name}" for module, line, name in run_file_sites()
+                 if module != "run_folder"]
+    assert not elsewhere, "ask tinygpt.run_folder.RunFolder instead:\n" + "\n".join(elsewhere)
+
+
 @pytest.mark.parametrize("module, line, caught", [
     ("model", "from .train import train\n", {"higher", "cycle"}),  # train imports model
     ("config", "import torch\n", {"torch"}),
@@ -193,13 +279,21 @@ def test_the_readme_shows_the_layers():
     ("checkpoint", "from .train import train\n", {"cycle"}),  # one layer, but train imports checkpoint
     ("sizing", "from .lab.fewshot import read_task\n", {"higher"}),  # the workflows never reach into the lab
     ("data.batches", "from ...lab.fewshot import read_task\n", {"higher"}),  # nor does any module of data's
+    ("cli.train", "return Path(run) / \"train_config.json\"\n", {"run files"}),  # a name spelled
+    ("lab.sweep", "return f\"{run}/metrics.jsonl\"\n", {"run files"}),  # a path ending in one
+    ("finetune", "from .run_folder import REPORT\n    return REPORT\n", {"run files"}),  # a constant imported
+    ("lab.viz.metrics", "from ... import run_folder\n    return run_folder.METRICS\n", {"run files"}),  # read
+    ("interop.hf_gpt2", "return out / \"train_state.pt\"\n", {"run files"}),  # interop: HF's and PEFT's only
+    ("interop.hf_gpt2", "return out / \"config.json\"\n", set()),  # Hugging Face's own
+    ("cli.finetune", "raise ValueError(\"no finetune_report.json here\")\n", set()),  # a message's prose
 ])
 def test_the_checks_catch_what_they_are_for(module, line, caught, monkeypatch, tmp_path):
     file = tmp_path / MODULES[module].name
     file.write_text(MODULES[module].read_text() + "\n\ndef _probe():\n    " + line)
     monkeypatch.setitem(MODULES, module, file)
     checks = {"higher": test_no_module_imports_a_higher_layer, "torch": test_the_foundation_imports_no_torch,
-              "private": test_no_module_takes_a_private_name_of_another, "cycle": test_there_is_no_import_cycle}
+              "private": test_no_module_takes_a_private_name_of_another, "cycle": test_there_is_no_import_cycle,
+              "run files": test_only_the_run_folder_names_its_files}
     failed = set()
     for name, check in checks.items():
         try:

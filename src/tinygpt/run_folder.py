@@ -17,8 +17,8 @@ before its first save, which starts over with the model it began with), resumabl
 training state) and saved (weights alone: imported, merged, `tinygpt.save`d). RunFolder tells them
 apart, reads the configs, the training state (torch.load with weights_only=True) and the adapters'
 bookkeeping, keeps metrics.jsonl, and makes every check on them, each refusing in one line. Every
-other module asks it for a file's path or an answer, and names none of these files itself:
-tinygpt.checkpoint writes and reads the weights at the paths it gives.
+other module asks it for a file's path or an answer, and names none of these files itself (a layer
+test holds it): tinygpt.checkpoint writes and reads the weights at the paths it gives.
 
 The functions at the end (has_checkpoint, load_training, ...) ask one question of a folder by path,
 for the callers that import them from tinygpt.train and tinygpt.checkpoint.
