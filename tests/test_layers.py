@@ -183,6 +183,52 @@ def test_the_readme_shows_the_layers():
     assert shown == expected
 
 
+# The structure's limits (DESIGN: a function reads in one sitting, a module holds one topic)
+FUNCTION_LINES, MODULE_LINES, CLI_MODULE_LINES = 80, 700, 350
+
+
+def over_limits(files: dict[str, Path]) -> list[str]:
+    """Each function longer than FUNCTION_LINES (its def to its last line, docstring included) and each module
+    longer than its limit (a command-line module CLI_MODULE_LINES, any other MODULE_LINES) among `files`
+    (module name -> source), as messages."""
+    found = []
+    for module, file in files.items():
+        text = file.read_text()
+        lines = len(text.splitlines())
+        limit = CLI_MODULE_LINES if module.split(".")[0] == "cli" else MODULE_LINES
+        if lines > limit:
+            found.append(f"tinygpt.{module}: {lines} lines (at most {limit})")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > FUNCTION_LINES:
+                    found.append(f"tinygpt.{module}:{node.lineno} {node.name}: {length} lines (at most {FUNCTION_LINES})")
+    return found
+
+
+def test_the_structure_keeps_its_limits():
+    """No function over 80 lines, no command-line module over 350, no other module over 700, with no
+    exceptions (issue 56): a topic that outgrows its module becomes a package of topic modules."""
+    found = over_limits({**MODULES, "__init__": PACKAGE / "__init__.py"})
+    assert not found, "split these:\n" + "\n".join(found)
+
+
+def test_the_limits_catch_what_they_are_for(tmp_path):
+    def source(name: str, text: str) -> Path:
+        (tmp_path / name).write_text(text)
+        return tmp_path / name
+
+    def function(lines: int) -> str:  # a def line, then lines - 1 of body
+        return "def f():\n" + "    x = 0\n" * (lines - 1)
+
+    files = {"model": source("a.py", function(80)), "weights": source("b.py", function(81)),
+             "cli.train": source("c.py", "x = 0\n" * 350), "cli.serve": source("d.py", "x = 0\n" * 351),
+             "server.app": source("e.py", "x = 0\n" * 700), "data.text": source("f.py", "x = 0\n" * 351 * 2)}
+    assert over_limits(files) == ["tinygpt.weights:1 f: 81 lines (at most 80)",
+                                  "tinygpt.cli.serve: 351 lines (at most 350)",
+                                  "tinygpt.data.text: 702 lines (at most 700)"]
+
+
 # A run folder's files (tinygpt.run_folder's docstring lists them), and the first format's adapters
 RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json", "train_state.pt", "train_config.json",
              "metrics.jsonl", "finetune_report.json", "tinygpt_adapter.json", "before-decay", "adapter_config.json",
