@@ -49,3 +49,7 @@ class ChatError(TinyGPTError, ValueError):
 class GrammarError(TinyGPTError, ValueError):
     """A constraint on a reply (a JSON Schema, a regex, choices, a grammar) cannot be compiled, or the model's
     vocabulary cannot write it."""
+
+
+class RewardError(TrainingError):
+    """A reward function raised, or answered with something other than one number (or None) a completion."""
