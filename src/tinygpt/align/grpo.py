@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+from ..config.grpo import LOSS_TYPES, SCALE_REWARDS
+
 STD_EPS = 1e-4  # TRL's: a group whose rewards agree gets advantages of 0, not a division by 0
 
 
