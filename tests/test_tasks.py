@@ -14,6 +14,9 @@ def test_held_out_prompts_are_never_training_prompts_whatever_the_seed():
     assert 0.07 < len(held) / (len(held) + len(train)) < 0.2  # about a tenth of the pairs seen
     assert add.rows("held-out", 8, seed=3) == add.rows("held-out", 8, seed=3)  # the same set every time
     assert add.rows("held-out", 8, seed=3) != add.rows("held-out", 8, seed=4)
+    # spread over the answers: every last digit of a sum is held out and trained on
+    for split in (held, train):
+        assert {(a + b) % 10 for a, b in split} == set(range(10))
 
 
 def test_the_checker_reads_the_answer_up_to_the_line_end():
