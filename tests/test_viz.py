@@ -1,6 +1,7 @@
 """Pictures: attention weights and heatmaps, metrics and loss curves, few-shot plots."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -133,6 +134,26 @@ def test_read_metrics(tmp_path):
     # a last line cut short by a kill is skipped
     m = viz.read_metrics(write_metrics(tmp_path / "b", tail='{"step": 41, "tok'))
     assert m.steps[-1] == 40
+
+
+def test_read_metrics_keeps_every_number_an_objective_logs(tmp_path):
+    """An objective's metrics beside the loss (a reward, a KL) and an evaluation of its own without a train loss
+    (held-out accuracy) are series by name; what the loss curves read stays where it was."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    lines = [{"step": 0, "tokens": 0, "val_loss": -0.2, "val_accuracy": 0.25},
+             {"step": 1, "tokens": 30, "loss": 0.1, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.5,
+              "reward": 0.5, "rewards/addition/mean": 0.5, "kl": 0.01},
+             {"step": 2, "tokens": 60, "loss": 0.05, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 1.0,
+              "reward": 0.75, "rewards/addition/mean": 0.75, "kl": 0.02},
+             {"step": 2, "tokens": 60, "val_loss": -0.4, "val_accuracy": 0.5, "kept": True}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    m = viz.read_metrics(run)
+    assert m.steps == [1, 2] and m.loss == [0.1, 0.05] and m.eval_steps == [0, 2] and m.val_loss == [-0.2, -0.4]
+    assert math.isnan(m.train_loss[0])
+    assert m.series("reward") == ([1, 2], [0.5, 0.75]) and m.series("val_accuracy") == ([0, 2], [0.25, 0.5])
+    assert m.series("rewards/addition/mean")[1] == [0.5, 0.75] and m.series("nothing") == ([], [])
+    assert not {"loss", "lr", "val_loss", "kept", "step"} & m.logged.keys()
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,18 @@ class RunMetrics:
     train_loss: list[float] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
     probes: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    # every other number an objective logs (GRPO's reward, kl, ...; an evaluation's val_accuracy, ...): its
+    # (step, value) pairs by name
+    logged: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def series(self, name: str) -> tuple[list[int], list[float]]:
+        """The steps and values of a logged number (empty where the run never logged it)."""
+        pairs = self.logged.get(name, [])
+        return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+# what every metrics line has, which RunMetrics keeps in its own lists (or no curve wants)
+_PLAIN = {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "time", "train_loss", "val_loss", "eval_iters"}
 
 
 def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
@@ -62,7 +74,8 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
                 m.eval_steps.append(step)
                 m.eval_tokens.append(tokens)
                 m.eval_times.append(offset + last)  # an evaluation follows its step
-                m.train_loss.append(float(record["train_loss"]))
+                # an objective's evaluation may have no train loss (GRPO's scores held-out prompts)
+                m.train_loss.append(float(record.get("train_loss", "nan")))
                 m.val_loss.append(float(record["val_loss"]))
             else:
                 loss = float(record["loss"])
@@ -74,6 +87,9 @@ def read_metrics(run: str | os.PathLike, name: str | None = None) -> RunMetrics:
                 m.times.append(offset + t)
                 m.loss.append(loss)
                 last = t
+            for name, value in record.items():
+                if name not in _PLAIN and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    m.logged.setdefault(name, []).append((step, float(value)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             if number == len(lines) and isinstance(e, json.JSONDecodeError):
                 break  # cut short by a kill; the lines before it are whole
