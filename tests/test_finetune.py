@@ -26,7 +26,7 @@ from tinygpt import checkpoint
 from tinygpt.calc import trainable_params
 from tinygpt.config import LoraConfig
 from tinygpt.data import load_data, prepare
-from tinygpt.finetune import read_report
+from tinygpt.report import read_report
 from tinygpt.optim import BudgetSchedule, lr_at
 from tinygpt.train import TrainCallback, evaluate, has_checkpoint
 from tinygpt.weights import read_weights
@@ -296,6 +296,73 @@ def test_train_resume_of_a_fine_tune_run_is_refused_naming_finetune(world, tmp_p
     assert {f.name: f.read_bytes() for f in run.iterdir()} == kept
 
 
+class Counting(TrainCallback):
+    def __init__(self):
+        self.steps = 0
+
+    def on_step(self, record, total):
+        self.steps += 1
+
+
+def test_another_objective_trains_from_a_base_through_the_one_seam(world, tmp_path, cli):
+    """A Tuning is what another objective's command brings (its name, settings, objective, measure, callbacks):
+    tune() trains FROM with it as finetune() does, records its name and settings, reports its own section of
+    numbers beside the reference text's loss, and only its own command resumes the run."""
+    from tinygpt.cli.finetune import format_report
+    from tinygpt.finetune import Tuning, tune
+    from tinygpt.train.objectives import NextToken
+
+    counter = Counting()
+
+    class Toy(Tuning):
+        name, title, sampled = "toy", "trained on toys", "greedy"
+
+        def begin(self, base, dataset, cfg):
+            self.val = np.asarray(dataset.val[:65])
+
+        def measure(self, model):
+            return {"toy": {"val_loss": evaluate(model, self.val)["loss"], "one": 1.0},
+                    "samples": [{"prompt": "the", "text": "cat"}]}
+
+        def trains_on(self, data):  # a DataSet of its own, held in memory
+            return load_data(data)
+
+        def objective(self):
+            return NextToken
+
+        def settings(self):
+            return {"knob": 3}
+
+        def callbacks(self, before):
+            return [counter]
+
+    cfg = FinetuneConfig(reference=str(world / "a.txt"))
+    result = tune(world / "base", world / "data-b", tmp_path / "toy", Toy(), cfg, quick(max_iters=4))
+    record = json.loads((tmp_path / "toy" / "train_config.json").read_text())
+    assert record["objective"] == "toy" and record["toy"] == {"knob": 3} and counter.steps == 4
+    assert record["data"] == str(world / "data-b")  # the DataSet's own path
+    report = read_report(tmp_path / "toy")
+    assert report == result.report and report["objective"] == "toy" and report["toy"] == {"knob": 3}
+    assert list(report["before"]) == ["toy", "reference", "samples"]
+    assert report["after"]["toy"]["val_loss"] < report["before"]["toy"]["val_loss"]
+    assert report["forgetting"] == report["after"]["reference"]["loss"] - report["before"]["reference"]["loss"]
+    lines = format_report(report)
+    assert lines[0].startswith(f"trained on toys from {world / 'base'} (full, keep last): 4 steps")
+    assert any(line.split()[:3] == ["toy", "val", "loss"] for line in lines)
+    assert "  sample of 'the' (greedy):" in lines and any("reference (forgetting) loss" in line for line in lines)
+    kept = {f.name: f.read_bytes() for f in (tmp_path / "toy").iterdir()}
+    with pytest.raises(ConfigError, match=r"is a toy run: continue it with tinygpt toy .* --out .* --resume"):
+        tinygpt.finetune(world / "base", world / "data-b", tmp_path / "toy", cfg, quick(max_iters=6), resume=True)
+    r = cli("train", "--data", world / "data-b", "--out", tmp_path / "toy", "--resume", "--max-iters", 6)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "is a toy run: continue it with tinygpt toy" in r.stderr
+    assert {f.name: f.read_bytes() for f in (tmp_path / "toy").iterdir()} == kept
+    tinygpt.finetune(world / "base", world / "data-b", tmp_path / "ft", cfg, quick(max_iters=2))
+    with pytest.raises(ConfigError, match="is a fine-tune run: continue it with tinygpt finetune .* --data DATA"):
+        tune(world / "base", world / "data-b", tmp_path / "ft", Toy(), cfg, quick(max_iters=4), resume=True)
+    resumed = tune(world / "base", world / "data-b", tmp_path / "toy", Toy(), cfg, quick(max_iters=6), resume=True)
+    assert resumed.train.step == 6 and resumed.report["steps"] == 6
+
+
 def test_data_of_another_tokenizer_is_refused_with_the_prepare_command(world, tmp_path):
     from tinygpt import cli
 
@@ -453,12 +520,10 @@ def test_cli_reference_and_prompt_the_vocabulary_cannot_write_are_refused_naming
     # once: "1 character not in the tokenizer's vocabulary: 'é' (U+00E9) at position 8", naming neither flag
     from tinygpt import cli
 
-    finetune_module = sys.modules["tinygpt.finetune"]  # the module, not the function tinygpt exports by its name
-
     def measured(*args, **kwargs):
         raise AssertionError("measured the base before refusing the flag")
 
-    monkeypatch.setattr(finetune_module, "evaluate", measured)  # refused before the report's first measurement
+    monkeypatch.setattr("tinygpt.report.evaluate", measured)  # refused before the report's first measurement
     (tmp_path / "ref.txt").write_text("the cat sees the moon é\n")
     for extra, flag in ((["--reference", str(tmp_path / "ref.txt")], f"--reference {tmp_path / 'ref.txt'}: "),
                         (["--prompt", "the cat", "--prompt", "the é"], "--prompt 'the é': ")):

@@ -1,8 +1,11 @@
-"""Fine-tuning a pretrained GPT on your own text, on the one training loop (tinygpt.train).
+"""Fine-tuning a pretrained GPT on your own text, on the one training loop (tinygpt.train), and the run
+every command that trains a pretrained model shares, whatever it optimises.
 
     finetune(from_, data, out, FinetuneConfig(...))   trains a run folder or a Hugging Face GPT-2
                                                       folder further: full, LoRA or frozen layers,
                                                       and reports what changed (finetune_report.json)
+    tune(from_, data, out, tuning, ...)               the same run with another objective (a Tuning:
+                                                      GRPO's rollouts, DPO's pairs), its own report
     freeze(model, embeddings=True, layers=N)          stops the token and position embeddings and the
                                                       first N blocks from training; the rest trains in full
     start_model(from_, data)                          the model a fine-tuning starts from ("before")
@@ -11,11 +14,13 @@ Chat data prepared with the base's tokenizer (`prepare FILE.jsonl --format chat 
 FROM`) is supervised fine-tuning: the base's tokenizer plus a chat template, whose special tokens
 get new embedding rows (the mean of the old ones), and the loss mask of the assistant's tokens.
 
-finetune hands train() a train.Start: how to build the starting model (the base in float32, its
+tune hands train() a train.Start: how to build the starting model (the base in float32, its
 dropout set, adapters added or layers frozen), how to load it back from a checkpoint on resume, the
 training window (block_size: the batches' length, never the model's context, which stays the
-base's), the dtypes to save in (the base's), and, for LoRA, that checkpoints are adapter runs naming
-the base. LoRA's adapters live in tinygpt.lora; adapter runs are written and read by tinygpt.checkpoint.
+base's), the dtypes to save in (the base's), for LoRA that checkpoints are adapter runs naming the
+base, and the Tuning's objective, whose name train_config.json records so that only its own command
+resumes the run. LoRA's adapters live in tinygpt.lora; adapter runs are written and read by
+tinygpt.checkpoint; the report is tinygpt.report's.
 
 A base stored in bfloat16 (SmolLM2's and Qwen's published weights) trains in float32 all the same,
 weights and AdamW's moments: in bfloat16 most updates at a fine-tuning rate are below half a step of
@@ -27,11 +32,7 @@ merge folds them into the base's dtype.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import resource
 import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -51,12 +52,13 @@ from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .generate import generate
 from .lora import apply_lora, check_rank, weights_checksum
 from .model import GPT, grow_vocab
+from .report import CountParams, Text, dtype_names, make_report, reference_text, score_texts, val_text
 from .run_folder import RunFolder
 from .tokenizer.base import Tokenizer, encode_named
 from .tokenizer.chat import render_chat_prompt, stop_ids, with_chat_template
 from .train.callbacks import TrainCallback, TrainResult
-from .train.evaluation import conversations_within, evaluate, evaluate_chat
 from .train.loop import train
+from .train.objectives import Objective
 from .train.run import Start
 from .weights import reconfigured
 
@@ -100,7 +102,7 @@ def freeze(model: GPT, *, embeddings: bool = False, layers: int = 0) -> GPT:
 
 @dataclass
 class FinetuneResult:
-    """What finetune() did.
+    """What finetune() (or tune(), for another objective) did.
 
     Args:
         run: the run folder (a plain run for full, an adapter run for LoRA).
@@ -113,6 +115,70 @@ class FinetuneResult:
     train: TrainResult
     report: dict[str, Any]
     merged: Path | None = None
+
+
+class Tuning:
+    """What a command that trains FROM under fine-tuning's settings (FinetuneConfig: full or LoRA, frozen
+    parts, keep, the report's reference text) brings to the run tune() makes: its objective and what its
+    report measures. Its defaults are finetune's (the data's own objective: the next-token loss); finetune's
+    report (_Finetune) and the other objectives (GRPO's, DPO's, a reward model's) are subclasses, each of those
+    in its own module.
+
+    tune() calls begin once FROM is loaded and its tokenizer checked, so that what depends on FROM is
+    settled and refused there, before anything is measured or written; measure on the base and then on
+    the checkpoint kept; and hands train() the data (trains_on), the objective, the settings to record and
+    the callbacks.
+
+    Attributes:
+        name: the command that trains it, and the key of its settings in train_config.json and the report:
+            a run is resumed by its own command only.
+        title: what the report says was done ("fine-tuned", "trained with GRPO").
+        sampled: how the report's samples were written ("same seed", "greedy").
+    """
+
+    name = "finetune"
+    title = "fine-tuned"
+    sampled = "same seed"
+
+    def begin(self, base: Base, dataset: DataSet | None, cfg: FinetuneConfig) -> None:
+        """Settle, and refuse, what depends on FROM: prompts its tokenizer cannot write, completions longer
+        than its context. Nothing by default.
+
+        Args:
+            base: what the run starts from (its tokenizer, its model as stored).
+            dataset: the data folder tune() was given (load_data), or None.
+            cfg: the fine-tuning settings.
+        """
+
+    def measure(self, model: GPT) -> dict[str, Any]:
+        """The report's sections of one model, before or after (tune() adds the reference text's): scored texts
+        (tinygpt.report.score_texts), sections of numbers of the objective's own, and "samples", a list of
+        {"prompt", "text"}, the same prompts before and after.
+
+        Args:
+            model: the model, which it may put in eval mode.
+        """
+        raise NotImplementedError
+
+    def trains_on(self, data: str | Path | DataSet | None) -> str | Path | DataSet:
+        """What train() trains on: the data tune() was given by default, else a DataSet of the objective's
+        own (GRPO's prompts)."""
+        if data is None:
+            raise ConfigError(f"{self.name} needs data to train on")
+        return data
+
+    def objective(self) -> Callable[..., Objective] | None:
+        """What a step optimises, as Start.objective takes it; None: the data's own (the next-token loss,
+        masked on chat data)."""
+        return None
+
+    def settings(self) -> dict[str, Any] | None:
+        """The objective's settings, JSON-ready, which train_config.json and the report keep under its name."""
+        return None
+
+    def callbacks(self, before: dict[str, Any]) -> list[TrainCallback]:
+        """Callbacks of the objective's own for the run, given the base's measure (before)."""
+        return []
 
 
 def finetune(
@@ -165,6 +231,50 @@ def finetune(
         DataError: the data was prepared with another tokenizer (the message gives the prepare command).
         CheckpointError, TrainingError: as for train() and tinygpt.load.
     """
+    return tune(from_, data, out, _Finetune(), config, train_config, resume=resume,
+                merge=merge, progress=progress, callbacks=callbacks, should_stop=should_stop)
+
+
+def tune(
+    from_: str | Path,
+    data: str | Path | None,
+    out: str | Path,
+    tuning: Tuning,
+    config: FinetuneConfig | None = None,
+    train_config: TrainConfig | None = None,
+    *,
+    resume: bool = False,
+    merge: str | Path | None = None,
+    progress: bool = False,
+    callbacks: Sequence[TrainCallback] = (),
+    should_stop: Callable[[int], bool] | None = None,
+) -> FinetuneResult:
+    """Train a pretrained model under fine-tuning's settings with a Tuning's objective, on the same loop as
+    train(), and report what changed: finetune() with the next-token loss, and every command that trains
+    FROM with another objective with its own.
+
+    Args:
+        from_: the base: a tinygpt run folder or a Hugging Face folder.
+        data: a data folder prepared with the base's tokenizer (chat data: with a chat template's tokens
+            after it), or None for an objective that brings its own (Tuning.trains_on).
+        out: the run folder: a plain run for method full, an adapter run for lora.
+        tuning: the objective and what its report measures.
+        config: what trains and how (FinetuneConfig()).
+        train_config: the optimization (default: DEFAULT_TRAIN's recipe), its lr left None the method's
+            fine-tuning rate.
+        resume: continue the run in `out` from its checkpoint; a run of another objective is refused.
+        merge: with lora, also write the adapters folded into the base as a plain run here.
+        progress, callbacks, should_stop: as for train().
+
+    The report (RUN/finetune_report.json; tinygpt.report.make_report) holds the tuning's measures of the
+    base and of the checkpoint kept, the loss on the reference text (forgetting), the objective's name
+    and settings, and the run's facts: the method, the steps, parameters, peak memory, time and dtypes.
+
+    Raises:
+        ConfigError: bad settings, what the tuning refuses, a run of another objective to resume.
+        DataError: the data was prepared with another tokenizer.
+        CheckpointError, TrainingError: as for train() and tinygpt.load.
+    """
     cfg = config or FinetuneConfig()
     tcfg = train_config or TrainConfig(**DEFAULT_TRAIN)
     from_, out, folder = Path(from_), Path(out), RunFolder(out)
@@ -172,29 +282,46 @@ def finetune(
     # under torchrun every process fine-tunes its slice of each batch (train() joins the job); each
     # measures the same "before" and "after", and rank 0 alone writes the report and the merged run
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
-        dataset = load_data(data)
-        base = _Base.of(from_, dataset, cfg)
+        dataset = load_data(data) if data is not None else None
+        base = Base.of(from_, dataset, cfg)
         base_checksum = weights_checksum(base.model)  # hashed once (every weight): a resume checks its base by it
-        model_config = (_check_resume(out, from_, base_checksum, cfg, base.config) if resume and folder.has_weights()
-                        else base.config)
-        measure = _Measure.of(from_, dataset, cfg, base)  # its prompts refused here, before any measuring or training
+        model_config = (_check_resume(out, from_, base_checksum, cfg, base.config, tuning.name)
+                        if resume and folder.has_weights() else base.config)
+        tuning.begin(base, dataset, cfg)  # what it refuses is refused here, before any measuring or training
+        measure = _with_reference(tuning, reference_text(from_, cfg, base.tokenizer), base.tokenizer, cfg)
         dtypes = {name: t.dtype for name, t in base.model.state_dict().items()}  # the base's, to save the run in
-        start = _start(from_, base_checksum, model_config, cfg, base.new_ids, dtypes)
+        start = _make_start(from_, base_checksum, model_config, cfg, base.new_ids, dtypes, tuning)
         before = measure(_shaped(base.model, model_config, from_, base.new_ids))
         del base  # the training builds its own copy: do not hold two through the run
-        counter, started = _CountParams(), time.perf_counter()
-        result = train(data, out, start, tcfg, resume=resume, progress=progress, callbacks=[counter, *callbacks],
-                       should_stop=should_stop)
+        counter, started = CountParams(), time.perf_counter()
+        result = train(tuning.trains_on(data), out, start, tcfg, resume=resume, progress=progress,
+                       callbacks=[counter, *tuning.callbacks(before), *callbacks], should_stop=should_stop)
         ctx.barrier()  # rank 0 has written the checkpoint the others read
         after = measure(checkpoint.load(out, merge=True))  # the kept checkpoint: with keep best, the best one
-        report = _report(from_, cfg, result, before, after, counter, time.perf_counter() - started,
-                         folder.weights_step(), _dtype_names(dtypes.values()))
+        settings = tuning.settings()
+        about = {"objective": tuning.name, "title": tuning.title, "sampled": tuning.sampled,
+                 **({tuning.name: settings} if settings is not None else {})}
+        report = make_report(from_, cfg, about, result, before, after, counter, time.perf_counter() - started,
+                             folder.weights_step(), dtype_names(dtypes.values()))
         if ctx.is_main:
             folder.write_report(report)
             if merge is not None:
                 checkpoint.merge_run(out, merge)
         ctx.barrier()
     return FinetuneResult(out, result, report, Path(merge) if merge is not None else None)
+
+
+def _with_reference(tuning: Tuning, reference: Text | None, tokenizer: Tokenizer,
+                    cfg: FinetuneConfig) -> Callable[[GPT], dict[str, Any]]:
+    """The tuning's measure of a model, with the reference text's loss (forgetting) before the samples."""
+
+    def measure(model: GPT) -> dict[str, Any]:
+        own = tuning.measure(model)
+        samples = own.pop("samples")
+        scored = score_texts(model, [reference], tokenizer, cfg) if reference is not None else {}
+        return {**own, **scored, "samples": samples}
+
+    return measure
 
 
 def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | None = None) -> tuple[GPT, Tokenizer]:
@@ -209,78 +336,8 @@ def start_model(from_: str | Path, data: str | Path, config: FinetuneConfig | No
         As finetune() does for a base or data it refuses.
     """
     from_ = Path(from_)
-    base = _Base.of(from_, load_data(data), config or FinetuneConfig())
+    base = Base.of(from_, load_data(data), config or FinetuneConfig())
     return _shaped(base.model, base.config, from_, base.new_ids).eval(), base.data_tokenizer
-
-
-def read_report(run: str | Path) -> dict[str, Any]:
-    """A fine-tuned run's finetune_report.json.
-
-    Raises:
-        CheckpointError: the run has none (it was not fine-tuned, or is still training) or it is not JSON.
-    """
-    folder = RunFolder(run)
-    report, file = folder.read_report(), folder.report_file
-    if not isinstance(report, dict) or not isinstance(report.get("before"), dict):
-        raise CheckpointError(f"{file}: not a fine-tuning report")
-    wrong = _report_error(report) or _report_mismatch(report)
-    if wrong is not None:
-        raise CheckpointError(f"{file}: an incomplete or edited fine-tuning report: {wrong}")
-    return report
-
-
-# What a report holds, as read_report checks it: a key ending "?" may be absent; "bits_per_*" is
-# one key of that prefix (bits_per_char or bits_per_byte); a list is a list of its one item's shape.
-_NUMBER, _COUNT = (int, float), int
-_SCORE = {"loss": _NUMBER, "bits_per_*": _NUMBER, "tokens": _COUNT, "text": str}
-_MEASURED = {"data": _SCORE, "reference?": _SCORE, "samples": [{"prompt": str, "text": str}]}
-_REPORT_SHAPE = {
-    "from": str, "method": str, "keep": str, "steps": _COUNT, "tokens": _COUNT, "before": _MEASURED,
-    "after": _MEASURED, "params": {"trainable": _COUNT, "total": _COUNT}, "memory": {"peak_rss_bytes": _COUNT},
-    "seconds": _NUMBER, "train_seconds": _NUMBER, "kept_step?": _COUNT, "dtype?": {"base": str, "saved": str},
-}
-
-
-def _report_mismatch(report: dict[str, Any]) -> str | None:
-    """What before and after measure differently (a text one has and the other not, another unit), or None."""
-    before, after = report["before"], report["after"]
-    if ("reference" in before) != ("reference" in after):
-        return f"{'after' if 'reference' in before else 'before'}.reference is missing"
-    for name in before.keys() & {"data", "reference"}:
-        if [k for k in before[name] if k.startswith("bits_per_")] != [k for k in after[name] if k.startswith("bits_per_")]:
-            return f"before.{name} and after.{name} count bits in different units"
-    return None
-
-
-def _report_error(value: Any, shape: Any = None, where: str = "") -> str | None:
-    """What in a report does not have its shape (_REPORT_SHAPE), in words, or None."""
-    shape = _REPORT_SHAPE if shape is None else shape
-    if isinstance(shape, dict):
-        if not isinstance(value, dict):
-            return f"{where} is not an object"
-        for key, inner in shape.items():
-            name, optional = key.rstrip("?"), key.endswith("?")
-            if name.endswith("*"):  # one key of this prefix
-                found = [k for k in value if k.startswith(name[:-1])]
-                if len(found) != 1:
-                    return f"{where}.{name} is {'missing' if not found else 'given twice'}"
-                name = found[0]
-            if name not in value:
-                if optional:
-                    continue
-                return f"{(where + '.' if where else '') + name} is missing"
-            wrong = _report_error(value[name], inner, (where + "." if where else "") + name)
-            if wrong is not None:
-                return wrong
-        return None
-    if isinstance(shape, list):
-        if not isinstance(value, list):
-            return f"{where} is not a list"
-        return next((w for i, v in enumerate(value) if (w := _report_error(v, shape[0], f"{where}[{i}]"))), None)
-    if isinstance(value, bool) or not isinstance(value, shape):
-        kind = "a string" if shape is str else "a whole number" if shape is int else "a number"
-        return f"{where} is not {kind} ({json.dumps(value)[:40]})"
-    return None
 
 
 def prepare_command(dataset: DataSet, from_: Path) -> str:
@@ -331,10 +388,19 @@ def _check_settings(cfg: FinetuneConfig, tcfg: TrainConfig, from_: Path, out: Pa
 
 
 @dataclass
-class _Base:
-    """What a fine-tuning starts from: the base model as stored, its tokenizer, the data's (the base's, or
-    with a chat template's tokens after it: new_ids), and the model config fine-tuning trains."""
+class Base:
+    """What a run trained from FROM starts from.
 
+    Args:
+        path: FROM.
+        model: the base model as stored.
+        tokenizer: its tokenizer.
+        data_tokenizer: the data's: the base's, or with a chat template's tokens after it (new_ids).
+        new_ids: those tokens' ids.
+        config: the model config the run trains (fine-tuning's dropout, the vocabulary grown).
+    """
+
+    path: Path
     model: GPT
     tokenizer: Tokenizer
     data_tokenizer: Tokenizer
@@ -342,12 +408,21 @@ class _Base:
     config: GPTConfig
 
     @classmethod
-    def of(cls, from_: Path, dataset: DataSet, cfg: FinetuneConfig) -> _Base:
+    def of(cls, from_: Path, dataset: DataSet | None, cfg: FinetuneConfig) -> Base:
+        """FROM, and the data folder it trains on (None: data of FROM's own tokenizer, such as GRPO's prompts)."""
         model = _load_base(from_)
         tokenizer = _base_tokenizer(from_)
-        data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer)
+        data_tokenizer = data_tokenizer_for(from_, dataset, tokenizer) if dataset is not None else tokenizer
         new_ids = range(tokenizer.vocab_size, data_tokenizer.vocab_size)  # a chat template's tokens, if it adds them
-        return cls(model, tokenizer, data_tokenizer, new_ids, _finetune_config(model.config, cfg, from_, new_ids))
+        config = _finetune_config(model.config, cfg, from_, new_ids)
+        return cls(from_, model, tokenizer, data_tokenizer, new_ids, config)
+
+    def reference(self) -> Callable[[], GPT]:
+        """How to build the model the run starts from again, frozen, in eval mode and float32: the reference
+        a KL term or a log-ratio compares the policy with in a full run (a LoRA run's is its base with the
+        adapters off). The builder holds no model: none is kept until it is called."""
+        path, config, new_ids = self.path, dataclasses.replace(self.config, dropout=0.0), self.new_ids
+        return lambda: _shaped(_load_base(path), config, path, new_ids).float().eval().requires_grad_(False)
 
 
 def _load_base(from_: Path) -> GPT:
@@ -416,22 +491,25 @@ def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:
     return model.train()
 
 
-def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfig, config: GPTConfig) -> GPTConfig:
-    """A resumed fine-tune is a fine-tune run, and keeps its method, what it trains, its window and its base:
-    anything else is refused before the run is touched (a pretraining run would be trained on at
-    another rate and its weights replaced; the adapters or weights trained so far are of that
-    shape, on that base's weights). The model config it trains: `config`, or the run's own where it
-    differs only by a shorter context, a run fine-tuned before --block-size stopped cropping the
-    context (its checkpoint has that shape; a GPT-2 run's position embedding is cropped).
+def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfig, config: GPTConfig,
+                  command: str) -> GPTConfig:
+    """A resumed run trained from FROM is one of `command`'s, and keeps its method, what it trains, its window
+    and its base: anything else is refused before the run is touched (a pretraining run would be trained
+    on at another rate and its weights replaced, another objective's steps would go on from its weights;
+    the adapters or weights trained so far are of that shape, on that base's weights). The model config it
+    trains: `config`, or the run's own where it differs only by a shorter context, a run fine-tuned before
+    --block-size stopped cropping the context (its checkpoint has that shape; a GPT-2 run's position
+    embedding is cropped).
 
     Raises:
-        ConfigError: naming the setting, or the base.
+        ConfigError: naming the setting, the base, or the command that continues the run.
     """
     folder = RunFolder(out)
     saved = folder.finetune_settings(ConfigError)
     if saved is None:
         raise ConfigError(f"{out} is not a fine-tune run (its {folder.record_file.name} has no finetune settings): "
                           "continue it with tinygpt train --resume, or fine-tune into a new folder")
+    folder.check_objective(command, ConfigError)
     now = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.to_dict().items()}
     keys = ("method", "lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if saved.get("method") == "lora" \
         else ("method", "freeze_embeddings", "freeze_layers")
@@ -451,8 +529,11 @@ def _check_resume(out: Path, from_: Path, base_checksum: str, cfg: FinetuneConfi
     return config
 
 
-def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
-           new_ids: range, dtypes: dict[str, torch.dtype]) -> Start:
+def _make_start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg: FinetuneConfig,
+                new_ids: range, dtypes: dict[str, torch.dtype], tuning: Tuning) -> Start:
+    """The Start tune() hands train(): the model built (the base in float32, adapters added or layers frozen)
+    and loaded back on resume, its rate, what it keeps, the tuning's objective and the settings recorded
+    (the objective's name, so that only its command resumes the run); for LoRA, adapter runs naming the base."""
     lora = cfg.method == "lora"
     if lora and RunFolder(from_).is_adapter_run():
         raise ConfigError(f"{from_} is an adapter run: LoRA needs a full model as its base (tinygpt merge it first)")
@@ -466,122 +547,34 @@ def _start(from_: Path, base_checksum: str | None, model_config: GPTConfig, cfg:
         model = checkpoint.load_adapter_run(run, base=from_, dtype=torch.float32) if lora else checkpoint.load(run)
         return _prepare(model, cfg, adapters=False)
 
-    record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum}}
+    settings = tuning.settings()
+    record = {"finetune": {**cfg.to_dict(), "from": str(from_.resolve()), "base_checksum": base_checksum},
+              "objective": tuning.name, **({tuning.name: settings} if settings is not None else {})}
     return Start(model_config, build, load, cfg.default_lr, adapter_base=from_ if lora else None,
                  base_checksum=base_checksum, keep=cfg.keep, record=record, window=cfg.block_size,
-                 dtypes=None if lora else dtypes)  # LoRA saves its adapters as trained, in float32
+                 dtypes=None if lora else dtypes,  # LoRA saves its adapters as trained, in float32
+                 objective=tuning.objective())
 
 
-class _CountParams(TrainCallback):
-    """The trained model's parameters, trainable and in all, as the run ends."""
-
-    def __init__(self) -> None:
-        self.trainable = self.total = 0
-
-    def on_end(self, result: TrainResult, model: torch.nn.Module) -> None:
-        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.total = sum(p.numel() for p in model.parameters())
+# ---- finetune's report: the validation split and the samples -----------------------------------
 
 
-# ---- the report -------------------------------------------------------------------------------
+class _Finetune(Tuning):
+    """finetune's own: the data's objective (the next-token loss, masked on chat data); its report scores the
+    validation split (in windows of block_size, on chat data the assistant's tokens) and samples the same
+    prompts with the same seed (on chat data, replies)."""
+
+    def begin(self, base: Base, dataset: DataSet | None, cfg: FinetuneConfig) -> None:
+        self.text = val_text("data", dataset, "val", cfg.report_tokens + 1)
+        self.prompts = _sample_prompts(self.text, base.data_tokenizer, cfg)  # refused here, before any measuring
+        self.tokenizer, self.cfg = base.data_tokenizer, cfg
+
+    def measure(self, model: GPT) -> dict[str, Any]:
+        scored = score_texts(model, [self.text], self.tokenizer, self.cfg)
+        return {**scored, "samples": _samples(model, self.text, self.prompts, self.tokenizer, self.cfg)}
 
 
-@dataclass
-class _Measure:
-    """What the report measures a model on, before and after: the texts, the prompts sampled, the data's
-    tokenizer (_measure)."""
-
-    texts: list[_Text]
-    prompts: list[tuple[str, list[int]]]
-    tokenizer: Tokenizer
-    cfg: FinetuneConfig
-
-    @classmethod
-    def of(cls, from_: Path, dataset: DataSet, cfg: FinetuneConfig, base: _Base) -> _Measure:
-        texts = _report_texts(from_, dataset, cfg, base.tokenizer)
-        return cls(texts, _sample_prompts(texts[0], base.data_tokenizer, cfg), base.data_tokenizer, cfg)
-
-    def __call__(self, model: GPT) -> dict[str, Any]:
-        return _measure(model, self.texts, self.prompts, self.tokenizer, self.cfg)
-
-
-@dataclass
-class _Text:
-    name: str  # "data" or "reference"
-    where: str
-    tokens: np.ndarray
-    chat: DataSet | None = None  # chat data: scored on the assistant's tokens, its first `conversations`
-    conversations: int = 0
-
-
-def _report_texts(from_: Path, dataset: DataSet, cfg: FinetuneConfig, tokenizer) -> list[_Text]:
-    """The validation split, and the reference text (a file, or the base's own validation data)."""
-    n = cfg.report_tokens + 1
-    texts = [_val_text("data", dataset, "val", n)]
-    if cfg.reference is not None:
-        path = Path(cfg.reference)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise DataError(f"{path}: cannot read the reference text ({getattr(e, 'strerror', None) or e})") from None
-        ids = encode_named(tokenizer, text, f"--reference {path}")[:n]
-        if len(ids) < 2:
-            raise DataError(f"{path}: the reference text needs at least 2 tokens, it has {len(ids)}")
-        texts.append(_Text("reference", str(path), np.asarray(ids, dtype=np.int64)))
-    else:
-        own = _base_val_data(from_, tokenizer)
-        if own is not None:
-            texts.append(_val_text("reference", own, "val, the base's own data", n))
-    return texts
-
-
-def _val_text(name: str, dataset: DataSet, what: str, n: int) -> _Text:
-    """A data folder's validation split to score, its first n tokens; of chat data, the whole conversations
-    within them (at least one), scored on the assistant's tokens as `tinygpt eval` scores chat data: a
-    chat base's own data read as plain text would score its system, user and template tokens too, across
-    conversations."""
-    tokens = np.asarray(dataset.val[:n])
-    if not dataset.is_chat:
-        return _Text(name, f"{dataset.path} ({what})", tokens)
-    return _Text(name, f"{dataset.path} ({what}, the assistant's tokens)", tokens, dataset,
-                 conversations_within(dataset, n))
-
-
-def _base_val_data(from_: Path, tokenizer) -> DataSet | None:
-    """The data a tinygpt base was trained on, when its train_config.json names a folder still there
-    and prepared with the base's tokenizer; else None (a Hugging Face folder records none)."""
-    folder = RunFolder(from_).trained_on(CheckpointError)
-    if folder is None or not Path(folder).is_dir():
-        return None
-    try:
-        own = load_data(folder)
-        RunFolder(from_).check_data(own, tokenizer)
-    except DataError:
-        return None
-    return own if len(own.val) >= 2 else None
-
-
-def _measure(model: GPT, texts: list[_Text], prompts: list[tuple[str, list[int]]], tokenizer,
-             cfg: FinetuneConfig) -> dict[str, Any]:
-    """Loss and bits per char/byte on each text, and the samples, for one model."""
-    model.eval()
-    out: dict[str, Any] = {}
-    unit = "char" if tokenizer.kind == "char" else "byte"
-    for text in texts:
-        if text.chat is not None:
-            result = evaluate_chat(model, text.chat, conversations=text.conversations, block_size=cfg.block_size)
-            size = result["chars"] if unit == "char" else result["bytes"]
-        else:
-            result = evaluate(model, text.tokens, block_size=cfg.block_size)
-            predicted = tokenizer.decode(text.tokens[1:].tolist())  # the first token is context, never predicted
-            size = len(predicted) if unit == "char" else len(predicted.encode("utf-8"))
-        out[text.name] = {"loss": result["loss"], f"bits_per_{unit}": result["nll"] / math.log(2) / max(1, size),
-                          "tokens": result["tokens"], "text": text.where}
-    out["samples"] = _samples(model, texts[0], prompts, tokenizer, cfg)
-    return out
-
-
-def _sample_prompts(text: _Text, tokenizer, cfg: FinetuneConfig) -> list[tuple[str, list[int]]]:
+def _sample_prompts(text: Text, tokenizer, cfg: FinetuneConfig) -> list[tuple[str, list[int]]]:
     """(prompt, ids) to sample: the prompts given, else the validation text's start. On chat data a
     prompt is a user's message, and the default the first validation conversation up to its reply.
 
@@ -601,7 +594,7 @@ def _sample_prompts(text: _Text, tokenizer, cfg: FinetuneConfig) -> list[tuple[s
 
 
 @torch.no_grad()
-def _samples(model: GPT, text: _Text, prompts: list[tuple[str, list[int]]], tokenizer,
+def _samples(model: GPT, text: Text, prompts: list[tuple[str, list[int]]], tokenizer,
              cfg: FinetuneConfig) -> list[dict[str, str]]:
     block = model.config.block_size
     stops = sorted(stop_ids(tokenizer)) if text.chat is not None else None  # a reply ends its turn
@@ -621,34 +614,3 @@ def _samples(model: GPT, text: _Text, prompts: list[tuple[str, list[int]]], toke
             written = written[: min(written.index(t) for t in stops if t in written)]
         samples.append({"prompt": prompt, "text": tokenizer.decode(written)})
     return samples
-
-
-def peak_memory() -> int:
-    """This process's peak resident memory in bytes (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def _report(from_: Path, cfg: FinetuneConfig, result: TrainResult, before: dict, after: dict, counter: _CountParams,
-            seconds: float, kept_step: int, base_dtype: str) -> dict[str, Any]:
-    change = {name: after[name]["loss"] - before[name]["loss"] for name in before if name != "samples"}
-    memory: dict[str, Any] = {"peak_rss_bytes": peak_memory()}
-    if torch.cuda.is_available():
-        memory["cuda_max_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
-    return {
-        "from": str(from_), "method": cfg.method, "keep": cfg.keep, "kept_step": kept_step, "steps": result.step,
-        "stopped": result.stopped,
-        "tokens": result.tokens, "before": before, "after": after, "loss_change": change,
-        "forgetting": change.get("reference"),
-        "params": {"trainable": counter.trainable, "total": counter.total},
-        # a resumed run's whole time: the earlier invocations' training, and this one's training and measuring
-        "memory": memory, "seconds": seconds + result.total_elapsed - result.elapsed,
-        "train_seconds": result.total_elapsed,
-        # trained in float32 whatever FROM stores; saved in FROM's dtype, LoRA's adapters in float32
-        "dtype": {"base": base_dtype, "saved": "float32" if cfg.method == "lora" else base_dtype},
-    }
-
-
-def _dtype_names(dtypes) -> str:
-    """A model's dtypes in words: "bfloat16", or "bfloat16 and float32" where its weights mix them."""
-    return " and ".join(sorted({str(d).removeprefix("torch.") for d in dtypes}))

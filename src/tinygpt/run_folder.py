@@ -5,9 +5,10 @@
     RUN/tokenizer.json         the tokenizer, when there is one
     RUN/train_state.pt         what a resume needs: step, optimizer, schedule, random streams, data position
     RUN/train_config.json      what the run trained on and with: the data folder, its tokenizer's
-                               fingerprint, the TrainConfig, a fine-tune's settings, notes (the ModelChoice)
+                               fingerprint, the TrainConfig, a fine-tune's settings (and the objective it
+                               trained with, its settings under its name), notes (the ModelChoice)
     RUN/metrics.jsonl          a JSON line per step, evaluation and probe
-    RUN/finetune_report.json   what a fine-tuning changed
+    RUN/finetune_report.json   what a fine-tuning (or another objective trained from FROM) changed
     RUN/before-decay/          a WSD run's last step at the constant rate: a run folder of its own
     RUN/tinygpt_adapter.json   an adapter run's bookkeeping: its base's path and checksum, beside PEFT's
                                adapter_config.json and adapter_model.safetensors
@@ -275,40 +276,54 @@ class RunFolder:
         return folder if isinstance(folder, str) else None
 
     def finetune_settings(self, error: type[Exception] = TrainingError) -> dict[str, Any] | None:
-        """The FinetuneConfig a fine-tune run recorded (with its base's path and checksum), or None for any
-        other folder."""
+        """The FinetuneConfig a run trained from FROM recorded (with its base's path and checksum), or None for
+        any other folder."""
+        return self.settings("finetune", error)
+
+    def settings(self, section: str, error: type[Exception] = TrainingError) -> dict[str, Any] | None:
+        """The settings train_config.json records under `section` ("finetune"; a run trained with another
+        objective, its own under the objective's name: "grpo"), or None where it has none.
+
+        Args:
+            section: the key.
+            error: what a train_config.json that does not read raises.
+        """
         saved = self._record(error)
-        settings = saved.get("finetune") if isinstance(saved, dict) else None
+        settings = saved.get(section) if isinstance(saved, dict) else None
         return settings if isinstance(settings, dict) else None
 
-    def begun_with(self) -> ModelChoice | None:
-        """The ModelChoice that train_config.json recorded for a run that has no checkpoint yet (one
-        killed before its first save), or None where there is no record of one.
+    def objective(self, error: type[Exception] = TrainingError) -> str | None:
+        """What a run trained from FROM optimised, by the command that trains it ("finetune", "grpo"), as
+        train_config.json records it (a fine-tune run recorded before the name was: "finetune"); None for a
+        run that was not trained from FROM.
 
-        Raises:
-            TrainingError: a recorded choice tinygpt does not read.
+        Args:
+            error: what a train_config.json that does not read raises.
         """
-        saved = self._record(TrainingError)
-        notes = saved.get("notes") if isinstance(saved, dict) else None
-        choice = notes.get("model_choice") if isinstance(notes, dict) else None
-        if not isinstance(choice, dict):
+        if self.finetune_settings(error) is None:
             return None
-        try:
-            return ModelChoice.from_dict(choice)
-        except ConfigError as e:
-            raise TrainingError(f"{os.path.join(self.given, TRAIN_CONFIG)}: {e}") from None
+        name = self._record(error).get("objective", "finetune")
+        return name if isinstance(name, str) else "finetune"
 
-    def check_not_fine_tune(self) -> None:
-        """A fine-tune run resumes with finetune, which knows its base, what it freezes and its window: without
-        them its steps would train at the model's whole context (its base's).
+    def check_objective(self, command: str | None, error: type[Exception] = TrainingError) -> None:
+        """A run trained from FROM continues with its own command (finetune, or its objective's), which knows its
+        base, what it freezes, its window and its objective: `tinygpt train` would train it at the model's
+        whole context (its base's) on the next-token loss, another objective's steps go on from its weights.
+
+        Args:
+            command: the command continuing it ("finetune", "grpo"; None: `tinygpt train`).
+            error: what a refusal raises.
 
         Raises:
-            TrainingError: naming the command that continues it.
+            error: naming the command that continues it.
         """
-        tuned = self.finetune_settings()
-        if tuned is not None:
-            raise TrainingError(f"{self.given} is a fine-tune run: continue it with tinygpt finetune "
-                                f"{tuned.get('from', 'FROM')} --data DATA --out {self.given} --resume")
+        objective = self.objective(error)
+        if objective is None or objective == command:
+            return
+        base = (self.finetune_settings(error) or {}).get("from") or "FROM"
+        data = "--data DATA" if objective == "finetune" else "..."
+        raise error(f"{self.given} is a {'fine-tune' if objective == 'finetune' else objective} run: continue it "
+                    f"with tinygpt {objective} {base} {data} --out {self.given} --resume")
 
     def write_record(self, record: dict[str, Any], notes: dict[str, Any] | None, *, fresh: bool) -> None:
         """Write train_config.json: `record` and the notes, merged with those a resumed run recorded; for a
@@ -470,7 +485,7 @@ class RunFolder:
         write_json(self.report_file, report)
 
     def read_report(self) -> Any:
-        """The fine-tuning report as read (tinygpt.finetune.read_report checks what it holds).
+        """The fine-tuning report as read (tinygpt.report.read_report checks what it holds).
 
         Raises:
             CheckpointError: the run has none (it was not fine-tuned, or is still training) or it is not JSON.

@@ -22,7 +22,7 @@ from typing import Any
 from .. import distributed, kernels
 from ..config.model import GPTConfig
 from ..config.train import TrainConfig
-from ..data.folder import load_data
+from ..data.folder import DataSet, load_data
 from ..device import resolve_device
 from ..errors import ConfigError, TinyGPTError, TrainingError
 from ..run_folder import MetricsLog, RunFolder
@@ -33,7 +33,7 @@ from .run import Run, Start, settings
 
 
 def train(
-    data: str | Path,
+    data: str | Path | DataSet,
     out: str | Path,
     model_config: GPTConfig | ModelChoice | Start | None = None,
     train_config: TrainConfig | None = None,
@@ -48,7 +48,8 @@ def train(
     """Train a GPT on a prepared data folder and keep it in a run folder.
 
     Args:
-        data: a folder written by `tinygpt prepare`.
+        data: a folder written by `tinygpt prepare`, or a DataSet: load_data's, or one made in memory for an
+            objective that draws its own rows (GRPO's prompts, named by their file), recorded by its path.
         out: the run folder (created; refused if it already holds a run unless resuming).
         model_config: the architecture, or a ModelChoice (tinygpt.sizing.choose_model picks one
             for the data or a time budget; the choice is recorded in train_config.json under
@@ -94,7 +95,8 @@ def train(
     folder = RunFolder(Path(out))
     with distributed.process_group(resolve_device(cfg.device), cfg.dist_timeout) as ctx:
         try:
-            setup = settings(ctx, folder, load_data(data), model_config, cfg, resume, notes)
+            dataset = data if isinstance(data, DataSet) else load_data(data)
+            setup = settings(ctx, folder, dataset, model_config, cfg, resume, notes)
             run = Run(ctx, folder, setup, clock)
             run.record_settings(data, setup.notes, fresh=setup.state is None)
             return _steps(run, hooks, should_stop, clock)

@@ -112,7 +112,7 @@ def settings(
             raise TrainingError(f"{run.path}: the model settings differ from the run's; drop them to resume")
         model_config = saved
         if start is None:
-            run.check_not_fine_tune()
+            run.check_objective(None)
         run.check_data(dataset)  # before anything in the run is touched
         state = ctx.main_first(run.load_state)  # rank 0 may finish a cut-short save
         run.check_state(state)
@@ -179,12 +179,13 @@ class Run:
         self.warmup = warmup_steps(cfg, self.begun)
         self.step_model = torch.compile(self.wrapped) if cfg.compile else self.wrapped
 
-    def record_settings(self, data: str | Path, notes: dict[str, Any] | None, *, fresh: bool) -> None:
+    def record_settings(self, data: str | Path | DataSet, notes: dict[str, Any] | None, *, fresh: bool) -> None:
         """Rank 0 writes train_config.json (the data, its tokenizer's fingerprint, the settings, the notes
         merged with a resumed run's) and, for a new run, an empty metrics.jsonl."""
         if not self.ctx.is_main:
             return
-        record = {"data": str(Path(data).resolve()), "tokenizer_fingerprint": self.dataset.fingerprint,
+        where = str(data.path) if isinstance(data, DataSet) else str(Path(data).resolve())
+        record = {"data": where, "tokenizer_fingerprint": self.dataset.fingerprint,
                   "train": self.cfg.to_dict(), **(self.start.record if self.start is not None else {})}
         self.folder.write_record(record, notes, fresh=fresh)
 
