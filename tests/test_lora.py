@@ -20,6 +20,7 @@ from tinygpt.checkpoint import read_adapter_config, save_adapter_run
 from tinygpt.lora import (
     LoRALinear,
     adapter_state_dict,
+    adapters_off,
     apply_lora,
     load_adapter_state_dict,
     merge,
@@ -229,6 +230,28 @@ def test_merged_logits_equal_the_adapted_models(tmp_path, tie):
         assert (hf(idx).logits - adapted).abs().max() < 1e-4
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         merge(model)
+
+
+def test_adapters_off_computes_the_base_exactly_and_only_within_the_block():
+    """A LoRA run's reference is its own base: with the adapters off the model's logits are the base's, bit for
+    bit, and depend on nothing that trains; the adapters come back on when the block ends, even by an error."""
+    base = tiny()
+    model = apply_lora(tiny(), rank=4, alpha=8.0, targets="attn,mlp")
+    model.load_state_dict(base.state_dict(), strict=False)
+    randomize_adapters(model)
+    idx = torch.randint(0, 41, (2, 16))
+    with torch.no_grad():
+        adapted, plain = model(idx), base(idx)
+    assert not torch.equal(adapted, plain)
+    with adapters_off(model):
+        off = model(idx)
+    assert torch.equal(off, plain) and not off.requires_grad
+    with pytest.raises(RuntimeError), adapters_off(model):
+        raise RuntimeError("mid-block")
+    with torch.no_grad():
+        assert torch.equal(model(idx), adapted)
+    with torch.no_grad(), adapters_off(base):  # no adapters: the model as it is
+        assert torch.equal(base(idx), plain)
 
 
 # ---- frozen embeddings and layers -------------------------------------------------------------

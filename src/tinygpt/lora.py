@@ -5,6 +5,8 @@
     adapter_state_dict(model)                 the adapters alone: h.N.attn.c_attn.lora_A, ...lora_B, ...
     load_adapter_state_dict(model, tensors)   puts them back, every name and shape checked
     merge(model)                              folds (alpha / rank) B A into the base weights: a plain GPT
+    with adapters_off(model): ...             the model computes its base, the adapters left out (PEFT's
+                                              disable_adapter): a LoRA run's reference, with no second copy
 
 An adapted projection computes W x + b + (alpha / rank) B A dropout(x) with W and b frozen (the
 base layer's own tensors, untouched), A (rank, in) Kaiming-uniform and B (out, rank) zero, as PEFT
@@ -19,9 +21,11 @@ tinygpt.checkpoint: save_adapter_run, read_adapter_config, merge_run, and `tinyg
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -66,8 +70,11 @@ class LoRALinear(nn.Module):
         # (out, r): zero, so the adapted model starts out as the base
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True  # adapters_off sets it False: the base layer alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return F.linear(x, self.weight, self.bias)
         update = F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)  # (..., out) through r
         return F.linear(x, self.weight, self.bias) + update * self.scaling
 
@@ -165,6 +172,25 @@ def apply_lora(
 
 def _adapters(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the model computes exactly its base: every adapter's update left out, as PEFT's
+    disable_adapter does. A LoRA run's frozen reference (a KL term's, DPO's) is then the same model, with no
+    second copy of it in memory.
+
+    Args:
+        model: a model with adapters (apply_lora); one without is the base already.
+    """
+    layers = list(_adapters(model).values())
+    for layer in layers:
+        layer.enabled = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enabled = True
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
