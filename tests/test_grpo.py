@@ -3,18 +3,29 @@ tinygpt's own decoding, and the reward functions' contract."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import types
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
-from tinygpt import GPT, GPTConfig, generate
-from tinygpt.align import grpo
+import tinygpt
+from tinygpt import GPT, GPTConfig, TrainConfig, generate
+from tinygpt.align import grpo, grpo_run
 from tinygpt.align.rewards import Reward, import_reward, read_prompts, score
 from tinygpt.align.rollouts import completion_logps, sample_groups
+from tinygpt.config.grpo import GRPOConfig
 from tinygpt.config.sampling import SampleConfig
 from tinygpt.errors import ConfigError, DataError, RewardError
+from tinygpt.run_folder import RunFolder
+from tinygpt.weights import read_weights
 
 
 def _batch(seed: int = 0, n: int = 12, width: int = 7):
@@ -209,3 +220,195 @@ def test_read_prompts(tmp_path):
     with pytest.raises(DataError, match=r"6 bad lines: line 2: not JSON; line 3: no \"prompt\"; line 4: .*"
                                         r"\(and 1 more\)"):
         read_prompts(bad)
+
+
+# ---- GRPO runs: a tiny model of the addition task, trained for a moment (what it answers does not matter) ---
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    """A 2 x 32 GPT-2 block trained for 40 steps on the addition task's worked examples."""
+    from tinygpt.align.tasks import task
+    from tinygpt.data import prepare
+
+    root = tmp_path_factory.mktemp("grpo")
+    (root / "add.txt").write_text(task("addition").text(3000))
+    prepare([str(root / "add.txt")], root / "data")
+    tinygpt.train(root / "data", root / "sft", GPTConfig(vocab_size=13, block_size=16, n_layer=2, n_head=2,
+                                                          n_embd=32),
+                  TrainConfig(max_iters=40, batch_size=16, eval_interval=40, eval_iters=2, lr=3e-3, warmup=2))
+    return root / "sft"
+
+
+def quick(**overrides) -> TrainConfig:
+    return TrainConfig(**{**dict(batch_size=16, max_iters=10, eval_interval=4, eval_iters=2, lr=1e-3,
+                                 lr_schedule="constant", warmup=0, weight_decay=0.0), **overrides})
+
+
+GRPO_CFG = dict(task="addition", num_generations=4, eval_size=8, pass_k=2)
+
+
+def test_a_grpo_run_and_its_report(sft, tmp_path, cli):
+    """The run logs TRL's metric names, evaluates the held-out prompts (step 0 included), and its report says
+    what changed; `tinygpt report` reads it."""
+    result = grpo_run.grpo(sft, tmp_path / "run", GRPOConfig(**GRPO_CFG), train_config=quick())
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "loss" in r]
+    evals = [r for r in lines if "val_loss" in r]
+    assert len(steps) == 10 and [r["step"] for r in evals] == [0, 4, 8, 10]
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "rewards/addition/mean", "completions/mean_length",
+                 "completions/clipped_ratio", "clip_ratio/region_mean"):
+        assert name in steps[0], name
+    assert {"val_accuracy", "val_pass@1", "val_pass@2", "val_reward"} <= evals[0].keys()
+    assert 0 < steps[0]["tokens"] <= 16 * 4  # the completions' tokens: 16 of at most "198\n"
+    report = result.report
+    assert report["before"]["held_out"]["accuracy"] == evals[0]["val_accuracy"]
+    assert report["after"]["held_out"]["accuracy"] == evals[-1]["val_accuracy"]
+    assert report["steps"] == 10 and report["grpo"]["num_generations"] == 4
+    assert "reference" in report["before"]  # the base's own validation data
+    r = cli("report", tmp_path / "run")
+    assert r.returncode == 0 and "held-out accuracy" in r.stdout and "trained with GRPO" in r.stdout
+
+
+def test_lora_with_a_kl_to_its_base_and_the_merge(sft, tmp_path, cli):
+    """LoRA trains the adapters alone against the rewards, its KL measured to its own base with the adapters off
+    (none at the first step, where the adapters are zero; some once they moved), and --merge folds them in."""
+    before = {f.name: f.read_bytes() for f in sft.iterdir() if f.is_file()}
+    r = cli("grpo", sft, "--task", "addition", "--num-generations", 4, "--batch-size", 16, "--eval-size", 8,
+            "--pass-k", 0, "--beta", 0.5, "--method", "lora", "--lora-rank", 4, "--lr", 3e-2, "--max-iters", 6,
+            "--eval-interval", 3, "--out", tmp_path / "lora", "--merge", tmp_path / "merged", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "trained with GRPO from" in r.stdout and "held-out accuracy" in r.stdout and "merged:" in r.stdout
+    assert RunFolder(tmp_path / "lora").is_adapter_run() and RunFolder(tmp_path / "merged").has_weights()
+    steps = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    kl = [x["kl"] for x in steps if "kl" in x]
+    assert len(kl) == 6 and kl[0] < 1e-6 < kl[-1]
+    assert {f.name: f.read_bytes() for f in sft.iterdir() if f.is_file()} == before
+    assert json.loads((tmp_path / "lora" / "train_config.json").read_text())["objective"] == "grpo"
+
+
+KILLED_RUN = """
+import os, signal, sys
+import torch
+torch.set_num_threads({threads})  # the uninterrupted run's: another count sums in another order
+from tinygpt.align.grpo_run import grpo
+from tinygpt.config.grpo import GRPOConfig
+from tinygpt.config.train import TrainConfig
+from tinygpt.train import TrainCallback
+
+class Kill(TrainCallback):
+    def on_step(self, record, total):
+        if record["step"] == 5:  # after the checkpoint of step 3, before the next
+            os.kill(os.getpid(), signal.SIGKILL)
+
+cfg = GRPOConfig(**{cfg!r})
+grpo(sys.argv[1], sys.argv[2], cfg, train_config=TrainConfig(**{train!r}), callbacks=[Kill()])
+"""
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_resume_after_kill_is_bitwise(sft, tmp_path, iterations):
+    """kill -9 at step 5 leaves the checkpoint of step 3; --resume goes on from it to the same weights, bit for
+    bit, as a run that never stopped: the rollouts' generator is kept (and with num_iterations 2 the rollouts
+    a step was part way through, since step 3 is the first of a pair)."""
+    cfg = {**GRPO_CFG, "num_iterations": iterations, "beta": 0.1}
+    train = dict(batch_size=16, max_iters=10, eval_interval=3, eval_iters=2, lr=1e-3, lr_schedule="constant",
+                 warmup=0, weight_decay=0.0, grad_accum=2)
+    whole = grpo_run.grpo(sft, tmp_path / "whole", GRPOConfig(**cfg), train_config=TrainConfig(**train))
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RUN.format(cfg=cfg, train=train, threads=torch.get_num_threads()))
+    p = subprocess.run([sys.executable, str(script), str(sft), str(tmp_path / "cut")], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(tinygpt.__file__).parents[1])})
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert RunFolder(tmp_path / "cut").weights_step() == 3
+    resumed = grpo_run.grpo(sft, tmp_path / "cut", GRPOConfig(**cfg), train_config=TrainConfig(**train),
+                            resume=True)
+    assert resumed.train.step == whole.train.step == 10
+    a, b = (read_weights(tmp_path / name / "model.safetensors")[0] for name in ("whole", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert resumed.report["after"]["held_out"] == whole.report["after"]["held_out"]
+
+
+REWARDS = """
+calls = 0
+
+def fine(prompts, completions, **kw):
+    return [float(len(c)) for c in completions]
+
+def raises(prompts, completions, **kw):
+    global calls
+    calls += 1
+    if calls > 2:  # the report's measure of the base and the first rollouts pass
+        raise KeyError("answer_column")
+    return [0.0] * len(completions)
+
+def short(prompts, completions, **kw):
+    return [0.0] * (len(completions) - 1)
+"""
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    name = f"rewards_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(REWARDS)
+    yield name
+    sys.modules.pop(name, None)
+
+
+def test_a_failing_reward_ends_the_run_in_one_line_naming_it(sft, tmp_path, cli, rewards_module):
+    """A reward that raises at step 1 ends the run with one line naming it: no checkpoint, no report (a run
+    begun and not saved, which the same command starts again); one that returns too few rewards is refused
+    as the base is measured, before anything is written."""
+    out = tmp_path / "run"
+    common = [sft, "--task", "addition", "--num-generations", 4, "--batch-size", 16, "--eval-size", 8, "--pass-k", 0,
+              "--out", out, "--max-iters", 4, "--eval-interval", 2, "--quiet"]
+    r = cli("grpo", *common, "--reward", f"{rewards_module}:raises")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"reward {rewards_module}:raises raised KeyError: 'answer_column'" in r.stderr
+    assert not RunFolder(out).has_weights() and not RunFolder(out).report_file.exists()
+    shutil.rmtree(out)
+    r = cli("grpo", *common, "--reward", f"{rewards_module}:short")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"reward {rewards_module}:short returned 7 rewards for 8 completions" in r.stderr
+    assert not out.exists()
+
+
+def test_bad_input_is_refused_in_one_line_with_nothing_written(sft, tmp_path, cli, rewards_module):
+    out = tmp_path / "run"
+    common = [sft, "--task", "addition", "--out", out, "--max-iters", 2, "--quiet"]
+    for args, message in [
+        (["--num-generations", 1], "num_generations: must be an integer >= 2"),
+        (["--reward", "no_such_module_anywhere:score"], "--reward no_such_module_anywhere:score: cannot import "
+                                                        "no_such_module_anywhere (ModuleNotFoundError"),
+        (["--reward", f"{rewards_module}:nothing"], f"{rewards_module} has no nothing"),
+        (["--batch-size", 10, "--num-generations", 4], "batch_size: 10 completions a micro-step are not whole groups"),
+        (["--max-completion-length", 15], "exceed the model's context of 16 tokens"),
+    ]:
+        r = cli("grpo", *common, *args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, (args, r.stderr)
+        assert not out.exists(), args
+
+
+def test_resume_asks_for_the_same_rewards_and_never_imports_the_recorded_ones(sft, tmp_path, cli, rewards_module):
+    """A run records its rewards' names; loading or resuming it never imports them: a resume names them again,
+    and other names are refused before the run is touched. Another command does not continue a GRPO run."""
+    out = tmp_path / "run"
+    common = [sft, "--task", "addition", "--num-generations", 4, "--batch-size", 16, "--eval-size", 8, "--pass-k", 0,
+              "--out", out, "--eval-interval", 2, "--quiet"]
+    assert cli("grpo", *common, "--max-iters", 2, "--reward", f"{rewards_module}:fine").returncode == 0
+    assert json.loads((out / "train_config.json").read_text())["grpo"]["rewards"] == [f"{rewards_module}:fine"]
+    sys.modules.pop(rewards_module)
+    kept = {f.name: f.read_bytes() for f in out.iterdir()}
+    tinygpt.load(out)  # loading a run imports nothing it names
+    assert rewards_module not in sys.modules
+    for args, message in [([], f"was trained with --reward {rewards_module}:fine: resume it with the same rewards"),
+                          (["--reward", f"{rewards_module}:short"], f"trained with --reward {rewards_module}:fine")]:
+        r = cli("grpo", *common, "--max-iters", 4, "--resume", *args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == kept
+    r = cli("finetune", sft, "--data", sft.parent / "data", "--out", out, "--resume", "--max-iters", 4)
+    assert r.returncode == 2 and f"is a grpo run: continue it with tinygpt grpo" in r.stderr, r.stderr
+    r = cli("grpo", *common, "--max-iters", 4, "--resume", "--reward", f"{rewards_module}:fine")
+    assert r.returncode == 0, r.stderr
+    assert RunFolder(out).weights_step() == 4

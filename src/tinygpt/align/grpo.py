@@ -10,13 +10,35 @@ is the baseline. The pieces, each a pure function of tensors (tests hold them to
                                                   plus beta times the KL estimate to a reference
     reduce_loss(losses, mask, loss_type, ...)     one number: grpo (each completion's mean, then the mean),
                                                   dr_grpo (a sum over a fixed length), dapo (a mean over tokens)
+
+GRPO, the objective the one training loop calls (tinygpt.train.objectives): its draw is the rollouts (a
+group of completions per prompt sampled from the policy on tinygpt's own decoding, scored by the rewards,
+their advantages), its loss the policy gradient on them, its evaluation the held-out prompts answered
+greedily (reward, accuracy) and sampled (pass@k). Its rollouts draw from a generator of their own, which
+a checkpoint keeps, so a resumed run samples what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-from ..config.grpo import LOSS_TYPES, SCALE_REWARDS
+from ..config.grpo import LOSS_TYPES, SCALE_REWARDS, GRPOConfig
+from ..config.sampling import SampleConfig
+from ..config.train import TrainConfig
+from ..data.folder import DataSet
+from ..distributed import Dist
+from ..errors import ConfigError, TrainingError
+from ..lora import lora_config_of
+from ..model import GPT
+from ..run_folder import RunFolder
+from ..train.objectives import Batch, Objective
+from .rewards import Reward, columns_of, score
+from .rollouts import Rollouts, completion_logps, sample_groups
 
 STD_EPS = 1e-4  # TRL's: a group whose rewards agree gets advantages of 0, not a division by 0
 
@@ -155,3 +177,270 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ---- the objective ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompts:
+    """Prompts as TRL's prompt-only rows, and their ids as the policy reads them.
+
+    Args:
+        rows: each row's "prompt" (a string or a list of messages) and its other columns.
+        ids: each prompt's token ids (a conversation rendered with the chat template and the assistant's start).
+    """
+
+    rows: list[dict[str, Any]]
+    ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class Plan:
+    """What GRPO trains with, settled before the run begins (tinygpt.align.grpo_run builds it).
+
+    Args:
+        config: the GRPO settings.
+        train: the prompts rollouts are drawn from.
+        held_out: the prompts an evaluation answers.
+        rewards: the reward functions, the task's first.
+        tokenizer: the policy's.
+        stops: the ids that end a completion (EOS, the end of turn, a task's end of answer).
+        hidden: the stop ids that are no text (left out of a completion as the rewards read it).
+        max_new_tokens: a completion's most tokens.
+        task: the built-in task, whose checker gives the held-out accuracy and pass@k.
+        reference: builds the frozen reference of a full run with beta > 0 (a LoRA run's is its base, the
+            adapters switched off).
+    """
+
+    config: GRPOConfig
+    train: Prompts
+    held_out: Prompts
+    rewards: list[Reward]
+    tokenizer: Any
+    stops: list[int]
+    hidden: set[int]
+    max_new_tokens: int
+    task: Any = None
+    reference: Callable[[], GPT] | None = None
+
+    def texts(self, rollouts: Rollouts) -> list[Any]:
+        """Each completion's text as the rewards read it, without the stop ids that are no text."""
+        ids = (rollouts.ids(i) for i in range(len(rollouts)))
+        return [self.tokenizer.decode([t for t in row if t not in self.hidden]) for row in ids]
+
+
+@dataclass
+class Scored:
+    """A batch of rollouts and what the loss needs of them, as draw makes it.
+
+    Args:
+        rollouts: the completions.
+        advantages: (N,) each completion's.
+        mask: (N, L) the tokens that count in the loss.
+        old_logps: (N, L) the sampling policy's log-probs, from a forward pass (num_iterations > 1), else None.
+        ref_logps: (N, L) the reference's (beta > 0), else None.
+        metrics: the rollouts' metrics (reward, reward_std, rewards/NAME/mean, ...), scalar tensors.
+    """
+
+    rollouts: Rollouts
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    old_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    metrics: dict[str, torch.Tensor]
+
+    def state(self) -> dict[str, Any]:
+        r = self.rollouts
+        return {"prompts": r.prompts, "completions": r.completions, "rollout_mask": r.mask, "logps": r.logps,
+                "truncated": r.truncated, "advantages": self.advantages, "mask": self.mask,
+                "old_logps": self.old_logps, "ref_logps": self.ref_logps, "metrics": self.metrics}
+
+    @classmethod
+    def of_state(cls, s: dict[str, Any]) -> Scored:
+        rollouts = Rollouts(s["prompts"], s["completions"], s["rollout_mask"], s["logps"], s["truncated"])
+        return cls(rollouts, s["advantages"], s["mask"], s["old_logps"], s["ref_logps"], s["metrics"])
+
+
+@dataclass
+class RolloutBatch(Batch):
+    """A micro-batch of GRPO: positions are the prompts' indices, and `scored` what its loss takes."""
+
+    scored: Scored | None = field(default=None)
+
+
+class GRPO(Objective):
+    """Group relative policy optimisation on the one training loop: each micro-batch batch_size completions,
+    batch_size / num_generations prompts drawn at random from the plan's with num_generations completions
+    each. With num_iterations > 1 each step's rollouts serve that many optimizer steps (a step's grad_accum
+    micro-batches generated, then gone through again), as TRL's num_iterations.
+
+    Raises:
+        ConfigError: a batch_size that is not a multiple of num_generations.
+        TrainingError: several processes (GRPO's rollouts run on one).
+    """
+
+    def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist, *, plan: Plan) -> None:
+        super().__init__(dataset, cfg, window, ctx)
+        group = plan.config.num_generations
+        if ctx.enabled:
+            raise TrainingError("GRPO trains on one process: its rollouts are not shared between processes yet "
+                                "(run it without torchrun)")
+        if cfg.batch_size % group:
+            raise ConfigError(f"batch_size: {cfg.batch_size} completions a micro-step are not whole groups of "
+                              f"num_generations {group}: use a multiple of {group}")
+        self.plan, self.group, self.prompts_per_batch = plan, group, cfg.batch_size // group
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.cache: list[Scored] = []  # a step's micro-batches, gone through num_iterations times
+        self.drawn = 0  # micro-batches drawn so far
+        self._reference: GPT | None = None
+
+    def draw(self, model: GPT) -> Batch:
+        cycle = self.cfg.grad_accum * self.plan.config.num_iterations
+        k = self.drawn % cycle
+        self.drawn += 1
+        if k >= self.cfg.grad_accum:  # another pass over this step's rollouts
+            scored = self.cache[k % self.cfg.grad_accum]
+            return RolloutBatch(torch.empty(0, dtype=torch.long), (), int(scored.mask.sum()), scored)
+        which = torch.randint(len(self.plan.train), (self.prompts_per_batch,), generator=self.generator)
+        scored = self._rollouts(model, which.tolist())
+        self.cache = [*self.cache[: k], scored] if k else [scored]
+        return RolloutBatch(which, (), int(scored.mask.sum()), scored)
+
+    def _rollouts(self, model: GPT, which: list[int]) -> Scored:
+        """The rollouts of prompts `which`, scored: their advantages, and the log-probs the loss compares with."""
+        plan, cfg = self.plan, self.plan.config
+        sampling = SampleConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        rollouts = sample_groups(model, [plan.train.ids[i] for i in which], self.group, plan.max_new_tokens,
+                                 config=sampling, stop_tokens=plan.stops, generator=self.generator,
+                                 vocab_size=plan.tokenizer.vocab_size)
+        rows = [plan.train.rows[i] for i in which]
+        rewards = _score(plan, rows, rollouts, self.group)
+        weights = torch.tensor([r.weight for r in plan.rewards])
+        adv, total, zero_std = advantages(rewards, weights, self.group, cfg.scale_rewards)
+        mask = rollouts.mask * (~rollouts.truncated).unsqueeze(1) if cfg.mask_truncated_completions \
+            else rollouts.mask
+        with torch.no_grad():
+            old = completion_logps(model, rollouts, cfg.temperature) if cfg.num_iterations > 1 else None
+            ref = self._reference_logps(model, rollouts) if cfg.beta > 0 else None
+        metrics = _rollout_metrics(plan.rewards, rewards, total, zero_std, rollouts)
+        return Scored(rollouts, adv, mask, old, ref, metrics)
+
+    def _reference_logps(self, model: GPT, rollouts: Rollouts) -> torch.Tensor:
+        """The reference's log-probs: LoRA's base with the adapters off, else the frozen copy of FROM."""
+        if lora_config_of(model) is not None:
+            from ..lora import adapters_off
+
+            with adapters_off(model):
+                return completion_logps(model, rollouts, self.plan.config.temperature)
+        if self._reference is None:
+            self._reference = self.plan.reference().to(model.wte.weight.device).eval().requires_grad_(False)
+        return completion_logps(self._reference, rollouts, self.plan.config.temperature)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg, s = self.plan.config, batch.scored
+        logps = completion_logps(model, s.rollouts, cfg.temperature)
+        old = s.old_logps if s.old_logps is not None else logps.detach()
+        losses, parts = token_losses(logps, old, s.advantages, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                                     beta=cfg.beta, ref_logps=s.ref_logps)
+        loss = reduce_loss(losses, s.mask, cfg.loss_type, max_completion_length=self.plan.max_new_tokens)
+        low, high = parts["clipped_low"], parts["clipped_high"]
+        metrics = {**s.metrics, "clip_ratio/low_mean": masked_mean(low, s.mask),
+                   "clip_ratio/high_mean": masked_mean(high, s.mask),
+                   "clip_ratio/region_mean": masked_mean(torch.maximum(low, high), s.mask)}
+        if "kl" in parts:
+            metrics["kl"] = masked_mean(parts["kl"], s.mask).detach()
+        return loss, metrics
+
+    def evaluate(self, model: GPT, iters: int | None) -> dict[str, float]:
+        n = len(self.plan.held_out)
+        if iters is not None:  # a time budget's last evaluation: the share of the held-out prompts it affords
+            n = max(1, math.ceil(n * iters / self.cfg.eval_iters))
+        record = held_out_scores(model, self.plan, n, self.cfg.seed)
+        return {"val_loss": -record["reward"], **{f"val_{k}": v for k, v in record.items()}}
+
+    def save_state(self, state: dict[str, Any]) -> None:
+        state["rng"]["data"] = self.generator.get_state()
+        k = self.drawn % (self.cfg.grad_accum * self.plan.config.num_iterations)
+        # between a step's passes over its rollouts (num_iterations > 1), those rollouts, to go on with
+        state["grpo"] = {"drawn": self.drawn, "cache": [s.state() for s in self.cache] if k else []}
+
+    def restore_state(self, state: dict[str, Any], run: RunFolder) -> None:
+        saved = state.get("grpo")
+        if not isinstance(saved, dict):
+            raise TrainingError(f"{run.path} is not a GRPO run (its training state has no rollouts' place)")
+        self.generator.set_state(state["rng"]["data"])
+        self.drawn = int(saved["drawn"])
+        self.cache = [Scored.of_state(s) for s in saved["cache"]]
+
+
+def _score(plan: Plan, rows: list[dict[str, Any]], rollouts: Rollouts, group: int) -> torch.Tensor:
+    """Every reward function's score of the rollouts of `rows` (N, F), called as TRL calls them: a conversation's
+    completion as a list of one assistant message."""
+    texts = plan.texts(rollouts)
+    chat = [isinstance(row["prompt"], list) for row in rows for _ in range(group)]
+    completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+    prompts = [row["prompt"] for row in rows for _ in range(group)]
+    ids = [rollouts.ids(i) for i in range(len(rollouts))]
+    return score(plan.rewards, prompts, completions, ids, columns_of(rows, group))
+
+
+def _rollout_metrics(rewards: list[Reward], per_function: torch.Tensor, total: torch.Tensor, zero_std: torch.Tensor,
+                     rollouts: Rollouts) -> dict[str, torch.Tensor]:
+    """The rollouts' metrics under TRL's names: the reward and its spread, each function's, the share of
+    groups whose rewards agree (no signal), the completions' lengths and the share cut at the limit."""
+    lengths = rollouts.lengths.float()
+    ended = lengths[~rollouts.truncated]
+    out = {"reward": torch.nanmean(total), "reward_std": nanstd(total),
+           "frac_reward_zero_std": zero_std.float().mean(),
+           "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
+           "completions/max_length": lengths.max(), "completions/clipped_ratio": rollouts.truncated.float().mean(),
+           "completions/mean_terminated_length": ended.mean() if len(ended) else torch.tensor(0.0)}
+    for j, reward in enumerate(rewards):
+        out[f"rewards/{reward.name}/mean"] = torch.nanmean(per_function[:, j])
+        out[f"rewards/{reward.name}/std"] = nanstd(per_function[:, j])
+    return {k: torch.nan_to_num(v.float()) for k, v in out.items()}
+
+
+EVAL_SEED = 4321  # pass@k's samples: the same draws at every evaluation, so two evaluations differ by the weights
+
+
+@torch.no_grad()
+def held_out_scores(model: GPT, plan: Plan, n: int | None = None, seed: int = 0) -> dict[str, float]:
+    """The first n held-out prompts answered greedily (the mean reward, and with a task the accuracy) and,
+    with a task and pass_k > 0, sampled pass_k times each (pass@1: a sample's accuracy; pass@k: a prompt's
+    share with a right one among its k).
+
+    Args:
+        model: the policy.
+        plan: the prompts, rewards and task.
+        n: how many held-out prompts (default all).
+        seed: added to pass@k's fixed seed.
+    """
+    cfg = plan.config
+    which = list(range(len(plan.held_out) if n is None else min(n, len(plan.held_out))))
+    rows, ids = [plan.held_out.rows[i] for i in which], [plan.held_out.ids[i] for i in which]
+    greedy = sample_groups(model, ids, 1, plan.max_new_tokens, config=SampleConfig(greedy=True),
+                           stop_tokens=plan.stops, vocab_size=plan.tokenizer.vocab_size)
+    rewards = _score(plan, rows, greedy, 1)
+    weights = torch.tensor([r.weight for r in plan.rewards])
+    out = {"reward": float(torch.nan_to_num((rewards * weights).nansum(1)).mean()),
+           "mean_length": float(greedy.lengths.float().mean())}
+    if plan.task is None:
+        return out
+    answers = [row["answer"] for row in rows]
+    texts = plan.texts(greedy)
+    out["accuracy"] = sum(plan.task.correct(t, a) for t, a in zip(texts, answers)) / len(rows)
+    if cfg.pass_k:
+        g = torch.Generator().manual_seed(EVAL_SEED + seed)
+        sampled = sample_groups(model, ids, cfg.pass_k, plan.max_new_tokens, config=SampleConfig(
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p), stop_tokens=plan.stops, generator=g,
+            vocab_size=plan.tokenizer.vocab_size)
+        right = torch.tensor([plan.task.correct(t, answers[i // cfg.pass_k])
+                              for i, t in enumerate(plan.texts(sampled))]).view(len(rows), cfg.pass_k)
+        out["pass@1"] = float(right.float().mean())
+        out[f"pass@{cfg.pass_k}"] = float(right.any(dim=1).float().mean())
+    return out

@@ -100,8 +100,9 @@ class GRPOConfig:
         check(all(isinstance(r, str) and r for r in self.rewards), "rewards", f"must be names, got {self.rewards!r}")
         if self.reward_weights is not None:
             n = len(self.rewards) + (self.task is not None)
-            check(len(self.reward_weights) == n and all(is_number(w) for w in self.reward_weights), "reward_weights",
-                  f"one number for each reward ({n}: the task's first), got {list(self.reward_weights)}")
+            check(len(self.reward_weights) == n and all(is_number(w) and w >= 0 for w in self.reward_weights),
+                  "reward_weights", f"one number >= 0 for each reward ({n}: the task's first), got "
+                  f"{list(self.reward_weights)}")
 
     def weights(self) -> list[float]:
         """Each reward's weight, the task's first."""
