@@ -250,7 +250,7 @@ GRPO_CFG = dict(task="addition", num_generations=4, eval_size=8, pass_k=2)
 
 def test_a_grpo_run_and_its_report(sft, tmp_path, cli):
     """The run logs TRL's metric names, evaluates the held-out prompts (step 0 included), and its report says
-    what changed; `tinygpt report` reads it."""
+    what changed; `tinygpt report` and `tinygpt plot` read it."""
     result = grpo_run.grpo(sft, tmp_path / "run", GRPOConfig(**GRPO_CFG), train_config=quick())
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "loss" in r]
@@ -268,6 +268,9 @@ def test_a_grpo_run_and_its_report(sft, tmp_path, cli):
     assert "reference" in report["before"]  # the base's own validation data
     r = cli("report", tmp_path / "run")
     assert r.returncode == 0 and "held-out accuracy" in r.stdout and "trained with GRPO" in r.stdout
+    pytest.importorskip("matplotlib")
+    r = cli("plot", tmp_path / "run", "--out", tmp_path / "p.png")
+    assert r.returncode == 0 and "held-out accuracy" in r.stdout and (tmp_path / "p.png").stat().st_size > 0
 
 
 def test_lora_with_a_kl_to_its_base_and_the_merge(sft, tmp_path, cli):

@@ -136,24 +136,38 @@ def test_read_metrics(tmp_path):
     assert m.steps[-1] == 40
 
 
-def test_read_metrics_keeps_every_number_an_objective_logs(tmp_path):
-    """An objective's metrics beside the loss (a reward, a KL) and an evaluation of its own without a train loss
-    (held-out accuracy) are series by name; what the loss curves read stays where it was."""
-    run = tmp_path / "rl"
+def write_rewarded(run):
+    """A GRPO-like run's metrics: rewards and a KL each step, held-out accuracy and pass@k at its evaluations."""
     run.mkdir()
     lines = [{"step": 0, "tokens": 0, "val_loss": -0.2, "val_accuracy": 0.25},
              {"step": 1, "tokens": 30, "loss": 0.1, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 0.5,
               "reward": 0.5, "rewards/addition/mean": 0.5, "kl": 0.01},
              {"step": 2, "tokens": 60, "loss": 0.05, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "time": 1.0,
               "reward": 0.75, "rewards/addition/mean": 0.75, "kl": 0.02},
-             {"step": 2, "tokens": 60, "val_loss": -0.4, "val_accuracy": 0.5, "kept": True}]
+             {"step": 2, "tokens": 60, "val_loss": -0.4, "val_accuracy": 0.5, "val_pass@4": 0.75, "kept": True}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    m = viz.read_metrics(run)
+    return run
+
+
+def test_read_metrics_keeps_every_number_an_objective_logs(tmp_path):
+    """An objective's metrics beside the loss (a reward, a KL) and an evaluation of its own without a train loss
+    (held-out accuracy) are series by name; what the loss curves read stays where it was."""
+    m = viz.read_metrics(write_rewarded(tmp_path / "rl"))
     assert m.steps == [1, 2] and m.loss == [0.1, 0.05] and m.eval_steps == [0, 2] and m.val_loss == [-0.2, -0.4]
     assert math.isnan(m.train_loss[0])
     assert m.series("reward") == ([1, 2], [0.5, 0.75]) and m.series("val_accuracy") == ([0, 2], [0.25, 0.5])
     assert m.series("rewards/addition/mean")[1] == [0.5, 0.75] and m.series("nothing") == ([], [])
     assert not {"loss", "lr", "val_loss", "kept", "step"} & m.logged.keys()
+
+
+def test_a_rewarded_runs_plot(tmp_path):
+    """plot_rewards draws the rollouts' reward, the held-out accuracy and pass@k, and the KL against steps."""
+    fig = viz.plot_rewards([viz.read_metrics(write_rewarded(tmp_path / "rl"))], tmp_path / "r.png", title="GRPO")
+    reward, accuracy, kl = fig.axes
+    assert [ax.get_xlabel() for ax in fig.axes] == ["optimizer step"] * 3
+    assert [line.get_label() for line in accuracy.get_lines()] == ["rl: accuracy", "rl: pass@4"]
+    assert list(accuracy.get_lines()[0].get_xdata()) == [0, 2] and kl.get_ylabel().startswith("KL")
+    assert list(reward.get_lines()[0].get_ydata()) == [0.5, 0.75] and (tmp_path / "r.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize(

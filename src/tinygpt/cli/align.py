@@ -59,7 +59,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 
     Each evaluation answers the held-out prompts greedily (their mean reward; with a task, the accuracy) and
     samples --pass-k answers each (pass@1, pass@k). At the end it prints, and keeps in RUN/finetune_report.json,
-    what changed (`tinygpt report RUN`).
+    what changed (`tinygpt report RUN`); `tinygpt plot RUN --out FILE` draws the reward, KL and accuracy.
     """
     from ..align.grpo_run import grpo
     from ..config.grpo import DEFAULT_TRAIN

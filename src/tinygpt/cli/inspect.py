@@ -53,7 +53,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    """Plot train and val loss against steps, tokens and wall-clock time from runs' metrics.jsonl, overlaid.
+    """Plot train and val loss against steps, tokens and wall-clock time from runs' metrics.jsonl, overlaid; for
+    runs trained against rewards (tinygpt grpo), the reward, the held-out accuracy and pass@k, and the KL.
 
     Args (flags):
         RUN...: run folders (or metrics.jsonl files). --out FILE: the picture (.png, .svg or .pdf).
@@ -67,9 +68,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
     for m, run in zip(runs, args.runs):
         if names.count(m.name) > 1:  # two runs called "run" in different folders: use the paths
             m.name = str(run)
-    viz.plot_loss(runs, args.out, title=args.title)
+    rewarded = any("reward" in m.logged for m in runs)  # trained against rewards (GRPO): its own curves
+    (viz.plot_rewards if rewarded else viz.plot_loss)(runs, args.out, title=args.title)
     for m in runs:
-        last = f", val loss {m.val_loss[-1]:.4f} at step {m.eval_steps[-1]}" if m.val_loss else ""
+        steps, accuracy = m.series("val_accuracy" if "val_accuracy" in m.logged else "val_reward")
+        last = (f", held-out {'accuracy' if 'val_accuracy' in m.logged else 'reward'} {accuracy[-1]:.4f} at step "
+                f"{steps[-1]}" if rewarded and accuracy else
+                f", val loss {m.val_loss[-1]:.4f} at step {m.eval_steps[-1]}" if m.val_loss else "")
         steps = m.steps[-1] if m.steps else m.eval_steps[-1]
         print(f"{m.name}: {plural(steps, 'step')}{last}")
     print(f"wrote {args.out}")

@@ -12,7 +12,7 @@ the tutorials and the commands use it.
 
 from .attention import attention_weights, plot_attention, token_labels
 from .charts import plot_fewshot, plot_lengths
-from .curves import plot_loss, plot_recipes
+from .curves import plot_loss, plot_recipes, plot_rewards
 from .figures import FORMATS, check_picture
 from .induction import PROBE_PANELS, draw_probes, plot_emergence, plot_head_scores
 from .metrics import RunMetrics, read_metrics
@@ -20,6 +20,6 @@ from .scaling import draw_isoflops, draw_loss_vs_flops, draw_optimal_scaling, pl
 
 __all__ = [
     "FORMATS", "check_picture", "attention_weights", "token_labels", "plot_attention", "RunMetrics", "read_metrics",
-    "plot_loss", "plot_recipes", "PROBE_PANELS", "draw_probes", "plot_head_scores", "plot_emergence", "plot_fewshot",
-    "plot_lengths", "draw_loss_vs_flops", "draw_isoflops", "draw_optimal_scaling", "plot_scaling",
+    "plot_loss", "plot_recipes", "plot_rewards", "PROBE_PANELS", "draw_probes", "plot_head_scores", "plot_emergence",
+    "plot_fewshot", "plot_lengths", "draw_loss_vs_flops", "draw_isoflops", "draw_optimal_scaling", "plot_scaling",
 ]

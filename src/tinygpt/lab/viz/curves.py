@@ -1,5 +1,6 @@
 """Loss curves: runs' train and val loss against steps, tokens and wall-clock time (with their probes
-below where they have any), and the recipe bench's val loss against tokens and training time."""
+below where they have any), a run trained against rewards' reward, accuracy and KL against steps, and the
+recipe bench's val loss against tokens and training time."""
 
 from __future__ import annotations
 
@@ -63,6 +64,51 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     by_time.legend(fontsize=8, loc="upper right")
     if bottom is not None:
         draw_probes(dict(zip(PROBE_PANELS, bottom.subplots(1, 4))), runs)
+    if title:
+        fig.suptitle(title)
+    save(fig, out)
+    return fig
+
+
+def plot_rewards(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str | None = None):
+    """A run trained against rewards (GRPO), against optimizer steps: the rollouts' mean reward (per step,
+    faint, and smoothed) with the held-out prompts' greedy reward; the held-out accuracy and pass@k; and
+    the KL to the reference (with beta > 0), else the completions' mean length.
+
+    Args:
+        runs: what `read_metrics` returned for each run.
+        out: the picture to write (.png, .svg or .pdf).
+        title: a title over the panels.
+
+    Returns:
+        the matplotlib Figure (three axes).
+    """
+    if not runs:
+        raise ConfigError("plot needs at least one run")
+    fig = figure(16.0, 4.6)
+    reward, accuracy, third = fig.subplots(1, 3)
+    kl = any("kl" in m.logged for m in runs)
+    for i, m in enumerate(runs):
+        color = f"C{i % 10}"
+        steps, values = m.series("reward")
+        if values:
+            reward.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+            reward.plot(steps, smooth(values, max(1, len(values) // 50)), color=color, linewidth=1.2,
+                        label=f"{m.name}: rollouts")
+        reward.plot(*m.series("val_reward"), color=color, marker="s", markersize=3, linewidth=2,
+                    label=f"{m.name}: held-out, greedy")
+        for name, style in [("val_accuracy", "-"), *((k, ":") for k in m.logged if k.startswith("val_pass@"))]:
+            accuracy.plot(*m.series(name), color=color, linestyle=style, marker="o", markersize=3,
+                          label=f"{m.name}: {name.removeprefix('val_')}")
+        steps, values = m.series("kl" if kl else "completions/mean_length")
+        third.plot(steps, smooth(values, max(1, len(values) // 50)), color=color, label=m.name)
+    reward.set_ylabel("mean reward")
+    accuracy.set_ylabel("held-out accuracy (greedy), pass@k (sampled)")
+    third.set_ylabel("KL to the reference (per token)" if kl else "completion length (tokens)")
+    for ax in (reward, accuracy, third):
+        ax.set_xlabel("optimizer step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="best")
     if title:
         fig.suptitle(title)
     save(fig, out)
