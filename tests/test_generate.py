@@ -347,21 +347,23 @@ def test_a_model_in_the_cpu_s_cache_reads_its_float32_weights_four_rows_at_a_tim
 def test_decode_step_takes_the_fast_path_only_where_it_applies(model, monkeypatch):
     calls = []
     real = fastpath.step
-    monkeypatch.setattr(fastpath, "step", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(fastpath, "step", lambda *a: calls.append(a[3] if isinstance(a[3], int) else a[3].tolist())
+                        or real(*a))
     idx = torch.randint(0, 29, (2, 4))
     cache = KVCache.for_model(model, 2)
     prefill(model, idx, cache)
     decode_step(model, idx[:, 0], cache, 4)
-    decode_step(model, idx[:, 0], cache, torch.full((2,), 5))  # per-row positions: the model's forward
+    decode_step(model, idx[:, 0], cache, torch.tensor([5, 4]))  # a position per row (the server's batch): fine
     decode_step(model, idx[:1, 0], cache.slot(0), 6)  # a one-row view of the cache: fine
-    assert calls == [4, 6]
+    assert calls == [4, [5, 4], 6]
     model.train()
     try:
         decode_step(model, idx[:, 0], cache, 7)  # training mode (dropout): the model's forward
     finally:
         model.eval()
-    assert calls == [4, 6]
+    assert calls == [4, [5, 4], 6]
     assert not fastpath.applies(model, idx[:, 0], cache, 8)  # past block_size: the model raises its error
+    assert not fastpath.applies(model, idx[:, 0], cache, torch.tensor([3, 8]))  # one row past it
 
 
 def test_a_short_prompt_runs_in_one_call_and_a_longer_one_through_the_model():
@@ -539,3 +541,47 @@ def test_free_cores_counts_this_machine_s_cores_less_other_programs():
     if free is None:
         pytest.skip("no Linux /proc here")
     assert 1 <= free <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verified_rows_are_single_steps_bit_for_bit(arch, fmt):
+    # a speculative step's verification: several tokens of one sequence in one call, each row's logits (and keys
+    # and values) those of a step that decodes it alone, up to the longest verification (17 rows of float weights)
+    if not _whole_step_in_one_call(fmt):
+        pytest.skip("tinygpt's kernels cannot be built here")
+    torch.manual_seed(0)
+    extra = dict(arch="llama", n_kv_head=2, mlp="swiglu") if arch == "llama" else {}
+    model = quantize(GPT(GPTConfig(vocab_size=67, block_size=64, n_layer=2, n_head=4, n_embd=64, init="torch",
+                                   tie_weights=False, **extra)).eval(), fmt)
+    rows = 9 if fmt in ("int8", "int4") else 17
+    idx = torch.randint(0, 67, (1, 5 + 2 * rows))
+    one, many = KVCache.for_model(model, 1, 64), KVCache.for_model(model, 1, 64)
+    with torch.inference_mode():
+        prefill(model, idx[:, :5], one)
+        prefill(model, idx[:, :5], many)
+        steps = torch.cat([decode_step(model, idx[:, p], one, p) for p in range(5, idx.shape[1])])
+        verified = torch.cat([fastpath.verify(model, idx[:, s : s + rows], many, s)[0] for s in (5, 5 + rows)])
+        # past 8 rows a prompt takes the prompt kernel, whose sums are not a step's: the verification is no prompt
+        prompt = prefill(model, idx[:, : 5 + rows], KVCache.for_model(model, 1, 64))
+    assert torch.equal(steps, verified)
+    assert torch.equal(one.k, many.k) and torch.equal(one.v, many.v)
+    if rows > 8 and fmt == "fp32":
+        assert not torch.equal(prompt[0], verified[rows - 1])
+
+
+def test_rows_at_positions_of_their_own_are_single_steps_bit_for_bit():
+    # the server's batch: one call into the plan, each row's logits those of a step that decodes it alone
+    if not _whole_step_in_one_call(None):
+        pytest.skip("tinygpt's kernels cannot be built here")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=67, block_size=48, n_layer=2, n_head=4, n_embd=64, init="torch")).eval()
+    a, b = torch.randint(0, 67, (1, 9)), torch.randint(0, 67, (1, 4))
+    alone, batch = [KVCache.for_model(model, 1) for _ in range(2)], KVCache.for_model(model, 2)
+    with torch.inference_mode():
+        for seq, cache, row in ((a, alone[0], 0), (b, alone[1], 1)):
+            prefill(model, seq[:, :-1], cache)
+            prefill(model, seq[:, :-1], batch.slot(row))
+        want = [decode_step(model, seq[:, -1], cache, seq.shape[1] - 1) for seq, cache in zip((a, b), alone)]
+        got = decode_step(model, torch.tensor([a[0, -1], b[0, -1]]), batch, torch.tensor([8, 3]))
+    assert torch.equal(got[0], want[0][0]) and torch.equal(got[1], want[1][0])

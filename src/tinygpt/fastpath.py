@@ -16,8 +16,11 @@ the model's own path bit for bit, and the one call to float32 rounding. (Without
 llama layout's step is the model's own forward.)
 
 `generate.decode_step` takes it when `applies` says so (eval mode, a CPU, no compiler tracing, GPT's
-own forward); everything else (training, accelerators, rows at different positions) runs the model's
-forward. A short prompt (up to PROMPT_ROWS rows) is one call into the plan too (`prompt`, which
+own forward); everything else (training, accelerators) runs the model's forward. Rows at positions of
+their own (the server's batch) are one call into the plan too (DecodePlan.rows), each row's logits those
+of a step that decodes it alone, bit for bit, and so are several tokens of one sequence at once (`verify`:
+a speculative step's proposals, tinygpt.speculative): every row takes a one-row step's kernels, float32's
+past 8 rows too, where a prompt's rows take the prompt kernel. A short prompt (up to PROMPT_ROWS rows) is one call into the plan too (`prompt`, which
 `generate.prefill` takes): a 16-token prompt to a SmolLM2-135M-shaped float32 model took 56 ms so
 against 78 through the model's forward (the README's Xeon with AMX, interleaved), the baby model in
 bf16 5.0 against 8.1.
@@ -38,10 +41,17 @@ from .device import last_level_cache
 from .model import GPT, rope_frequencies
 
 
-def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
+def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> bool:
     """Whether `step` computes this decode step: the model in eval mode and causal, on a CPU,
-    rows that fill the cache, a position inside it, and no torch.compile tracing; and the model's
-    forward GPT's own (a subclass that overrides it gets its forward called)."""
+    rows that fill the cache, positions inside it (`pos` an int, or a (B,) tensor: a position per
+    row), and no torch.compile tracing; and the model's forward GPT's own (a subclass that overrides
+    it gets its forward called)."""
+    if isinstance(pos, torch.Tensor):
+        if pos.dim() != 1 or pos.shape[0] != token.shape[0] or pos.device.type != "cpu" or not pos.numel():
+            return False
+        low, high = int(pos.min()), int(pos.max())
+    else:
+        low = high = pos
     return (
         token.device.type == "cpu"
         and type(model).forward is GPT.forward
@@ -50,19 +60,24 @@ def applies(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> bool:
         and not torch.compiler.is_compiling()
         and token.dim() == 1
         and token.shape[0] == kv_cache.batch_size
-        and 0 <= pos < min(kv_cache.max_len, model.config.block_size)
+        and 0 <= low
+        and high < min(kv_cache.max_len, model.config.block_size)
     )
 
 
-def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int) -> torch.Tensor:
-    """The logits (B, V) after token (B,) at position `pos`, its keys and values written to the cache."""
+def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> torch.Tensor:
+    """The logits (B, V) after token (B,) at position `pos` (an int, or a (B,) tensor: a position per row),
+    its keys and values written to the cache."""
     if token.shape[0] <= quantize.INT8_KERNEL_ROWS and kv_cache.k.dtype is torch.float32:
         plan = _plan(model)
         if plan is not None:
-            return plan.step(token, pos, kv_cache.k, kv_cache.v)
+            if isinstance(pos, int):
+                return plan.step(token, pos, kv_cache.k, kv_cache.v)
+            return plan.rows(token.view(-1, 1), pos, kv_cache.k, kv_cache.v)[:, 0]
     cfg = model.config
-    if cfg.arch != "gpt2":  # the llama layout's step from Python is the model's own
-        return model(token.view(-1, 1), kv_cache, torch.tensor([pos]))[:, -1]
+    if not isinstance(pos, int) or cfg.arch != "gpt2":  # the llama layout's step from Python is the model's own
+        positions = torch.tensor([pos]) if isinstance(pos, int) else pos.view(-1, 1)
+        return model(token.view(-1, 1), kv_cache, positions)[:, -1]
     B, C, H = token.shape[0], cfg.n_embd, cfg.n_head
     tok = model.wte.weight[token]  # (B, C)
     if cfg.scale_embeddings:
@@ -98,6 +113,19 @@ def prompt(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
         return None
     plan = _plan(model)
     return None if plan is None else plan.step(idx, 0, kv_cache.k, kv_cache.v)
+
+
+def verify(model, tokens: torch.Tensor, kv_cache: KVCache, start: int) -> torch.Tensor | None:
+    """The logits (B, T, V) of every one of tokens (B, T) at positions start .. start + T - 1, their keys
+    and values written to the cache, in one call into the model's DecodePlan, each row's bit for bit what
+    `step` gives it alone (a speculative step's verification); None where no plan applies, and the
+    model's forward is to run them."""
+    if not (tokens.dim() == 2 and kv_cache.k.dtype is torch.float32
+            and applies(model, tokens[:, 0], kv_cache, start + tokens.shape[1] - 1)):
+        return None
+    plan = _plan(model)
+    starts = torch.full((tokens.shape[0],), start, dtype=torch.long)
+    return None if plan is None else plan.rows(tokens, starts, kv_cache.k, kv_cache.v)
 
 
 def _plan(model):

@@ -48,9 +48,10 @@ def prefill(model, idx: torch.Tensor, kv_cache: KVCache, start: int = 0) -> torc
 def decode_step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor) -> torch.Tensor:
     """Run one new token per row, token (B,), at position `pos` (an int or a (B,) tensor). Returns logits (B, V).
 
-    Rows at one position on a CPU take `fastpath.step`, the same arithmetic in fewer operators.
+    Rows on a CPU take `fastpath.step`, the same arithmetic in fewer operators (one call where the model
+    has a DecodePlan, each row's logits then those of a step that decodes it alone).
     """
-    if isinstance(pos, int) and fastpath.applies(model, token, kv_cache, pos):
+    if fastpath.applies(model, token, kv_cache, pos):
         return fastpath.step(model, token, kv_cache, pos)
     return _step(model, token, kv_cache, _positions(pos, token.device))
 

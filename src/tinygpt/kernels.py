@@ -28,7 +28,8 @@ said in one line, once a process.
                                           side (causal_attention below: with autograd, on c_attn's output)
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
-(tinygpt.fastpath builds it from a quantized model).
+(tinygpt.fastpath builds it from a quantized model): `step` (rows at one position, or a short prompt),
+`rows` (every row's logits, each row at positions of its own, bit for bit a one-row step's).
 """
 
 from __future__ import annotations

@@ -312,7 +312,8 @@ int64_t float_rows(int64_t rows) {
 }
 
 // Up to this many rows of activations are decoding rows (quantize.INT8_KERNEL_ROWS): tile_float's
-// sums, the same bit for bit at any number of rows up to it. More rows (a prompt) take tile_rows.
+// sums, the same bit for bit at any number of rows up to it. More rows (a prompt) take tile_rows, unless
+// the caller asks for decoding rows (a speculative step's verification: each row as a step alone gets it).
 constexpr int64_t kDecodingRows = 8;
 
 // out (M, N) = x (M, K) times weight (N, K) transposed, plus bias, for M > kDecodingRows: each thread
@@ -355,8 +356,9 @@ at::Tensor prompt_rows(const at::Tensor& x, const W* wp, int64_t N, const c10::o
 }
 
 // float_linear with float32 weights read `rows` (1 or 4) rows at a time at one row of x; 0: float_rows_at_one.
+// decoding: tile_float's sums for any number of rows of x, not only up to kDecodingRows.
 at::Tensor float_linear_rows(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                             int64_t rows) {
+                             int64_t rows, bool decoding = false) {
   const int64_t N = weight.size(0), K = weight.size(1);
   check_input(x_in, weight, K, 8);
   const auto dtype = weight.scalar_type();
@@ -376,7 +378,9 @@ at::Tensor float_linear_rows(const at::Tensor& x_in, const at::Tensor& weight, c
     if (dtype == at::kFloat) return f(weight.data_ptr<float>());
     return dtype == at::kHalf ? f(weight.data_ptr<at::Half>()) : f(weight.data_ptr<at::BFloat16>());
   };
-  if (x.size(0) > kDecodingRows) return with_weights([&](const auto* wp) { return prompt_rows(x, wp, N, bias); });
+  if (x.size(0) > kDecodingRows && !decoding) {
+    return with_weights([&](const auto* wp) { return prompt_rows(x, wp, N, bias); });
+  }
   if (dtype == at::kFloat && (rows ? rows : float_rows_at_one.load()) == 4) {
     const float* wp = weight.data_ptr<float>();
     return run(wp, [&](int64_t n, float (&total)[4]) { tile_float<4, 1>(wp + n * K, xp, K, total); });
@@ -475,8 +479,9 @@ struct Linear {
   c10::optional<at::Tensor> bias;
   int64_t rows = 0;  // float32 weight rows at a time at one row of x (float_linear_rows); 0: the CPU's default
 
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (kind == 0) return float_linear_rows(x, weight, bias, rows);
+  // decoding: every row of x takes the kernel a one-row step takes (float32's tile_float past 8 rows)
+  at::Tensor operator()(const at::Tensor& x, bool decoding) const {
+    if (kind == 0) return float_linear_rows(x, weight, bias, rows, decoding);
     if (kind == 1) return int8_linear(x, weight, aux, bias, out_features);
     return int4_linear(x, weight, aux, bias, out_features);
   }
@@ -596,29 +601,30 @@ struct DecodePlan : torch::CustomClassHolder {
   }
 
   // q (B T, n_head * head_dim), k and v (B T, n_kv_head * head_dim), each row's heads side by side, at
-  // strides q_row and kv_row between rows: row b T + t is sequence b's at position pos + t. Writes k and
-  // v into the cache there and returns (B T, n_head * head_dim) the heads' attention of each row over
+  // strides q_row and kv_row between rows: row b T + t is sequence b's at position start[b] + t. Writes k
+  // and v into the cache there and returns (B T, n_head * head_dim) the heads' attention of each row over
   // its sequence's positions 0 .. its own, side by side; query head h reads key/value head
   // h / (n_head / n_kv_head), as model.attention.
   at::Tensor attend(const float* qp, const float* kp_new, const float* vp_new, int64_t B, int64_t T, int64_t q_row,
-                    int64_t kv_row, const at::Tensor& k_buf, const at::Tensor& v_buf, int64_t pos) const {
+                    int64_t kv_row, const at::Tensor& k_buf, const at::Tensor& v_buf, const int64_t* start) const {
     const int64_t H = n_head, KV = n_kv_head, D = head_dim, group = H / KV;
     float *kp = k_buf.data_ptr<float>(), *vp = v_buf.data_ptr<float>();
     const int64_t sb = k_buf.stride(0), sh = k_buf.stride(1), st = k_buf.stride(2);  // (B, KV, max_len, D)
     for (int64_t r = 0; r < B * T; ++r) {
-      const int64_t at = (r / T) * sb + (pos + r % T) * st;
+      const int64_t at = (r / T) * sb + (start[r / T] + r % T) * st;
       for (int64_t h = 0; h < KV; ++h) {
         std::copy_n(kp_new + r * kv_row + h * D, D, kp + at + h * sh);
         std::copy_n(vp_new + r * kv_row + h * D, D, vp + at + h * sh);
       }
     }
+    const int64_t longest = *std::max_element(start, start + B) + T;
     at::Tensor out = at::empty({B * T, H * D}, wte.options());
     float* op = out.data_ptr<float>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-    at::parallel_for(0, B * T * H, std::max<int64_t>(1, 16384 / ((pos + T) * D)), [&](int64_t i0, int64_t i1) {
-      std::vector<float> p(pos + T);
+    at::parallel_for(0, B * T * H, std::max<int64_t>(1, 16384 / (longest * D)), [&](int64_t i0, int64_t i1) {
+      std::vector<float> p(longest);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t r = i / H, b = r / T, h = i % H, g = h / group, seen = pos + r % T + 1;
+        const int64_t r = i / H, b = r / T, h = i % H, g = h / group, seen = start[b] + r % T + 1;
         const float *q = qp + r * q_row + h * D, *keys = kp + b * sb + g * sh, *values = vp + b * sb + g * sh;
         float most = -INFINITY, total = 0.0f;
         for (int64_t t = 0; t < seen; ++t) most = std::max(most, p[t] = dot(q, keys + t * st, D) * scale);
@@ -635,37 +641,44 @@ struct DecodePlan : torch::CustomClassHolder {
     return out;
   }
 
-  // One block's attention on h (B T, C), the block's ln_1 output of B sequences' T rows at positions pos ..
-  // pos + T - 1: its output projection's input.
+  // One block's attention on h (B T, C), the block's ln_1 output of B sequences' T rows, sequence b's at
+  // positions start[b] .. start[b] + T - 1: its output projection's input.
   at::Tensor attention(const at::Tensor& h, int64_t B, const Linear* lin, const Norm* norm, const at::Tensor& keys,
-                       const at::Tensor& values, int64_t pos) const {
+                       const at::Tensor& values, const int64_t* start, bool decoding) const {
     const int64_t R = h.size(0), T = R / B, C = wte.size(1);
     if (fused) {  // GPT-2's c_attn: each row q, k, v with the heads side by side
-      const at::Tensor qkv = lin[0](h);
+      const at::Tensor qkv = lin[0](h, decoding);
       const float* p = qkv.data_ptr<float>();
-      return attend(p, p + C, p + 2 * C, B, T, 3 * C, 3 * C, keys, values, pos);
+      return attend(p, p + C, p + 2 * C, B, T, 3 * C, 3 * C, keys, values, start);
     }
-    at::Tensor q = lin[0](h), k = lin[1](h);
-    const at::Tensor v = lin[2](h);
+    at::Tensor q = lin[0](h, decoding), k = lin[1](h, decoding);
+    const at::Tensor v = lin[2](h, decoding);
     if (qk_norm) {  // over each head's features, before the rotation (Qwen3)
       q = normed(q.view({-1, head_dim}), norm[2]).view({R, -1});
       k = normed(k.view({-1, head_dim}), norm[3]).view({R, -1});
     }
     for (int64_t r = 0; r < R; ++r) {
-      rotate(q.data_ptr<float>() + r * n_head * head_dim, n_head, pos + r % T);
-      rotate(k.data_ptr<float>() + r * n_kv_head * head_dim, n_kv_head, pos + r % T);
+      rotate(q.data_ptr<float>() + r * n_head * head_dim, n_head, start[r / T] + r % T);
+      rotate(k.data_ptr<float>() + r * n_kv_head * head_dim, n_kv_head, start[r / T] + r % T);
     }
     const int64_t kv = n_kv_head * head_dim;
     return attend(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), B, T, n_head * head_dim, kv, keys,
-                  values, pos);
+                  values, start);
   }
 
-  // One block's MLP on h (B, C), the block's ln_2 output: its down projection's input.
-  at::Tensor hidden(const at::Tensor& h, const Linear* lin) const {
-    at::Tensor up = lin[0](h);  // SwiGLU's gate
-    if (mlp == "swiglu") return at::silu_(up).mul_(lin[1](h));
+  // One block's MLP on h (R, C), the block's ln_2 output: its down projection's input. ATen's GELU and SiLU
+  // take a scalar path for what is left past their last vector of 8, and a tensor of several rows is cut in
+  // other places than one row: decoding rows each take their own call, so that each gets a one-row step's bits.
+  at::Tensor hidden(const at::Tensor& h, const Linear* lin, bool decoding) const {
+    at::Tensor up = lin[0](h, decoding);  // SwiGLU's gate
+    auto activate = [&](auto f) {
+      if (!decoding || up.size(0) == 1) return f(up);
+      for (int64_t r = 0; r < up.size(0); ++r) f(up[r]);
+      return up;
+    };
+    if (mlp == "swiglu") return activate([](at::Tensor t) { return at::silu_(t); }).mul_(lin[1](h, decoding));
     if (mlp == "relu2") return at::relu_(up).square_();
-    return at::gelu_(up, mlp);
+    return activate([&](at::Tensor t) { return at::gelu_(t, mlp); });
   }
 
   static void add_into(at::Tensor& x, const at::Tensor& y) {
@@ -674,10 +687,10 @@ struct DecodePlan : torch::CustomClassHolder {
     for (int64_t i = 0; i < x.numel(); ++i) xp[i] += yp[i];
   }
 
-  // The logits (B, vocab) after tokens (B,) or (B, T) int64 at positions pos .. pos + T - 1 of each row (a
-  // decode step, or a short prompt at pos 0: its last position's logits); keys and values (n_layer, B,
-  // n_kv_head, max_len, head_dim) float32 get the tokens' there.
-  at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& keys, const at::Tensor& values) const {
+  // The last norm's input (B T, C) after tokens (B, T) int64, sequence b's at positions start[b] .. start[b]
+  // + T - 1; keys and values (n_layer, B, n_kv_head, max_len, head_dim) float32 get the tokens' there.
+  at::Tensor forward(const at::Tensor& token, const std::vector<int64_t>& start, const at::Tensor& keys,
+                     const at::Tensor& values, bool decoding) const {
     const int64_t per_block = linears_per_block(), layers = static_cast<int64_t>(linears.size()) / per_block;
     TORCH_CHECK(static_cast<int64_t>(linears.size()) == per_block * layers + 1 &&
                     static_cast<int64_t>(norms.size()) == norms_per_block() * layers + 1,
@@ -687,16 +700,18 @@ struct DecodePlan : torch::CustomClassHolder {
                     keys.size(0) == layers && keys.size(2) == n_kv_head && keys.size(4) == head_dim &&
                     keys.stride(4) == 1 && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat,
                 "keys and values must be (n_layer, B, n_kv_head, max_len, head_dim) float32");
-    TORCH_CHECK((token.dim() == 1 || token.dim() == 2) && T > 0 && keys.size(1) == B && pos >= 0 &&
-                    pos + T <= keys.size(3) && (wpe.numel() == 0 || pos + T <= wpe.size(0)),
-                "tokens for each cached row, at positions inside the cache");
+    TORCH_CHECK((token.dim() == 1 || token.dim() == 2) && T > 0 && keys.size(1) == B, "tokens for each cached row");
+    for (const int64_t pos : start) {
+      TORCH_CHECK(pos >= 0 && pos + T <= keys.size(3) && (wpe.numel() == 0 || pos + T <= wpe.size(0)),
+                  "tokens at positions inside the cache");
+    }
     const at::Tensor ids = token.to(at::kLong).contiguous();
     at::Tensor x = at::empty({B * T, C}, wte.options());
-    for (int64_t r = 0; r < B * T; ++r) {  // row b T + t: sequence b's token at pos + t
+    for (int64_t r = 0; r < B * T; ++r) {  // row b T + t: sequence b's token at start[b] + t
       const int64_t id = ids.data_ptr<int64_t>()[r];
       TORCH_CHECK(id >= 0 && id < V, "token id ", id, " is outside the vocabulary of ", V);
       const float* e = wte.data_ptr<float>() + id * C;
-      const float* p = wpe.numel() ? wpe.data_ptr<float>() + (pos + r % T) * C : nullptr;
+      const float* p = wpe.numel() ? wpe.data_ptr<float>() + (start[r / T] + r % T) * C : nullptr;
       float* xr = x.data_ptr<float>() + r * C;
       for (int64_t c = 0; c < C; ++c) xr[c] = e[c] * static_cast<float>(embed_scale) + (p ? p[c] : 0.0f);
     }
@@ -704,13 +719,36 @@ struct DecodePlan : torch::CustomClassHolder {
     for (int64_t l = 0; l < layers; ++l) {
       const Linear* lin = &linears[per_block * l];
       const Norm* norm = &norms[norms_per_block() * l];
-      const at::Tensor attended =
-          attention(normed(x, norm[0]), B, lin, norm, keys.select(0, l), values.select(0, l), pos);
-      add_into(x, lin[mlp_at - 1](attended));
-      add_into(x, lin[per_block - 1](hidden(normed(x, norm[1]), lin + mlp_at)));
+      const at::Tensor attended = attention(normed(x, norm[0]), B, lin, norm, keys.select(0, l), values.select(0, l),
+                                            start.data(), decoding);
+      add_into(x, lin[mlp_at - 1](attended, decoding));
+      add_into(x, lin[per_block - 1](hidden(normed(x, norm[1]), lin + mlp_at, decoding), decoding));
     }
+    return x;
+  }
+
+  // The logits (B, vocab) after tokens (B,) or (B, T) int64 at positions pos .. pos + T - 1 of each row (a
+  // decode step, or a short prompt at pos 0: its last position's logits); keys and values (n_layer, B,
+  // n_kv_head, max_len, head_dim) float32 get the tokens' there.
+  at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& keys, const at::Tensor& values) const {
+    const int64_t B = token.size(0), T = token.dim() == 2 ? token.size(1) : 1, C = wte.size(1);
+    at::Tensor x = forward(token, std::vector<int64_t>(B, pos), keys, values, false);
     if (T > 1) x = x.view({B, T, C}).select(1, T - 1).contiguous();  // each sequence's last row
-    return linears.back()(normed(x, norms.back()));
+    return linears.back()(normed(x, norms.back()), false);
+  }
+
+  // The logits (B, T, vocab) of every one of tokens (B, T) int64, sequence b's at positions start[b] ..
+  // start[b] + T - 1 (start (B,) int64): rows decoding at positions of their own (a server's batch), or a
+  // speculative step's drafted tokens, verified at once. Each row's logits are, bit for bit, those of a step
+  // that decodes it alone, with its keys and values in the cache: every row takes a one-row step's kernels.
+  at::Tensor rows(const at::Tensor& token, const at::Tensor& start, const at::Tensor& keys,
+                  const at::Tensor& values) const {
+    TORCH_CHECK(token.dim() == 2 && start.dim() == 1 && start.size(0) == token.size(0),
+                "tokens (B, T) and a start position (B,) for each row");
+    const at::Tensor s = start.to(at::kLong).contiguous();
+    const std::vector<int64_t> starts(s.data_ptr<int64_t>(), s.data_ptr<int64_t>() + s.numel());
+    const at::Tensor x = forward(token, starts, keys, values, true);
+    return linears.back()(normed(x, norms.back()), true).view({token.size(0), token.size(1), -1});
   }
 };
 
@@ -726,7 +764,8 @@ TORCH_LIBRARY(tinygpt_lowbit, m) {
       .def("norm", &DecodePlan::norm)
       .def("linear", &DecodePlan::linear)
       .def("float_rows", &DecodePlan::float_rows)
-      .def("step", &DecodePlan::step);
+      .def("step", &DecodePlan::step)
+      .def("rows", &DecodePlan::rows);
 }
 
 TORCH_LIBRARY_IMPL(tinygpt_lowbit, CPU, m) {
