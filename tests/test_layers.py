@@ -27,7 +27,7 @@ LAYERS = (
     ("workflows", "generation, data, training and fine-tuning, time-budget sizing, run folders, interchange, "
      "preferences and rewards",
      ("generate", "data.*", "optim", "throughput", "sizing", "train.*", "distributed", "run_folder", "checkpoint",
-      "lora", "finetune", "report", "fastpath", "interop.*", "align.*")),
+      "lora", "finetune", "report", "fastpath", "speculative", "interop.*", "align.*")),
     ("the lab", "experiments built on the workflows: the lesson's tools, probes, sweeps, benchmarks", ("lab.*",)),
     ("front ends", "the HTTP server and the command line", ("server.*", "cli.*", "__main__")),
 )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import fastpath
+from . import fastpath, speculative
 from .config.sampling import SampleConfig
 from .constrain import Constraint, Rows, compile_grammar
 from .device import free_cores
@@ -29,6 +29,7 @@ from .interop import quantize
 from .kv_cache import KVCache
 from .prompt_cache import PromptCache
 from .sampling import choose, process_logits
+from .speculative import SpeculationStats
 from .tokenizer.base import Tokenizer
 
 
@@ -240,6 +241,8 @@ class StepTrace:
     processed: torch.Tensor  # (B, V) after the vocabulary mask, penalty, temperature, top-k, top-p
     token: torch.Tensor  # (B,) the token appended (a row that already stopped repeats its stop token)
     config: SampleConfig
+    drafted: bool = False  # speculating: the token was proposed, and the model kept it
+    speculation: SpeculationStats | None = None  # speculating: the sequence's figures so far (they keep counting)
 
 
 class _Ends:
@@ -304,6 +307,9 @@ def generate_stream(
     regex: str | None = None,
     choices: list[str] | None = None,
     prompt_cache: PromptCache | None = None,
+    draft=None,
+    speculate: int | None = None,
+    prompt_lookup: int | None = None,
 ) -> Iterator[torch.Tensor]:
     """Yield the next token of every row, (B,), as soon as it is chosen. Arguments as `generate`."""
     cfg = SampleConfig(
@@ -311,48 +317,38 @@ def generate_stream(
     )
     _check_inputs(model, idx, max_new_tokens)
     _check_options(vocab_size, use_cache, compile, model, idx, prompt_cache)
-    decode = compiled_decode_step if compile else decode_step
     block_size = model.config.block_size
     idx = idx.long()
+    cache_len = _cache_len(block_size, idx.shape[1], max_new_tokens, compile)
     stop_ids = _stop_ids(stop_tokens)
     rows = _rows(model, idx, tokenizer, stop_ids, Constraint.given(json_schema, regex, choices))
+    spec = _speculation(model, idx, use_cache, compile, cache_len, vocab_size, draft, speculate, prompt_lookup)
+    if rows is not None:
+        spec = None  # a grammar's mask applies to one chosen token at a time: a constrained request takes plain steps
     ends = _Ends(torch.tensor(stop_ids, dtype=torch.long, device=idx.device), rows, idx.shape[0])
     tokens = idx
-    kv_cache = KVCache.for_model(model, idx.shape[0], _cache_len(block_size, idx.shape[1], max_new_tokens, compile)) \
-        if use_cache else None
-    filled = 0  # positions of the cache that hold the current context
-    slid = False  # whether the context has slid past block_size (the cache then holds not the start but the end)
     # on a CPU, the decode steps' thread count follows what the machine allows
     threads = ThreadChoice(model, enabled=use_cache and not compile and idx.device.type == "cpu")
+    decoder = _Decoder(model, cfg, generator, vocab_size, KVCache.for_model(model, idx.shape[0], cache_len)
+                       if use_cache else None, threads, compiled_decode_step if compile else decode_step, spec, rows,
+                       ends, prompt_cache)
     training = model.training
     model.eval()  # dropout off: greedy and seeded sampling repeat, with and without the cache
     try:
-        for step in range(max_new_tokens):
-            if not use_cache:
-                logits = model(tokens[:, -block_size:])[:, -1]
-            elif step > 0 and filled < block_size:
-                last = tokens[:, -1]
-                logits = threads.run(lambda: decode(model, last, kv_cache, filled))
-                filled += 1
-            else:  # the first step, or the context slid past block_size: (re)build the cache
-                context = tokens[:, -block_size:]
-                slid = step > 0 or tokens.shape[1] > block_size
-                # a prompt cache fills the positions an earlier sequence shares with the prompt
-                start = prompt_cache.load(context[0].tolist(), kv_cache) if prompt_cache is not None and not slid else 0
-                logits = threads.prefill(lambda: prefill(model, context[:, start:], kv_cache, start))
-                filled = context.shape[1]
-            processed = process_logits(logits if rows is None else rows.mask(logits, ends.finished), tokens, cfg,
-                                       vocab_size)
-            token = ends.follow(choose(processed, cfg, generator))
-            if observer is not None:
-                observer(StepTrace(step, tokens[:, -block_size:], logits, processed, token, cfg))
-            tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
-            yield token
-            if ends.all():
-                return
+        produced = 0
+        while produced < max_new_tokens:
+            for logits, processed, token, drafted in decoder.next(tokens, max_new_tokens - produced):
+                token = ends.follow(token)
+                if observer is not None:
+                    observer(StepTrace(produced, tokens[:, -block_size:], logits, processed, token, cfg, drafted,
+                                       spec.stats if spec is not None else None))
+                tokens = torch.cat([tokens, token.unsqueeze(1)], dim=1)
+                produced += 1
+                yield token
+                if ends.all():
+                    return
     finally:
-        if prompt_cache is not None and filled and not slid:
-            prompt_cache.store(tokens[0, :filled].tolist(), kv_cache)
+        decoder.keep(tokens)
         threads.restore()
         model.train(training)
 
@@ -369,6 +365,103 @@ def _check_options(vocab_size: int | None, use_cache: bool, compile: bool, model
                           "converts a model on a CPU for them, which decode faster there than a compiled graph)")
     if prompt_cache is not None and (idx.shape[0] != 1 or not use_cache or compile):
         raise ConfigError("prompt_cache: reuses one sequence's keys and values: one row, with the KV cache, eager")
+
+
+def _speculation(model, idx: torch.Tensor, use_cache: bool, compile: bool, cache_len: int, vocab_size: int | None,
+                 draft, speculate: int | None, prompt_lookup: int | None) -> speculative.Speculator | None:
+    """generate's speculation arguments as a Speculator (None without them), checked."""
+    spec = speculative.speculator(model, draft=draft, speculate=speculate, prompt_lookup=prompt_lookup,
+                                  max_len=cache_len, vocab_size=vocab_size)
+    if spec is None:
+        return None
+    what = "draft" if draft is not None else "prompt_lookup"
+    if idx.shape[0] != 1:
+        raise ConfigError(f"{what}: speculation decodes one sequence at a time; idx has {idx.shape[0]} rows "
+                          "(generate each on its own)")
+    if not use_cache or compile:
+        raise ConfigError(f"{what}: speculation verifies the proposals on the KV cache, in eager mode: "
+                          f"{'use_cache=False' if not use_cache else 'compile=True'} has no such step")
+    return spec
+
+
+class _Decoder:
+    """generate_stream's model calls: from the tokens so far, the next token of every row, or where a sequence
+    speculates, the next few (the proposals that stood, then the model's own).
+
+    Args:
+        model, cfg, generator, vocab_size: generate_stream's model, sampling settings and their arguments.
+        kv_cache: the rows' cache; None: the whole context again at every step.
+        threads: the CPU threads of the steps and prompts.
+        decode: the decode step (decode_step or compiled_decode_step).
+        spec: the sequence's speculation, or None.
+        rows: a grammar's matchers for the rows, or None.
+        ends: which rows have ended (their grammar is not applied again).
+        prompt_cache: where the prompt's prefix is looked up and the sequence kept, or None.
+    """
+
+    def __init__(self, model, cfg: SampleConfig, generator: torch.Generator | None, vocab_size: int | None,
+                 kv_cache: KVCache | None, threads: ThreadChoice, decode, spec: speculative.Speculator | None,
+                 rows: Rows | None, ends: _Ends, prompt_cache: PromptCache | None) -> None:
+        self.model, self.cfg, self.generator, self.vocab_size = model, cfg, generator, vocab_size
+        self.kv_cache, self.threads, self.decode, self.spec = kv_cache, threads, decode, spec
+        self.rows, self.ends, self.prompt_cache = rows, ends, prompt_cache
+        self.filled = 0  # positions of the cache that hold the current context: all of it but its last token
+        self.slid = False  # the context slid past block_size (the cache then holds not the start but the end)
+
+    def next(self, tokens: torch.Tensor, left: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]]:
+        """(raw logits (B, V), processed (B, V), token (B,), proposed) of each token chosen after tokens (B, T),
+        with `left` tokens still to generate."""
+        model, block_size, spec = self.model, self.model.config.block_size, self.spec
+        if self.kv_cache is None:  # the reference: the whole context again at every step
+            return [self._choose(model(tokens[:, -block_size:])[:, -1], tokens)]
+        if not 0 < self.filled < block_size:  # the first step, or the context slid past block_size: (re)build
+            context = tokens[:, -block_size:]
+            self.slid = self.filled > 0 or tokens.shape[1] > block_size
+            # a prompt cache fills the positions an earlier sequence shares with the prompt
+            start = self.prompt_cache.load(context[0].tolist(), self.kv_cache) \
+                if self.prompt_cache is not None and not self.slid else 0
+            logits = self.threads.prefill(lambda: prefill(model, context[:, start:], self.kv_cache, start))
+            if self.filled and spec is not None:
+                spec.plain(None)
+            self.filled = context.shape[1]
+            return [self._choose(logits, tokens)]
+        k = spec.budget(min(left, self.kv_cache.max_len - self.filled) - 1) if spec is not None else 0
+        if k:
+            shape = functools.partial(self._shape, tokens)
+            done = speculative.speculate(model, spec, tokens[0], self.kv_cache, self.filled, k, shape,
+                                         self.cfg.is_greedy, self.generator, run=self.threads.run)
+            if done is not None:
+                self.filled += len(done.tokens)
+                last = len(done.tokens) - 1
+                return [(done.logits[i : i + 1], done.processed[i : i + 1], tokens.new_tensor([t]), i < last)
+                        for i, t in enumerate(done.tokens)]
+        start = time.perf_counter()
+        token = tokens[:, -1]
+        logits = self.threads.run(lambda: self.decode(model, token, self.kv_cache, self.filled))
+        self.filled += 1
+        chosen = self._choose(logits, tokens)
+        if spec is not None:
+            spec.plain(time.perf_counter() - start)
+        return [chosen]
+
+    def _shape(self, tokens: torch.Tensor, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """speculative.Shape for a sequence of tokens (1, T): each row as a plain step would process it."""
+        if self.cfg.repetition_penalty == 1.0:  # the history does not enter: every row at once
+            return process_logits(logits, None, self.cfg, self.vocab_size)
+        first = len(drafted) - logits.shape[0] + 1
+        return torch.cat([process_logits(logits[r : r + 1], torch.cat([tokens, drafted[: first + r].view(1, -1)], 1),
+                                         self.cfg, self.vocab_size) for r in range(logits.shape[0])])
+
+    def _choose(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                           bool]:
+        masked = logits if self.rows is None else self.rows.mask(logits, self.ends.finished)
+        processed = process_logits(masked, tokens, self.cfg, self.vocab_size)
+        return logits, processed, choose(processed, self.cfg, self.generator), False
+
+    def keep(self, tokens: torch.Tensor) -> None:
+        """Keep the sequence, tokens (1, T), in the prompt cache, where the cache holds it from its start."""
+        if self.prompt_cache is not None and self.filled and not self.slid:
+            self.prompt_cache.store(tokens[0, : self.filled].tolist(), self.kv_cache)
 
 
 def generate(
@@ -392,6 +485,9 @@ def generate(
     regex: str | None = None,
     choices: list[str] | None = None,
     prompt_cache: PromptCache | None = None,
+    draft=None,
+    speculate: int | None = None,
+    prompt_lookup: int | None = None,
 ) -> torch.Tensor:
     """Extend every row of idx (B, T) by up to max_new_tokens tokens; returns (B, T + n).
 
@@ -422,19 +518,27 @@ def generate(
             with json.dumps' separators and no other whitespace.
         prompt_cache: a PromptCache (one row, use_cache, not compile): the prompt reuses the keys and values
             of the longest prefix it shares with a sequence generated before, and this one is kept in it.
+        draft: a smaller model of the same vocabulary that proposes tokens for the model to verify, several
+            in one forward pass (speculative decoding, tinygpt.speculative): greedy output is the model's
+            own, token for token, and sampled tokens are distributed as its own. One row (B = 1), with the
+            cache, eager. A draft at least as large as the model is logged as a warning.
+        speculate: the most tokens a round proposes (8; from 1 to 16, or to 8 for int8 and int4 weights);
+            fewer where the proposals keep falling. Speculation steps aside for a while where it measures
+            itself slower than plain steps.
+        prompt_lookup: n: propose, instead of a draft, the tokens that followed the latest earlier
+            occurrence of the text's last n tokens, in the prompt or the text generated since (the same
+            verification and guarantees; pays where the reply repeats its input: editing, summaries, code).
 
     Raises:
         ConfigError: an argument out of range or of the wrong type.
         GrammarError: a constraint that does not compile, or that the vocabulary cannot write.
     """
-    new = list(
-        generate_stream(
-            model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
-            repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
-            observer=observer, vocab_size=vocab_size, compile=compile, tokenizer=tokenizer, json_schema=json_schema,
-            regex=regex, choices=choices, prompt_cache=prompt_cache,
-        )
-    )
+    new = list(generate_stream(
+        model, idx, max_new_tokens, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, stop_tokens=stop_tokens, generator=generator, use_cache=use_cache,
+        observer=observer, vocab_size=vocab_size, compile=compile, tokenizer=tokenizer, json_schema=json_schema,
+        regex=regex, choices=choices, prompt_cache=prompt_cache, draft=draft, speculate=speculate,
+        prompt_lookup=prompt_lookup))
     if not new:
         return idx.clone()
     return torch.cat([idx.long(), torch.stack(new, dim=1)], dim=1)

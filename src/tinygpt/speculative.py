@@ -1,0 +1,489 @@
+"""Speculative decoding: several tokens for one read of the target model's weights.
+
+A drafter proposes up to k tokens after the text so far: a smaller draft model of the same vocabulary,
+on a KV cache of its own (DraftModel), or the tokens that followed the latest earlier occurrence of the
+text's last n tokens, in the prompt or in what was generated since (PromptLookup: no model, llama.cpp's
+lookup decoding and transformers' `prompt_lookup_num_tokens`). The target then reads the last token and
+the k proposals in one forward pass of k + 1 rows (`verify`: on a CPU one call into its DecodePlan, each
+row's logits bit for bit those of a step that decodes it alone), and `judge` keeps the longest run of
+proposals it agrees with and one token of its own after them:
+
+- greedy: a proposal stands while it is the target's argmax; the first that is not is replaced by the
+  argmax, and when all stand the argmax after them is added. The text is the target's greedy text.
+- sampling: a proposal d drawn from the draft's distribution q stands with probability min(1, p(d) / q(d)),
+  p the target's (after the vocabulary mask, repetition penalty, temperature, top-k and top-p, as
+  `sampling.process_logits` shapes it); the first that falls is replaced by a draw from max(0, p - q)
+  renormalised, and when all stand one more token is drawn from p (Leviathan et al., Chen et al., 2023):
+  every token is distributed as the target's own. A lookup's proposal is not drawn (q is one-hot at d):
+  it stands with probability p(d), and one that falls is replaced by a draw from p without d.
+
+Both caches then roll back to what stood: their positions past it hold refused tokens' keys and values,
+which no query reads before the next tokens overwrite them.
+
+A `Speculator` is one sequence's speculation: its drafter, the tokens it proposes (k, up to the most it
+was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
+and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
+tokens cost more than plain steps would: for 16 tokens the first time, twice as many each time it loses
+again. `generate_stream` (the library,
+`tinygpt sample` and `chat`) and the server's scheduler both decode through `speculate`.
+
+A constraint on the tokens, such as a grammar's mask, belongs in the caller's `shape`: it is given each
+verified position's logits with the proposals before it, so the mask it applies there is the one the
+state after those proposals allows, and the constraint's state then advances by the tokens that stood
+only. tinygpt has no such constraint yet; when one comes, a constrained request steps aside until its
+mask is applied there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from . import fastpath
+from .calc import count_params
+from .errors import ConfigError
+from .interop import quantize
+from .kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (transformers' lookup: 10)
+START_TOKENS = 4  # proposals of the first round: a draft that misses wastes few steps finding out
+FIRST_PAUSE = 16  # plain tokens after speculation first loses; twice as many each time it loses again
+LONGEST_PAUSE = 1024
+TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays, at the start and after each pause
+PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
+DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
+
+# (logits (R, V) at R consecutive positions, the proposals drafted (m,) with m >= R - 1) -> the logits a token is
+# chosen from at each (R, V): row r's position follows the sequence and drafted[: m - R + 1 + r]
+Shape = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def most_tokens(model) -> int:
+    """The most tokens a draft may propose for `model`, by its weight format: its Linear layers' kernel takes
+    16 rows of float32, float16 or bfloat16 weights at a time, 8 of int8 or int4 (quantize's row limits)."""
+    if quantize.weight_format(model) in ("int8", "int4"):
+        return quantize.INT8_KERNEL_ROWS
+    return quantize.FLOAT_KERNEL_ROWS
+
+
+def check_tokens(model, k: int, flag: str = "speculate") -> int:
+    """k (the most tokens a round proposes), checked against the model's format; returns it.
+
+    Raises:
+        ConfigError: k not an integer from 1 to most_tokens(model).
+    """
+    most = most_tokens(model)
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= most:
+        raise ConfigError(f"{flag}: a round proposes 1 to {most} tokens for this {quantize.weight_format(model)} "
+                          f"model (its kernels verify up to {most} + 1 rows in one read of the weights), got {k!r}")
+    return k
+
+
+def draft_warning(target, draft) -> str | None:
+    """Why a draft cannot pay (it has as many parameters as the target, or more), with the figures; None if smaller."""
+    big, small = (count_params(m.config).total for m in (target, draft))  # quantize's layers hold no Parameters
+    if small < big:
+        return None
+    return (f"the draft has {small:,} parameters, the target {big:,}: a draft at least as large as its target costs "
+            "more to run than the target steps it saves")
+
+
+def vocabulary_mismatch(tokenizer, draft_tokenizer) -> str | None:
+    """Why a draft's tokenizer is not the model's (a vocabulary of another size, or an id that stands for other
+    bytes), in words; None where every id is the same token to both."""
+    if set(tokenizer.fingerprints()) & set(draft_tokenizer.fingerprints()):
+        return None
+    ours, theirs = tokenizer.vocab_size, draft_tokenizer.vocab_size
+    if ours != theirs:
+        return (f"its tokenizer ({draft_tokenizer.describe()}) is not the model's ({tokenizer.describe()}): a draft "
+                "must share the model's vocabulary and ids")
+    for i in range(ours):
+        a, b = tokenizer.decode_bytes([i]), draft_tokenizer.decode_bytes([i])
+        if a != b:
+            return (f"its tokenizer is not the model's: id {i} is {b!r} to the draft and {a!r} to the model (a draft "
+                    "must share the model's vocabulary and ids)")
+    return None
+
+
+_warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafts already warned about, by target
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did for a sequence (or, added up, for several)."""
+
+    rounds: int = 0  # target calls that verified proposals
+    drafted: int = 0  # tokens proposed to them
+    accepted: int = 0  # proposals the target kept
+    plain: int = 0  # tokens of plain steps: no proposal, or speculation set aside
+
+    @property
+    def acceptance(self) -> float | None:
+        """The share of proposed tokens that stood, or None before any proposal."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens per target call (a round gives what stood and one more, a plain step one), the prompt's aside."""
+        steps = self.rounds + self.plain
+        return (self.accepted + steps) / steps if steps else None
+
+    def add(self, other: SpeculationStats) -> None:
+        """Count another sequence's figures in these."""
+        self.rounds += other.rounds
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.plain += other.plain
+
+    def to_dict(self) -> dict:
+        """The figures as the server's usage reports them (rates rounded to 4 places, None before any)."""
+        rate, per_step = self.acceptance, self.tokens_per_step
+        return {"rounds": self.rounds, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "plain_steps": self.plain, "acceptance_rate": None if rate is None else round(rate, 4),
+                "tokens_per_step": None if per_step is None else round(per_step, 4)}
+
+    def describe(self) -> str:
+        """One line: "40 of 52 proposed tokens accepted (77%), 2.91 tokens per target step"."""
+        if not self.drafted:
+            return f"no tokens proposed ({self.plain} plain steps)"
+        return (f"{self.accepted} of {self.drafted} proposed tokens accepted ({self.acceptance:.0%}), "
+                f"{self.tokens_per_step:.2f} tokens per target step")
+
+
+class PromptLookup:
+    """Proposals from the text itself: the tokens that followed the latest earlier occurrence of the text's
+    last n tokens (in the prompt or in what was generated since), as many as asked: where the occurrence
+    is closer to the end than that, the text from it repeats. Costs a dictionary look-up a round.
+
+    Args:
+        n: how many of the last tokens must match (>= 1).
+    """
+
+    def __init__(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ConfigError(f"prompt_lookup: the n-gram to look up must be an integer >= 1, got {n!r}")
+        self.n = n
+        self.text: list[int] = []
+        self.follows: dict[tuple[int, ...], int] = {}  # n tokens -> where the token after their latest occurrence is
+
+    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, greedy: bool,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to k proposals after tokens (T,), the whole sequence so far, and no distribution (q is one-hot)."""
+        seen = len(self.text)
+        self.text += tokens[seen:].tolist()  # the text only grows: what was proposed and refused never entered it
+        n, text = self.n, self.text
+        for end in range(max(n, seen), len(text)):
+            self.follows[tuple(text[end - n : end])] = end
+        at = self.follows.get(tuple(text[-n:])) if len(text) >= n else None
+        found: list[int] = []
+        for i in range(k if at is not None else 0):
+            # an occurrence that ends near the text's end continues as the text went on from it: the
+            # proposals repeat with the same period (a run of one token proposes more of it)
+            found.append(text[at + i] if at + i < len(text) else found[at + i - len(text)])
+        return torch.tensor(found, dtype=torch.long, device=tokens.device), None
+
+    def rollback(self, length: int) -> None:
+        """Nothing to undo: the lookup holds only the text that stood."""
+
+
+class DraftModel:
+    """Proposals from a smaller model of the same vocabulary, decoding on a KV cache of its own: greedy for
+    greedy decoding, else drawn from its logits shaped as the target's are (its distribution q).
+
+    Args:
+        draft: the draft model (a tinygpt GPT; eval mode while it proposes).
+        vocab_size: the target's head (its logits' width): the draft's are cut or padded to it.
+        max_len: the positions the draft's cache may need (the target's cache length).
+    """
+
+    def __init__(self, draft, vocab_size: int, max_len: int) -> None:
+        self.model, self.vocab_size = draft, vocab_size
+        self.max_len = min(max_len, draft.config.block_size)
+        self.cache: KVCache | None = None
+        self.filled = 0  # the draft's cache holds the sequence's first `filled` tokens
+
+    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, greedy: bool,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to k proposals after tokens (T,) and the distributions they were drawn from ((k, V); None if greedy)."""
+        k = min(k, self.max_len - len(tokens))  # the draft sees its own context and no further
+        if k < 1:
+            return tokens.new_empty(0), None
+        if self.cache is None:
+            self.cache = KVCache.for_model(self.model, 1, self.max_len)
+        training = self.model.training
+        self.model.eval()
+        try:
+            logits = self._catch_up(tokens)
+            drafted, dists = [], []
+            for i in range(k):
+                if i:
+                    logits = _forward(self.model, drafted[-1].view(1, 1), self.cache, len(tokens) + i - 1)
+                shaped = shape(self._widen(logits.float()), torch.cat(drafted) if drafted else tokens.new_empty(0))
+                if greedy:
+                    drafted.append(shaped.argmax(dim=-1))
+                else:
+                    dists.append(shaped.softmax(dim=-1))
+                    drafted.append(torch.multinomial(dists[-1], 1, generator=generator)[0])
+        finally:
+            self.model.train(training)
+        self.filled = len(tokens) + k - 1  # the last proposal was never read
+        return torch.cat(drafted), None if greedy else torch.cat(dists)
+
+    def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's logits (1, V_draft) after tokens (T,), reading the ones its cache lacks: a round's token
+        or two in one call on its decode kernels, a prompt (more than fastpath.PROMPT_ROWS) through its forward."""
+        new = tokens[self.filled :].unsqueeze(0)
+        if new.shape[1] <= fastpath.PROMPT_ROWS:
+            return _forward(self.model, new, self.cache, self.filled)[-1:]
+        positions = torch.arange(self.filled, len(tokens), device=tokens.device)
+        return self.model(new, self.cache, positions, last_only=True)[:, -1]
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits (1, V_draft) over the target's head: ids only one of them has are never proposed."""
+        width = logits.shape[-1]
+        if width >= self.vocab_size:
+            return logits[:, : self.vocab_size]
+        return torch.cat([logits, logits.new_full((1, self.vocab_size - width), float("-inf"))], dim=1)
+
+    def rollback(self, length: int) -> None:
+        """The sequence stood at its first `length` tokens: the draft's cache holds no more than them."""
+        self.filled = min(self.filled, length)
+
+
+def _forward(model, tokens: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+    """The logits (T, V) of tokens (1, T) at positions start .. start + T - 1, written to the cache."""
+    logits = fastpath.verify(model, tokens, cache, start)
+    if logits is None:
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        logits = model(tokens, cache, positions)
+    return logits[0]
+
+
+def verify(model, rows: torch.Tensor, kv_cache: KVCache, start: int) -> torch.Tensor:
+    """The target's logits (T, V) of rows (1, T) (the last token and the proposals) at positions start ..
+    start + T - 1, their keys and values written to the cache: on a CPU one call into the model's DecodePlan,
+    each row's logits those of a step that decodes it alone, bit for bit; elsewhere the model's forward,
+    equal to a step's to float rounding."""
+    return _forward(model, rows, kv_cache, start)
+
+
+def judge(processed: torch.Tensor, drafted: torch.Tensor, dists: torch.Tensor | None, greedy: bool,
+          generator: torch.Generator | None) -> tuple[int, int]:
+    """How many proposals stand and the token after them.
+
+    Args:
+        processed: the target's logits at each verified position, shaped for the choice (k + 1, V).
+        drafted: the k proposals.
+        dists: the distributions (k, V) they were drawn from; None for a lookup's (q one-hot at the proposal).
+        greedy: the argmax rule (else the rejection rule: the module's docstring).
+        generator: the random numbers of acceptance and of the draws.
+
+    Returns:
+        (n, token): drafted[:n] stand and `token` follows them.
+    """
+    if greedy:
+        best = processed.argmax(dim=-1)
+        n = int((best[:-1] == drafted).long().cumprod(0).sum())
+        return n, int(best[n])
+    probs = processed.softmax(dim=-1)
+    for i, d in enumerate(drafted.tolist()):
+        p = probs[i]
+        q = dists[i] if dists is not None else None
+        chance = p[d] / q[d] if q is not None else p[d]
+        if float(torch.rand((), generator=generator, device=p.device)) < float(chance):
+            continue
+        rest = (p - q).clamp(min=0) if q is not None else p.clone().index_fill_(0, drafted[i : i + 1], 0.0)
+        if not float(rest.sum()) > 0:  # p is q where it is not zero, to float rounding: draw from p
+            rest = p
+        return i, int(torch.multinomial(rest, 1, generator=generator))
+    return len(drafted), int(torch.multinomial(probs[-1], 1, generator=generator))
+
+
+class Speculator:
+    """One sequence's speculation: its drafter, how many tokens it proposes, whether it speculates, its figures.
+
+    k is the number that gives the most tokens for the time by what the rounds measured: a proposal stands with
+    probability a (the proposals that stood over them and the refusals, the latest rounds weighing most: a round
+    keeps its proposals up to the first that falls), and a round of k costs k draft steps and a verification of
+    k + 1 rows, d and 1 + c k plain steps' time, so that k maximises (1 + a + ... + a^k) / (1 + k (d + c)). On a
+    CPU a verification row is not free once the weights are no longer the bottleneck (the README's Zen 3: 5
+    rows of a 100 MB float32 model cost 1.35 steps, 9 rows 2.2), so a high acceptance alone does not make a
+    long round pay. Rounds whose measured time per token loses to a plain step's are set aside (the module's
+    docstring).
+
+    Args:
+        drafter: a DraftModel or a PromptLookup of this sequence's own.
+        most: the most tokens a round proposes (check_tokens).
+    """
+
+    def __init__(self, drafter: DraftModel | PromptLookup, most: int) -> None:
+        self.drafter, self.most = drafter, most
+        self.k = min(START_TOKENS, most)
+        self.stats = SpeculationStats()
+        self.step_time: float | None = None  # a plain step's seconds, as lately measured
+        self.stood, self.fell = 1.0, 1.0  # proposals that stood and rounds where one fell, weighted: a = 1/2 at first
+        self.draft_cost: float | None = None  # a draft step's time, in plain steps (d)
+        self.row_cost: float | None = None  # a verified row's beyond the first, in plain steps (c)
+        self.pause = 0  # plain tokens to go before speculating again
+        self.next_pause = FIRST_PAUSE
+        self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
+
+    def budget(self, room: int) -> int:
+        """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
+        may still add less one, and the positions its cache has left less one)."""
+        if self.pause or self.stats.plain < PLAIN_PROBES:
+            return 0
+        return max(0, min(self.k, room))
+
+    def plain(self, seconds: float | None) -> None:
+        """A plain step gave one token in `seconds` (None: not timed)."""
+        self.stats.plain += 1
+        self.pause = max(0, self.pause - 1)
+        if seconds is not None:
+            self.step_time = seconds if self.step_time is None else min(seconds, 0.5 * (self.step_time + seconds))
+
+    def settle(self, drafted: int, accepted: int, seconds: float, drafting: float = 0.0) -> None:
+        """A round proposed `drafted` tokens, of which `accepted` stood, in `seconds` (`drafting` of them the
+        drafter's): choose the next k, and whether to go on."""
+        self.stats.rounds += 1
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.stood = DECAY * self.stood + accepted
+        self.fell = DECAY * self.fell + (accepted < drafted)
+        if self.step_time is None:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
+            self.k = self.most
+            return
+        step = self.step_time
+        self.draft_cost = _mix(self.draft_cost, drafting / drafted / step)
+        self.row_cost = _mix(self.row_cost, max(0.0, (seconds - drafting) / step - 1) / drafted)
+        self.k = self._best_k()
+        self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
+        if len(self.trial) < TRIAL_ROUNDS:
+            return
+        if sum(self.trial[-TRIAL_ROUNDS:]) / TRIAL_ROUNDS < 1.0:  # slower than plain steps: set it aside
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, LONGEST_PAUSE)
+            self.trial = []
+        elif len(self.trial) == TRIAL_ROUNDS:  # it pays: a later loss pauses it briefly again
+            self.next_pause = FIRST_PAUSE
+
+    def _best_k(self) -> int:
+        """The k of the most tokens per time: (1 + a + ... + a^k) / (1 + k (d + c))."""
+        a, cost = self.stood / (self.stood + self.fell), self.draft_cost + self.row_cost
+        best, best_value, tokens, term = 1, 0.0, 1.0, 1.0
+        for k in range(1, self.most + 1):
+            term *= a
+            tokens += term
+            value = tokens / (1 + k * cost)
+            if value > best_value:
+                best, best_value = k, value
+        return best
+
+
+def _mix(old: float | None, new: float) -> float:
+    """A running figure: the latest measure weighs 0.3."""
+    return new if old is None else 0.7 * old + 0.3 * new
+
+
+@dataclass
+class Round:
+    """What one speculative round chose: the proposals that stood and the target's token after them."""
+
+    tokens: list[int]  # n proposals and the token after them
+    logits: torch.Tensor  # (n + 1, V) the target's raw logits at each
+    processed: torch.Tensor  # (n + 1, V) as shaped for the choice
+    drafted: int  # tokens proposed
+
+
+def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, filled: int, k: int, shape: Shape,
+              greedy: bool, generator: torch.Generator | None,
+              run: Callable[[Callable[[], torch.Tensor]], torch.Tensor] | None = None) -> Round | None:
+    """One round for one sequence: propose, verify in one target call, judge, roll back; timed into `spec`.
+
+    Args:
+        model: the target.
+        spec: the sequence's Speculator.
+        tokens: the sequence so far (T,); the cache holds all of it but the last token.
+        kv_cache: the sequence's one-row cache; `filled` positions hold tokens[:-1].
+        k: the most tokens to propose (Speculator.budget).
+        shape: the caller's processing of positions' logits (vocabulary mask, penalties, temperature, top-k,
+            top-p), given the proposals before them (Shape).
+        greedy: choose by argmax (else sample by the rejection rule).
+        generator: random numbers for the draft's draws, acceptance and the draws after a refusal.
+        run: calls the verification (a ThreadChoice's run, which times it on the threads chosen); None: directly.
+
+    Returns:
+        The Round, or None where the drafter proposed nothing (take a plain step).
+    """
+    start = time.perf_counter()
+    drafted, dists = spec.drafter.propose(tokens, k, shape, greedy, generator)
+    if not drafted.numel():
+        return None
+    proposed = time.perf_counter()
+    rows = torch.cat([tokens[-1:], drafted]).unsqueeze(0)
+    logits = (run or (lambda f: f()))(lambda: verify(model, rows, kv_cache, filled))
+    processed = shape(logits, drafted)
+    n, token = judge(processed, drafted, dists, greedy, generator)
+    spec.drafter.rollback(len(tokens) + n)
+    spec.settle(len(drafted), n, time.perf_counter() - start, proposed - start)
+    return Round(drafted[:n].tolist() + [token], logits[: n + 1], processed[: n + 1], len(drafted))
+
+
+def speculator(model, *, draft=None, speculate: int | None = None, prompt_lookup: int | None = None,
+               max_len: int | None = None, vocab_size: int | None = None) -> Speculator | None:
+    """A Speculator for one sequence of `model`, from generate's arguments; None without draft or prompt_lookup.
+
+    Args:
+        model: the target.
+        draft: a draft model (a tinygpt GPT with the target's vocabulary).
+        speculate: the most tokens a round proposes (DEFAULT_TOKENS, at most most_tokens(model)).
+        prompt_lookup: n, for proposals from the text itself (PromptLookup).
+        max_len: the positions of the target's cache (the draft's need no more).
+        vocab_size: the tokenizer's vocabulary: a draft's head must cover it where its size differs from the
+            target's.
+
+    Raises:
+        ConfigError: both or neither of draft and prompt_lookup with speculate; a bad speculate or n; a draft
+            whose head is not the target's.
+    """
+    if draft is None and prompt_lookup is None:
+        if speculate is not None:
+            raise ConfigError("speculate: the tokens a draft proposes, for a draft or prompt_lookup; neither is given")
+        return None
+    if draft is not None and prompt_lookup is not None:
+        raise ConfigError("draft and prompt_lookup: one source of proposals at a time")
+    most = check_tokens(model, min(DEFAULT_TOKENS, most_tokens(model)) if speculate is None else speculate)
+    if prompt_lookup is not None:
+        return Speculator(PromptLookup(prompt_lookup), most)
+    why = check_draft(model, draft, vocab_size)
+    if why is not None:
+        log.warning("tinygpt: warning: %s", why)
+    return Speculator(DraftModel(draft, model.config.vocab_size, max_len or model.config.block_size), most)
+
+
+def check_draft(model, draft, vocab_size: int | None = None) -> str | None:
+    """A draft fit for `model`: a tinygpt GPT whose head covers the vocabulary (the target's size, or both at
+    least the tokenizer's). Returns the warning for a draft as large as the target or larger (draft_warning),
+    the first time this pair is checked; None after, or for a smaller draft.
+
+    Raises:
+        ConfigError: the draft is not a model, or its vocabulary is not the target's.
+    """
+    cfg = getattr(draft, "config", None)
+    if cfg is None or not hasattr(cfg, "vocab_size") or not isinstance(draft, torch.nn.Module):
+        raise ConfigError(f"draft: expected a tinygpt model, got a {type(draft).__name__}")
+    theirs, ours = cfg.vocab_size, model.config.vocab_size
+    if theirs != ours and (vocab_size is None or min(theirs, ours) < vocab_size):
+        raise ConfigError(f"draft: its vocabulary of {theirs:,} ids is not the target's {ours:,}: a draft must "
+                          "share the target's tokenizer (its vocabulary and ids)")
+    warned = _warned.setdefault(model, weakref.WeakSet())
+    if draft in warned:
+        return None
+    warned.add(draft)
+    return draft_warning(model, draft)

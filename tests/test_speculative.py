@@ -1,0 +1,249 @@
+"""Speculative decoding (tinygpt.speculative): greedy output is plain greedy output token for token (drafts of
+several sizes, prompt lookup, every weight format, k = 1, 4, 8, across the context limit), sampled tokens are
+distributed as the target's (chi-square, fixed seed), the schedule steps aside where it loses, and bad input is
+one line. The verification's rows are one-row steps bit for bit: test_generate.py."""
+
+import copy
+
+import pytest
+import torch
+
+from tinygpt import GPT, ConfigError, GPTConfig, generate, quantize, speculative
+from tinygpt.config import SampleConfig
+from tinygpt.interop.quantize import FORMATS
+from tinygpt.sampling import process_logits
+
+V = 67
+
+
+def _gpt(n_layer: int, n_embd: int, seed: int, vocab: int = V, block: int = 48, **extra) -> GPT:
+    torch.manual_seed(seed)
+    n_head = extra.pop("n_head", 4 if n_embd >= 64 else 2)
+    # an untied head: a random model with a tied one mostly repeats its last token, and every draft agrees with it
+    return GPT(GPTConfig(vocab_size=vocab, block_size=block, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                         init="torch", tie_weights=False, **extra)).eval()
+
+
+def _near(model: GPT, scale: float, seed: int) -> GPT:
+    """A copy of model with noise on its weights: a draft the target mostly agrees with, and not always."""
+    near = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in near.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return near
+
+
+@pytest.fixture
+def always(monkeypatch):
+    """Speculate from the first step and never step aside: the schedule's timing out of the way."""
+    monkeypatch.setattr(speculative, "PLAIN_PROBES", 0)
+    monkeypatch.setattr(speculative, "TRIAL_ROUNDS", 10**9)
+
+
+def _figures(model, idx, n, **kw):
+    """generate's tokens and the speculation's figures."""
+    seen = []
+    out = generate(model, idx, n, observer=lambda s: seen.append(s.speculation), **kw)
+    return out, seen[-1]
+
+
+# -- greedy: the target's own text -------------------------------------------------------------------------
+
+TARGET = dict(n_layer=3, n_embd=64, seed=0, block=64)
+SOURCES = {
+    "small draft": dict(draft=lambda t: _gpt(1, 32, 1)),
+    "medium draft": dict(draft=lambda t: _gpt(2, 64, 2)),
+    "near draft": dict(draft=lambda t: _near(t, 0.3, 3)),
+    "prompt lookup": dict(prompt_lookup=2),
+}
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_greedy_speculation_is_plain_greedy_token_for_token(fmt, source, k, always):
+    target = _gpt(**TARGET)
+    kw = dict(SOURCES[source])
+    if "draft" in kw:
+        kw["draft"] = quantize(kw["draft"](target), fmt)
+    target = quantize(target, fmt)
+    # 80 new tokens after 12: past block_size (64), where the window slides and rounds give way to plain steps
+    idx = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    plain = generate(target, idx, 80, greedy=True)
+    fast, stats = _figures(target, idx, 80, greedy=True, speculate=k, **kw)
+    assert torch.equal(fast, plain)
+    assert stats.rounds > 0 and stats.drafted > stats.accepted  # rounds ran, and refusals rolled the caches back
+    if source == "near draft":
+        assert stats.accepted > 0
+
+
+def test_greedy_llama_layout_and_a_padded_vocabulary(always):
+    target = _gpt(2, 64, 0, arch="llama", n_kv_head=2, mlp="swiglu")
+    draft = _near(target, 0.3, 1)
+    idx = torch.randint(0, V, (1, 9))
+    for kw in (dict(draft=draft), dict(prompt_lookup=1)):
+        assert torch.equal(generate(target, idx, 60, greedy=True, vocab_size=60, **kw),
+                           generate(target, idx, 60, greedy=True, vocab_size=60))
+
+
+def test_stop_tokens_and_max_new_tokens_hold_inside_a_round(always):
+    target = _gpt(**TARGET)
+    draft = _near(target, 0.05, 4)  # almost always agrees: rounds of several tokens
+    idx = torch.randint(0, V, (1, 6))
+    plain = generate(target, idx, 30, greedy=True)
+    stop = int(plain[0, 6 + 11])
+    for n in (1, 2, 7, 30):
+        assert torch.equal(generate(target, idx, n, greedy=True, draft=draft), plain[:, : 6 + n])
+    stopped = generate(target, idx, 30, greedy=True, stop_tokens=[stop], draft=draft)
+    assert torch.equal(stopped, generate(target, idx, 30, greedy=True, stop_tokens=[stop]))
+
+
+# -- sampling: the target's distribution --------------------------------------------------------------------
+
+
+def _exact(model, prompt: list[int], steps: int, cfg: SampleConfig) -> list[torch.Tensor]:
+    """The target's own marginal distribution of each of the first `steps` new tokens, summed over every path."""
+    paths, weights, out = [prompt], torch.ones(1, dtype=torch.float64), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            x = torch.tensor(paths)
+            probs = process_logits(model(x)[:, -1], x, cfg).softmax(-1).double()  # (paths, V)
+            joint = weights[:, None] * probs
+            out.append(joint.sum(0))
+            paths = [p + [t] for p in paths for t in range(probs.shape[1])]
+            weights = joint.reshape(-1)
+    return out
+
+
+def _chi_square_p(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """The chi-square test's p-value of counts against the expected probabilities (categories >= 5 expected)."""
+    n = counts.sum()
+    keep = expected * n >= 5
+    e = expected[keep] * n
+    x2 = float(((counts[keep] - e) ** 2 / e).sum())
+    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(x2 / 2, dtype=torch.float64)))
+
+
+SMALL_V = 6
+SAMPLING = dict(temperature=0.9, top_k=5, repetition_penalty=1.3)
+
+
+def _sampled(target, n: int, **kw) -> torch.Tensor:
+    """n samples of the first four new tokens after the prompt (n, 4), from one seeded generator."""
+    g = torch.Generator().manual_seed(1234)
+    idx = torch.tensor([[0, 1, 2]])
+    return torch.stack([generate(target, idx, 4, generator=g, **SAMPLING, **kw)[0, 3:] for _ in range(n)])
+
+
+@pytest.fixture(scope="module")
+def small_models():
+    target = _gpt(2, 32, 10, vocab=SMALL_V, block=16, n_head=2)
+    draft = _gpt(1, 32, 11, vocab=SMALL_V, block=16, n_head=2)  # another distribution: many refusals
+    return target, draft, _exact(target, [0, 1, 2], 4, SampleConfig(**SAMPLING))
+
+
+@pytest.mark.parametrize("source", ["draft", "prompt lookup"])
+def test_sampled_tokens_are_distributed_as_the_target_s(small_models, source, always):
+    target, draft, exact = small_models
+    kw = dict(draft=draft) if source == "draft" else dict(prompt_lookup=1)
+    samples = _sampled(target, 1500, speculate=2, **kw)
+    # the second token is the first a round decides (the first comes from the prompt's pass), the fourth a later one
+    for position in (1, 3):
+        counts = torch.bincount(samples[:, position], minlength=SMALL_V).double()
+        assert _chi_square_p(counts, exact[position]) > 1e-3, (position, counts.tolist(), exact[position].tolist())
+
+
+def test_the_chi_square_test_sees_a_rule_that_keeps_every_proposal(small_models, always, monkeypatch):
+    target, draft, exact = small_models
+    monkeypatch.setattr(speculative, "judge", lambda p, drafted, dists, greedy, g: (
+        len(drafted), int(torch.multinomial(p[-1].softmax(-1), 1, generator=g))))
+    samples = _sampled(target, 1500, draft=draft, speculate=2)
+    counts = torch.bincount(samples[:, 1], minlength=SMALL_V).double()
+    assert _chi_square_p(counts, exact[1]) < 1e-3  # the draft's distribution, not the target's
+
+
+# -- the schedule ------------------------------------------------------------------------------------------
+
+
+def test_k_follows_the_measured_acceptance_and_costs():
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    assert spec.budget(100) == 0  # plain steps first: what a round is weighed against
+    spec.plain(0.010)
+    spec.plain(0.010)
+    assert spec.budget(100) == 4 and spec.budget(2) == 2
+    for _ in range(5):  # every proposal stands, and a row costs a twentieth of a step: as many as it may
+        spec.settle(spec.k, spec.k, 0.010 * (1 + 0.05 * spec.k))
+    assert spec.k == 8
+    for _ in range(8):  # the first proposal stands half the time, and a row costs a third of a step
+        spec.settle(spec.k, spec.stats.rounds % 2, 0.010 * (1 + 0.33 * spec.k))
+    assert spec.k == 1
+    cheap = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    for _ in range(2):
+        cheap.plain(0.010)
+    for _ in range(8):  # the same acceptance with rows that cost little: longer rounds pay
+        cheap.settle(cheap.k, cheap.stats.rounds % 2, 0.010 * (1 + 0.01 * cheap.k))
+    assert cheap.k > 1
+
+
+def test_speculation_steps_aside_where_it_loses_and_tries_again_later():
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    spec.plain(0.010)
+    spec.plain(0.010)
+    for _ in range(4):
+        spec.settle(4, 4, 0.011)  # five tokens for about a step's time: it pays, it goes on
+    for _ in range(3):
+        spec.settle(4, 0, 0.014)  # one token for more than a step's time
+        assert spec.budget(100) > 0  # the rounds before still pay for it
+    spec.settle(4, 0, 0.014)  # four losing rounds running: set aside
+    assert spec.budget(100) == 0 and spec.pause == speculative.FIRST_PAUSE
+    for _ in range(speculative.FIRST_PAUSE):
+        assert spec.budget(100) == 0
+        spec.plain(0.010)
+    assert spec.budget(100) > 0  # tried again
+    for _ in range(4):
+        spec.settle(1, 0, 0.014)
+    assert spec.pause == 2 * speculative.FIRST_PAUSE  # lost again: twice as long
+    assert spec.stats.plain == 2 + speculative.FIRST_PAUSE and spec.stats.rounds == 12
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    lookup = speculative.PromptLookup(2)
+    propose = lambda ids, k: lookup.propose(torch.tensor(ids), k, None, True, None)[0].tolist()  # noqa: E731
+    assert propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 2) == [9, 9]  # the latest occurrence wins
+    assert propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2, 5], 4) == []  # (2, 5) never came before
+    again = speculative.PromptLookup(1)
+    assert again.propose(torch.tensor([7, 7, 7]), 4, None, True, None)[0].tolist() == [7, 7, 7, 7]  # a run repeats
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_config_errors_in_one_line(caplog):
+    target = _gpt(**TARGET)
+    idx = torch.randint(0, V, (1, 4))
+    cases = [
+        (dict(prompt_lookup=0), "prompt_lookup: the n-gram"),
+        (dict(prompt_lookup=2, speculate=0), "speculate: a round proposes 1 to 16"),
+        (dict(prompt_lookup=2, speculate=17), "speculate: a round proposes 1 to 16"),
+        (dict(speculate=4), "neither is given"),
+        (dict(prompt_lookup=2, draft=_gpt(1, 32, 1)), "one source of proposals"),
+        (dict(draft=_gpt(1, 32, 1, vocab=V + 3)), "not the target's"),
+        (dict(draft="runs/draft"), "expected a tinygpt model"),
+        (dict(prompt_lookup=2, use_cache=False), "use_cache=False"),
+    ]
+    for kw, words in cases:
+        with pytest.raises(ConfigError, match=words) as e:
+            generate(target, idx, 4, **kw)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="8 for this int8 model|1 to 8"):
+        generate(quantize(_gpt(**TARGET), "int8"), idx, 4, prompt_lookup=2, speculate=9)
+    with pytest.raises(ConfigError, match="one sequence at a time"):
+        generate(target, idx.repeat(2, 1), 4, prompt_lookup=2)
+    with caplog.at_level("WARNING"):
+        generate(target, idx, 2, draft=_gpt(4, 64, 5))  # larger than the target: said once, with the figures
+        generate(target, idx, 2, draft=_gpt(4, 64, 5))
+    warnings = [r.getMessage() for r in caplog.records if "draft has" in r.getMessage()]
+    assert len(warnings) <= 2 and warnings and "parameters, the target" in warnings[0]
