@@ -14,7 +14,7 @@ from ..tokenizer.incremental import IncrementalDecoder
 from .protocol import COMPLETIONS, CompletionRequest, invalid_value
 from .refusals import scheduler_errors
 from .reply import ClientGone, generate
-from .scheduler import TokenInfo, score_windows, scoring_windows
+from .scoring import TokenInfo, score_windows, scoring_windows
 from .state import ServerState, authorized, body
 from .structured import compiled, requested
 

@@ -20,7 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from ..toolcalls import CallFormat, CallStream
 from .protocol import APIError, ChatRequest, CompletionRequest
 from .refusals import scheduler_errors
-from .scheduler import Event, Sequence, TokenInfo
+from .scheduler import Event, Sequence
+from .scoring import TokenInfo
 from .state import ServerState
 
 _GONE = object()  # queued when the client disconnects
