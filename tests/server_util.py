@@ -41,14 +41,14 @@ def poison_sampler(patch) -> None:
     alone. `patch(obj, name, value)`: pytest's monkeypatch.setattr, or setattr in a server process."""
     from tinygpt.server import scheduler
 
-    real = scheduler.sample
+    real = scheduler.choose
 
-    def sample(logits, tokens, cfg, generator=None, vocab_size=None):
+    def choose(processed, cfg, generator=None):
         if cfg.top_k == POISON_TOP_K:
             raise RuntimeError("injected sampling fault")
-        return real(logits, tokens, cfg, generator, vocab_size)
+        return real(processed, cfg, generator)
 
-    patch(scheduler, "sample", sample)
+    patch(scheduler, "choose", choose)
 
 
 def save_tiny_run(path, block_size: int = 32):

@@ -1,17 +1,22 @@
 """Speculative decoding (tinygpt.speculative): greedy output is plain greedy output token for token (drafts of
 several sizes, prompt lookup, every weight format, k = 1, 4, 8, across the context limit), sampled tokens are
-distributed as the target's (chi-square, fixed seed), the schedule steps aside where it loses, and bad input is
-one line. The verification's rows are one-row steps bit for bit: test_generate.py."""
+distributed as the target's (chi-square, fixed seed), the schedule steps aside where it loses, bad input is one
+line, and the server's greedy completions are its own beside other requests. The verification's rows are
+one-row steps bit for bit: test_generate.py."""
 
+import concurrent.futures
 import copy
 
+import httpx
 import pytest
 import torch
+from server_util import CHARS, NAME, running, tiny_tokenizer
 
 from tinygpt import GPT, ConfigError, GPTConfig, generate, quantize, speculative
 from tinygpt.config import SampleConfig
 from tinygpt.interop.quantize import FORMATS
 from tinygpt.sampling import process_logits
+from tinygpt.server import create_app
 
 V = 67
 
@@ -247,3 +252,33 @@ def test_bad_arguments_are_config_errors_in_one_line(caplog):
         generate(target, idx, 2, draft=_gpt(4, 64, 5))
     warnings = [r.getMessage() for r in caplog.records if "draft has" in r.getMessage()]
     assert len(warnings) <= 2 and warnings and "parameters, the target" in warnings[0]
+
+
+# -- the server --------------------------------------------------------------------------------------------
+
+
+def _complete(base: str, prompt: str, n: int) -> dict:
+    r = httpx.post(base + "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": n,
+                                                   "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("speculation", [dict(prompt_lookup=2, speculate=4), "draft"])
+def test_server_gives_the_same_greedy_completions_with_speculation_beside_other_requests(speculation, always):
+    model, tok = _gpt(2, 32, 0, vocab=len(CHARS), block=64), tiny_tokenizer()
+    if speculation == "draft":
+        speculation = dict(draft=_near(model, 0.2, 1), speculate=8)
+    prompts = ["abcabcabcabc", "hello hello", "the cat the cat the", "xyz"]
+    with running(create_app(model, tok, model_name=NAME)) as base:
+        want = [_complete(base, p, 90)["choices"][0]["text"] for p in prompts]  # 90: past the context of 64
+    with running(create_app(model, tok, model_name=NAME, speculation=speculation)) as base:
+        alone = _complete(base, prompts[0], 90)
+        assert alone["choices"][0]["text"] == want[0]
+        assert alone["usage"]["speculation"]["rounds"] > 0
+        details = alone["usage"]["completion_tokens_details"]
+        assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] == \
+            alone["usage"]["speculation"]["drafted_tokens"]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: _complete(base, p, 90)["choices"][0]["text"], prompts))
+    assert got == want

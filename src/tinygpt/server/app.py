@@ -42,6 +42,7 @@ def create_app(
     cors_origins: Iterable[str] = (),
     trusted_hosts: Iterable[str] | None = None,
     prompt_cache_bytes: int = PROMPT_CACHE_BYTES,
+    speculation: dict | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible FastAPI app serving one model.
 
@@ -64,10 +65,13 @@ def create_app(
         prompt_cache_bytes: the keys and values of finished sequences kept for prompts that begin as they
             do (a conversation's next turn), at most this many bytes, the least recently used dropped
             first; 0 keeps none.
+        speculation: speculative decoding for each sequence that decodes alone: tinygpt.speculative.speculator's
+            arguments (draft, speculate, prompt_lookup); each answer's usage then reports what it did
+            (completion_tokens_details' accepted and rejected prediction tokens, and `speculation`).
 
     Raises:
-        ConfigError: a setting out of range, or a KV cache too large for the device (it is
-            allocated here, before any request can be answered).
+        ConfigError: a setting out of range, speculation that does not fit the model, or a KV cache too
+            large for the device (it is allocated here, before any request can be answered).
     """
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError("model_name must be a non-empty string")
@@ -78,7 +82,8 @@ def create_app(
     if prompt_cache_bytes < 0:
         raise ConfigError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
     cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-    scheduler = Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue, prompt_cache=cache)
+    scheduler = Scheduler(model, tokenizer, max_concurrency=max_concurrency, max_queue=max_queue,
+                          prompt_cache=cache, speculation=speculation)
     scheduler.allocate()
     state = ServerState(model, tokenizer, model_name, api_key, max_tokens, scheduler)
     app = FastAPI(title="tinygpt", lifespan=_lifespan, docs_url=None, redoc_url=None, openapi_url=None)

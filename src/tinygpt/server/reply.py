@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from ..speculative import SpeculationStats
 from ..toolcalls import CallFormat, CallStream
 from .protocol import APIError, ChatRequest, CompletionRequest
 from .refusals import scheduler_errors
@@ -113,6 +114,7 @@ class Reply:
         self.dropped = dropped
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.speculation: SpeculationStats | None = None  # every choice's, added up, where they could speculate
         self.echo = echo
         # each choice's reader of tool calls (the same reader whole and streamed: the same calls either way)
         self.readers = [CallStream(*calls) for _ in seqs] if calls is not None else None
@@ -126,6 +128,11 @@ class Reply:
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         if self.dropped:  # prompts longer than the context were cut to their last block_size tokens
             usage["prompt_tokens_truncated"] = self.dropped
+        if self.speculation is not None:  # OpenAI's predicted outputs' fields, and tinygpt's figures
+            stats = self.speculation
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": stats.accepted,
+                                                  "rejected_prediction_tokens": stats.drafted - stats.accepted}
+            usage["speculation"] = stats.to_dict()
         return usage
 
     def echoed(self, index: int) -> tuple[str, list[TokenInfo]]:
@@ -153,6 +160,9 @@ class Reply:
                 remaining -= 1
                 self.completion_tokens += event.completion_tokens
                 self.cached_tokens += event.cached_tokens
+                if event.speculation is not None:
+                    self.speculation = self.speculation or SpeculationStats()
+                    self.speculation.add(event.speculation)
             yield event
 
     async def collect(self, queue: asyncio.Queue) -> JSONResponse:

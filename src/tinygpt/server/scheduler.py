@@ -9,6 +9,10 @@ join and leave between steps: a finished or cancelled one gives its row to the l
 A row whose context reaches block_size is treated as `generate_stream` treats it: its slot is
 re-prefilled from its last block_size tokens each step, exactly the context the plain loop sees.
 
+With speculation on (`speculation`), a sequence decoding alone speculates through `speculative.speculate`,
+as `generate_stream` does; beside others it takes the batched step, whose one read of the weights serves
+every row (a verification of its own would be a second read that the others wait for).
+
 Everything that touches the model runs on the one model thread; the web server talks to it
 through `submit`, `cancel` and `call` and hears back through each sequence's `emit` callback.
 
@@ -20,8 +24,10 @@ scheduler says so (`failure`), fails everything waiting or running with a 503, a
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,11 +44,13 @@ from ..errors import ConfigError, TinyGPTError
 from ..generate import StopText, ThreadChoice, decode_step, prefill
 from ..kv_cache import KVCache
 from ..prompt_cache import PromptCache
-from ..sampling import mask_vocab, sample
+from ..sampling import choose, mask_vocab, process_logits
+from ..speculative import Round, SpeculationStats, Speculator, speculate, speculator
 from ..tokenizer.incremental import IncrementalDecoder
 from .scoring import TokenInfo, token_info
 
 log = logging.getLogger("tinygpt.server")
+
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full."""
@@ -72,6 +80,7 @@ class Event:
     tokens: list[TokenInfo] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" when finished
     completion_tokens: int = 0
+    speculation: SpeculationStats | None = None  # with finish_reason, where the sequence could speculate
     error: str | None = None
     status: int = 500  # with an error: the HTTP status it calls for (503: shutting down, or the model thread died)
     cached_tokens: int = 0  # with the finish: prompt tokens whose keys and values came from the prompt cache
@@ -117,6 +126,7 @@ class Sequence:
     sent: int = field(default=0, init=False)  # characters of text emitted so far (the rest is held back or cut)
     filled: int = field(default=0, init=False)  # cache positions of this slot holding the current context
     cached: int = field(default=0, init=False)  # prompt positions the prompt cache filled
+    speculator: Speculator | None = field(default=None, init=False)  # its speculation, with the server's on
 
     def start(self, tokenizer, vocab_size: int, device: torch.device) -> None:
         """Allocate the per-sequence state on the model thread."""
@@ -164,12 +174,19 @@ class Scheduler:
         max_queue: sequences that may wait for a row; beyond that `submit` raises QueueFull.
         prompt_cache: where finished sequences' keys and values are kept for prompts that begin as they do
             (None: every prompt is computed whole).
+        speculation: speculative.speculator's arguments (draft, speculate, prompt_lookup) for each sequence's
+            own speculation; None: none.
+
+    Raises:
+        ConfigError: speculation's arguments do not fit the model.
     """
 
     def __init__(self, model, tokenizer, *, max_concurrency: int = 8, max_queue: int = 32,
-                 prompt_cache: PromptCache | None = None) -> None:
+                 prompt_cache: PromptCache | None = None, speculation: dict | None = None) -> None:
         if max_concurrency < 1 or max_queue < 0:
             raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
+        self.speculation = dict(speculation or {}, max_len=model.config.block_size, vocab_size=tokenizer.vocab_size)
+        speculator(model, **self.speculation)  # checked now: a bad setting is an error at start-up
         self.model = model
         self.tokenizer = tokenizer
         self.max_concurrency = max_concurrency
@@ -422,30 +439,12 @@ class Scheduler:
         self.counters["failed"] += 1
 
     def _step(self, admit: list[Sequence]) -> None:
-        """One step: every active row gets its next logits (batched decode, or a re-prefill once its
-        context is full); every admitted sequence is prefilled into a free row; then each row chooses.
-        What fails for one sequence alone (its prefill, its choice) ends that sequence only."""
-        model, cache, bs = self.model, self._cache, self.block_size
+        """One step: every active row gets its next logits (batched decode, a speculative round for a sequence
+        decoding alone, or a re-prefill once its context is full); every admitted sequence is prefilled into a
+        free row; then each row chooses. What fails for one sequence alone (its prefill, its round, its choice)
+        ends that sequence only."""
         active = self._active
-        logits: list[torch.Tensor | Exception] = []
-        n_old = len(active)
-        if n_old:
-            full = [s.filled >= bs for s in active]
-            if not all(full):
-                tokens = torch.stack([s.tokens[s.length - 1] for s in active])  # (B,)
-                # A full row decodes a throwaway token at the last position; the re-prefill below
-                # rewrites its whole row.
-                positions = [min(s.filled, bs - 1) for s in active]
-                pos = torch.tensor(positions, device=self.device)
-                view = cache.rows(0, n_old, length=max(positions) + 1)  # no row looks further
-                out = self._threads.run(lambda: decode_step(model, tokens, view, pos))  # (B, V)
-            for i, s in enumerate(active):
-                if full[i]:
-                    logits.append(_attempt(lambda: self._threads.prefill(lambda: prefill(model, s.context()[:, -bs:],
-                                                                                         cache.slot(i)))))
-                else:
-                    logits.append(out[i : i + 1])
-                    s.filled += 1
+        logits = self._decode(active) if active else []
         for s in admit:
             if s.cancelled:  # its client left while it waited
                 with self._cond:
@@ -462,7 +461,10 @@ class Scheduler:
         done = []
         for i, s in enumerate(active):
             result = logits[i]
-            if not isinstance(result, Exception):
+            if isinstance(result, Round):  # its tokens one by one, as plain steps would report them
+                result = _attempt(lambda: any(self._advance(s, logits[i].logits[j : j + 1], token)
+                                              for j, token in enumerate(logits[i].tokens)))
+            elif not isinstance(result, Exception):
                 result = _attempt(lambda: self._advance(s, logits[i]))
             if isinstance(result, Exception):
                 self._fail(s, result)
@@ -472,9 +474,52 @@ class Scheduler:
                 done.append(i)
         self._remove(done)
 
+    def _decode(self, active: list[Sequence]) -> list[torch.Tensor | Round | Exception]:
+        """Each active row's next logits (1, V), or the Round of a sequence that speculated alone."""
+        model, cache, bs = self.model, self._cache, self.block_size
+        full = [s.filled >= bs for s in active]
+        if len(active) == 1 and not full[0] and active[0].speculator is not None:
+            spoken = _attempt(lambda: self._speculate(active[0]))
+            if spoken is not None:
+                return [spoken]
+        if not all(full):
+            tokens = torch.stack([s.tokens[s.length - 1] for s in active])  # (B,)
+            # A full row decodes a throwaway token at the last position; the re-prefill below
+            # rewrites its whole row.
+            positions = [min(s.filled, bs - 1) for s in active]
+            pos = torch.tensor(positions, device=self.device)
+            view = cache.rows(0, len(active), length=max(positions) + 1)  # no row looks further
+            start = time.perf_counter()
+            out = self._threads.run(lambda: decode_step(model, tokens, view, pos))  # (B, V)
+            took = time.perf_counter() - start if len(active) == 1 else None  # a step of its own, or shared
+        logits: list[torch.Tensor | Round | Exception] = []
+        for i, s in enumerate(active):
+            if full[i]:
+                logits.append(_attempt(lambda: self._threads.prefill(lambda: prefill(model, s.context()[:, -bs:],
+                                                                                     cache.slot(i)))))
+            else:
+                logits.append(out[i : i + 1])
+                s.filled += 1
+            if s.speculator is not None:
+                s.speculator.plain(None if full[i] else took)
+        return logits
+
+    def _speculate(self, s: Sequence) -> Round | None:
+        """A speculative round for s, decoding alone in row 0; None where it takes a plain step instead."""
+        k = s.speculator.budget(min(s.max_tokens - s.generated, self.block_size - s.filled) - 1)
+        if not k:
+            return None
+        done = speculate(self.model, s.speculator, s.tokens[: s.length], self._cache.slot(0), s.filled, k,
+                         functools.partial(self._shape, s), s.sampling.is_greedy, s.generator, run=self._threads.run)
+        if done is not None:
+            s.filled += len(done.tokens)
+        return done
+
     def _admit(self, s: Sequence, row: int) -> torch.Tensor:
         """Set up an admitted sequence and prefill its prompt into `row`; returns its first logits."""
         s.start(self.tokenizer, self.vocab_size, self.device)
+        # a grammar's mask applies to one chosen token at a time: a constrained sequence takes plain steps
+        s.speculator = speculator(self.model, **self.speculation) if s.matcher is None else None
         bs = self.block_size
         if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
             s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
@@ -491,20 +536,35 @@ class Scheduler:
         if self.prompt_cache is not None and s.filled == s.length - 1:
             self.prompt_cache.store(s.context()[0, : s.filled].tolist(), self._cache.slot(row))
 
-    def _advance(self, s: Sequence, logits: torch.Tensor) -> bool:
-        """Choose s's next token from logits (1, V), report its text; True when s is finished."""
+    def _shape(self, s: Sequence, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """s's logits at R consecutive positions (R, V), shaped for the choice as the proposals drafted (m,)
+        before them leave them (speculative.Shape): the vocabulary mask, logit_bias, the presence and frequency
+        penalties, then the sampling settings. A plain step's is one row with no proposals."""
+        x = mask_vocab(logits.float(), self.tokenizer_vocab)
+        if s.bias is not None:
+            x = x + s.bias
+        if s.counts is None and s.sampling.repetition_penalty == 1.0 and s.matcher is None:  # no row's depends
+            return process_logits(x, None, s.sampling)  # on what came before
+        rows, first = [], len(drafted) - x.shape[0] + 1
+        for r in range(x.shape[0]):
+            before, row = drafted[: first + r], x[r : r + 1]
+            if s.counts is not None:
+                counts = s.counts + torch.bincount(before, minlength=s.counts.shape[1])
+                row = row - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+            if s.matcher is not None:  # a plain step's only: a constrained sequence does not speculate
+                row = s.matcher.mask(row)
+            history = torch.cat([s.context(), before.view(1, -1)], 1) if s.sampling.repetition_penalty != 1.0 else None
+            rows.append(process_logits(row, history, s.sampling))
+        return torch.cat(rows)
+
+    def _advance(self, s: Sequence, logits: torch.Tensor, token: int | None = None) -> bool:
+        """Choose s's next token from logits (1, V) (or take `token`, chosen by a round), report its text; True
+        when s is finished."""
         if s.cancelled:
             return False  # dropped (and counted) at the start of the next step
         raw = mask_vocab(logits.float(), self.tokenizer_vocab)  # the logprobs reported exclude those ids too
-        x = raw
-        if s.bias is not None:
-            x = x + s.bias
-        if s.counts is not None:
-            x = x - s.frequency_penalty * s.counts - s.presence_penalty * (s.counts > 0)
-        if s.matcher is not None:
-            x = s.matcher.mask(x)
-        history = s.context() if s.sampling.repetition_penalty != 1.0 else None
-        token = int(sample(x, history, s.sampling, s.generator)[0])
+        if token is None:
+            token = int(choose(self._shape(s, logits, s.tokens[:0]), s.sampling, s.generator))
         s.append(token)
         self.counters["generated_tokens"] += 1
         if s.counts is not None:
@@ -532,8 +592,9 @@ class Scheduler:
                 reason = "stop"
             text += tail + s.stopper.flush()
         tokens = _sent_tokens(s, text) if s.stopper.done else s.pending
+        stats = s.speculator.stats if s.speculator is not None else None
         _safe_emit(s, Event(s.index, text, tokens, finish_reason=reason, completion_tokens=s.generated,
-                            cached_tokens=s.cached))
+                            cached_tokens=s.cached, speculation=stats))
         self.counters["completed"] += 1
         return True
 
