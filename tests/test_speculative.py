@@ -1,8 +1,9 @@
 """Speculative decoding (tinygpt.speculative): greedy output is plain greedy output token for token (drafts of
 several sizes, prompt lookup, every weight format, k = 1, 4, 8, across the context limit), sampled tokens are
 distributed as the target's (chi-square, fixed seed), the schedule steps aside where it loses, bad input is one
-line, and the server's greedy completions are its own beside other requests. The verification's rows are
-one-row steps bit for bit: test_generate.py."""
+line (the library's and the command line's), sample and chat say what it did, and the server's greedy
+completions are its own beside other requests. The verification's rows are one-row steps bit for bit:
+test_generate.py."""
 
 import concurrent.futures
 import copy
@@ -17,6 +18,7 @@ from tinygpt.config import SampleConfig
 from tinygpt.interop.quantize import FORMATS
 from tinygpt.sampling import process_logits
 from tinygpt.server import create_app
+from tinygpt.tokenizer import CharTokenizer
 
 V = 67
 
@@ -252,6 +254,64 @@ def test_bad_arguments_are_config_errors_in_one_line(caplog):
         generate(target, idx, 2, draft=_gpt(4, 64, 5))
     warnings = [r.getMessage() for r in caplog.records if "draft has" in r.getMessage()]
     assert len(warnings) <= 2 and warnings and "parameters, the target" in warnings[0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import tinygpt
+
+    root = tmp_path_factory.mktemp("speculative_runs")
+    tinygpt.save(_gpt(2, 32, 0, vocab=len(CHARS), block=64), root / "target", tiny_tokenizer())
+    tinygpt.save(_gpt(1, 32, 1, vocab=len(CHARS), block=64), root / "draft", tiny_tokenizer())
+    tinygpt.save(_gpt(1, 32, 1, vocab=len(CHARS), block=64), root / "reversed", CharTokenizer(CHARS[::-1]))
+    tinygpt.save(_gpt(4, 64, 2, vocab=len(CHARS), block=64), root / "large", tiny_tokenizer())
+    return root
+
+
+def test_cli_speculates_and_refuses_bad_input_in_one_line(cli, runs):
+    target = runs / "target"
+    base = ["sample", target, "--prompt", "abcabcabc", "--greedy", "--max-new-tokens", "40"]
+    plain = cli(*base)
+    for extra in (["--draft", runs / "draft", "--speculate", "4"], ["--prompt-lookup", "3"]):
+        r = cli(*base, *extra)
+        assert r.returncode == 0 and r.stdout == plain.stdout
+        assert r.stderr.startswith("speculation: ") and r.stderr.count("\n") == 1
+    traced = cli(*base, "--prompt-lookup", "1", "--trace")
+    assert "speculation: " in traced.stdout
+    bad = [
+        (["--draft", runs / "reversed"], "its tokenizer is not the model's"),
+        (["--speculate", "0", "--prompt-lookup", "2"], "--speculate: expected an integer from 1"),
+        (["--speculate", "17", "--prompt-lookup", "2"], "a round proposes 1 to 16"),
+        (["--quantize", "int8", "--speculate", "9", "--draft", runs / "draft"], "a round proposes 1 to 8"),
+        (["--prompt-lookup", "0"], "--prompt-lookup: expected an integer from 1"),
+        (["--speculate", "4"], "give --draft RUN or --prompt-lookup N"),
+    ]
+    for extra, words in bad:
+        r = cli(*base, *extra)
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, (extra, r.stderr)
+    r = cli(*base, "--draft", runs / "large")
+    assert r.returncode == 0 and "tinygpt: warning: --draft " in r.stderr, r.stderr
+    assert "parameters, the target" in r.stderr
+
+
+def test_chat_speculates_and_says_so_on_stats(tmp_path, capsys, monkeypatch):
+    import io
+
+    import tinygpt
+    from tinygpt.cli import main
+    from tinygpt.tokenizer import with_chat_template
+
+    tok = with_chat_template(tiny_tokenizer())
+    tinygpt.save(_gpt(2, 32, 0, vocab=tok.vocab_size, block=64), tmp_path / "run", tok)
+    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\nabcabcabc\n/stats\nagain\n/stats\n"))
+    assert main(["chat", str(tmp_path / "run"), "--temperature", "0", "--max-new-tokens", "12",
+                 "--prompt-lookup", "1"]) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("(no reply") or "last" in line]
+    assert stats[0] == "(no reply yet)" and len(stats) == 3
+    assert stats[1].startswith("(last reply: ") and "this conversation: " in stats[1]
+    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\n"))
+    assert main(["chat", str(tmp_path / "run")]) == 0
+    assert "speculative decoding is off" in capsys.readouterr().err
 
 
 # -- the server --------------------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ from typing import TextIO
 
 from ..calc.units import plural
 from ..errors import ConfigError
-from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, encodable_flag, json_line,
-                     load_model, seed_type, utf8_flag)
+from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, add_speculation_flags,
+                     encodable_flag, json_line, load_model, load_speculation, seed_type, utf8_flag)
 
 # C0 controls but newline and tab, DEL and C1, shown as escapes: a reply written raw could move the
 # cursor, clear the screen or send the terminal commands (ESC sequences, 8-bit CSI)
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), *range(127, 160)) if c not in (9, 10)}
 
-HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message), /help; "
-        "//TEXT sends /TEXT as a message; Ctrl-D quits")
+HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message), /stats (what "
+        "speculative decoding did), /help; //TEXT sends /TEXT as a message; Ctrl-D quits")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -41,6 +41,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     Each reply reuses the keys and values of the conversation so far (a prompt cache): only the new
     message is computed, unless the template writes earlier turns another way the next time.
+
+    With --draft RUN or --prompt-lookup N, replies decode speculatively (the same replies, faster where
+    the proposals stand); /stats says how many stood in the last reply and in the conversation.
     """
     from ..config.sampling import SampleConfig
 
@@ -53,7 +56,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                           "(tinygpt prepare FILE.jsonl --format chat) to chat with it; use `tinygpt sample` here")
     args.system = _system_message(tokenizer, args.system, "--system")
     tools = _read_tools(args.tools) if args.tools else None
-    session = _Session(model, tokenizer, args, tools)
+    session = _Session(model, tokenizer, args, tools, load_speculation(args, model, tokenizer))
     if args.prompt is not None:
         session.reply(args.prompt, sys.stdout)
         for call in session.pending_calls():  # one turn: the calls are shown, not answered
@@ -65,11 +68,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 class _Session:
     """One conversation: its messages, the model, the sampling settings."""
 
-    def __init__(self, model, tokenizer, args: argparse.Namespace, tools: list[dict] | None = None) -> None:
+    def __init__(self, model, tokenizer, args: argparse.Namespace, tools: list[dict] | None = None,
+                 speculation: dict | None = None) -> None:
         import torch
 
         from ..kv_cache import KVCache
         from ..prompt_cache import PromptCache
+        from ..speculative import SpeculationStats
         from ..tokenizer.chat import stop_ids
         from ..tokenizer.chat_template import JinjaChatTemplate
         from ..toolcalls import TEXT_FORMAT, call_format
@@ -80,6 +85,8 @@ class _Session:
         self.history: list[dict[str, str]] = []
         self.max_new_tokens = args.max_new_tokens
         self.sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        self.speculation = speculation or {}
+        self.last, self.total = None, SpeculationStats()  # the last reply's speculation, and the conversation's
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed) if args.seed is not None else None
         self.stops = stop_ids(tokenizer)
         block = model.config.block_size
@@ -131,11 +138,13 @@ class _Session:
                   f"{block - len(ids) + 1:,} tokens see all of it, later ones lose sight of its start{first})",
                   file=sys.stderr)
         out.write(label)
-        decoder, answer = IncrementalDecoder(self.tokenizer), []
+        decoder, answer, seen = IncrementalDecoder(self.tokenizer), [], []
+        observer = (lambda step: seen.append(step.speculation) if not seen else None) if self.speculation else None
         try:
             for token in generate_stream(self.model, torch.tensor([ids], device=self.device), self.max_new_tokens,
                                          stop_tokens=self.stops, generator=self.generator, prompt_cache=self.cache,
-                                         vocab_size=self.tokenizer.vocab_size, **self.sampling):
+                                         observer=observer, vocab_size=self.tokenizer.vocab_size, **self.sampling,
+                                         **self.speculation):
                 if int(token[0]) in self.stops:
                     break
                 piece = decoder.push([int(token[0])])
@@ -148,6 +157,17 @@ class _Session:
         out.write(answer[-1].translate(_CONTROLS) + "\n")
         out.flush()
         self.history.append(self._turn("".join(answer)))
+        if seen:  # the reply's figures (one object, counted to its end)
+            self.last = seen[0]
+            self.total.add(self.last)
+
+    def stats(self) -> str:
+        """/stats: what speculative decoding did in the last reply and in the whole conversation."""
+        if not self.speculation:
+            return "speculative decoding is off (--draft RUN or --prompt-lookup N turns it on)"
+        if self.last is None:
+            return "no reply yet"
+        return f"last reply: {self.last.describe()}; this conversation: {self.total.describe()}"
 
     def _turn(self, text: str) -> dict:
         """The assistant's message: its text, and the tools it calls (an OpenAI message, arguments objects)."""
@@ -236,8 +256,10 @@ def _interactive(session: _Session) -> int:
 def _command(session: _Session, text: str) -> None:
     name, _, rest = text.partition(" ")
     if name == "/reset":
-        session.history = []
+        session.history, session.last, session.total = [], None, type(session.total)()
         print("(conversation reset)", file=sys.stderr)
+    elif name == "/stats":
+        print(f"({session.stats()})", file=sys.stderr)
     elif name == "/system":
         try:
             session.system = _system_message(session.tokenizer, rest.strip(), "/system")
@@ -268,6 +290,7 @@ def add_chat(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=seed_type(), help="makes sampling reproducible")
     p.add_argument("--tools", metavar="FILE", help="a JSON list of OpenAI function tools the model may call; "
                    "a call is shown and its result asked for")
+    add_speculation_flags(p)
     add_device_flag(p)
     add_quantize_flag(p)
-    p.set_defaults(func=cmd_chat, hub_args=("run",))
+    p.set_defaults(func=cmd_chat, hub_args=("run", "draft"))

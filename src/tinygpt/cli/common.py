@@ -283,3 +283,44 @@ def cleans_up_on_sigterm(command):
             signal.signal(signal.SIGTERM, previous)
 
     return run
+
+
+def add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    """--draft, --prompt-lookup and --speculate: speculative decoding, for sample, chat and serve."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--draft", metavar="RUN",
+                        help="speculative decoding: a smaller run with the same tokenizer proposes tokens that the "
+                             "model checks several at a time (the same text: greedy token for token, sampled "
+                             "alike); with --quantize in the same format")
+    source.add_argument("--prompt-lookup", type=POSITIVE, metavar="N",
+                        help="speculative decoding without a draft: propose the tokens that followed the latest "
+                             "earlier occurrence of the last N tokens in the prompt or the text so far (pays where "
+                             "the reply repeats its input: editing, summaries, code)")
+    p.add_argument("--speculate", type=POSITIVE, metavar="K",
+                   help="the most tokens a round proposes (8; at most 16, 8 for int8 and int4), fewer as they fall")
+
+
+def load_speculation(args: argparse.Namespace, model, tokenizer) -> dict | None:
+    """generate's speculation arguments from --draft, --prompt-lookup and --speculate (None without them): the
+    draft run loaded on --device in --quantize's format and refused unless its tokenizer is the model's; a
+    draft as large as the model or larger is a warning on stderr, with the figures."""
+    from ..speculative import check_draft, check_tokens, vocabulary_mismatch
+
+    if args.draft is None and args.prompt_lookup is None:
+        if args.speculate is not None:
+            raise ConfigError("--speculate K: the most tokens a round proposes; give --draft RUN or --prompt-lookup N")
+        return None
+    if args.speculate is not None:
+        check_tokens(model, args.speculate, "--speculate")
+    if args.prompt_lookup is not None:
+        return {"prompt_lookup": args.prompt_lookup, "speculate": args.speculate}
+    draft, draft_tokenizer = load_model(args.draft, args.device, getattr(args, "quantize", None))
+    mismatch = vocabulary_mismatch(tokenizer, draft_tokenizer)
+    if mismatch is not None:
+        raise ConfigError(f"--draft {args.draft}: {mismatch}")
+    why = check_draft(model, draft, tokenizer.vocab_size)
+    if why is not None:
+        import sys
+
+        print(f"tinygpt: warning: --draft {args.draft}: {why}", file=sys.stderr)
+    return {"draft": draft, "speculate": args.speculate}

@@ -7,7 +7,8 @@ import os
 
 from ..config.fields import MAX_THREADS
 from ..errors import ConfigError
-from .common import NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, load_model
+from .common import (NATURAL, POSITIVE, Number, add_device_flag, add_quantize_flag, add_speculation_flags, load_model,
+                     load_speculation)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -29,6 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             better on a CPU shared with other work).
         --prompt-cache MB: memory for the keys and values of finished sequences, reused by prompts that
             begin as they do (a conversation's next turn); the least recently used go first (512; 0: off).
+        --draft RUN, --prompt-lookup N, --speculate K: speculative decoding for a request that decodes
+            alone (the same completions; usage says how many proposed tokens stood).
     Prompts longer than the model's context are cut to their last block_size tokens (the
     response's usage.prompt_tokens_truncated says how many were dropped). SIGTERM stops accepting
     requests (503), finishes those running, then exits. The KV cache for --max-concurrency
@@ -57,11 +60,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError("--allow-host takes a host name (or address) such as my.host, without a scheme or path")
     allowed = tuple(args.allow_host or ())
     model, tokenizer = load_model(args.run, args.device, args.quantize)
+    speculation = load_speculation(args, model, tokenizer)
     name = args.model_name or Path(args.run).resolve().name
     app = create_app(model, tokenizer, model_name=name, api_key=api_key, max_concurrency=args.max_concurrency,
                      max_queue=args.max_queue, max_tokens=args.max_tokens, cors_origins=tuple(args.cors_origin or ()),
                      trusted_hosts=allowed if allowed or _is_loopback(args.host) else None,
-                     prompt_cache_bytes=args.prompt_cache * 2**20)
+                     prompt_cache_bytes=args.prompt_cache * 2**20, speculation=speculation)
     sock = listen(args.host, args.port)
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -113,6 +117,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-cache", type=NATURAL, default=512, metavar="MB",
                    help="memory for reusing earlier prompts' keys and values, least recently used dropped first (512; "
                         "0: off)")
+    add_speculation_flags(p)
     add_device_flag(p, help="auto, cpu, cuda, cuda:N, mps")
     add_quantize_flag(p)
-    p.set_defaults(func=cmd_serve, hub_args=("run",))
+    p.set_defaults(func=cmd_serve, hub_args=("run", "draft"))
