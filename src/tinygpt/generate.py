@@ -429,7 +429,7 @@ class _Decoder:
         if k:
             shape = functools.partial(self._shape, tokens)
             done = speculative.speculate(model, spec, tokens[0], self.kv_cache, self.filled, k, shape,
-                                         self.cfg.is_greedy, self.generator, run=self.threads.run)
+                                         self.cfg.is_greedy, self.generator, run=self.threads.prefill)
             if done is not None:
                 self.filled += len(done.tokens)
                 last = len(done.tokens) - 1

@@ -510,7 +510,8 @@ class Scheduler:
         if not k:
             return None
         done = speculate(self.model, s.speculator, s.tokens[: s.length], self._cache.slot(0), s.filled, k,
-                         functools.partial(self._shape, s), s.sampling.is_greedy, s.generator, run=self._threads.run)
+                         functools.partial(self._shape, s), s.sampling.is_greedy, s.generator,
+                         run=self._threads.prefill)
         if done is not None:
             s.filled += len(done.tokens)
         return done
