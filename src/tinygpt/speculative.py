@@ -37,8 +37,10 @@ request does not speculate.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ START_TOKENS = 4  # proposals of the first round: a draft that misses wastes few
 FIRST_PAUSE = 16  # plain tokens after speculation first loses; four times as many each time it loses again
 LONGEST_PAUSE = 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
-RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before (a draft that is never right costs ~1% of 160 tokens)
+RETRY_ROUNDS = 3  # and after a pause: fewer, since it lost before (a draft that is never right costs ~1% of 160 tokens)
 PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
@@ -371,10 +373,12 @@ class Speculator:
         self.drafter, self.most = drafter, most
         self.k = min(START_TOKENS, most)
         self.stats = SpeculationStats()
-        self.step_time: float | None = None  # a plain step's seconds, as lately measured
+        # the latest measures, of which the median counts: on a machine shared with other work a round or a step
+        # now and then takes several times its time, and a mean would set speculation aside for it
+        self.steps: deque[float] = deque(maxlen=5)  # plain steps' seconds
         self.stood, self.fell = 1.0, 1.0  # proposals that stood and rounds where one fell, weighted: a = 1/2 at first
-        self.draft_cost: float | None = None  # a draft step's time, in plain steps (d)
-        self.row_cost: float | None = None  # a verified row's beyond the first, in plain steps (c)
+        self.draft_costs: deque[float] = deque(maxlen=5)  # a draft step's time, in plain steps (d)
+        self.row_costs: deque[float] = deque(maxlen=5)  # a verified row's beyond the first, in plain steps (c)
         self.pause = 0  # plain tokens to go before speculating again
         self.next_pause = FIRST_PAUSE
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
@@ -391,7 +395,7 @@ class Speculator:
         self.stats.plain += 1
         self.pause = max(0, self.pause - 1)
         if seconds is not None:
-            self.step_time = seconds if self.step_time is None else min(seconds, 0.5 * (self.step_time + seconds))
+            self.steps.append(seconds)
 
     def settle(self, drafted: int, accepted: int, seconds: float, drafting: float = 0.0) -> None:
         """A round proposed `drafted` tokens, of which `accepted` stood, in `seconds` (`drafting` of them the
@@ -401,18 +405,18 @@ class Speculator:
         self.stats.accepted += accepted
         self.stood = DECAY * self.stood + accepted
         self.fell = DECAY * self.fell + (accepted < drafted)
-        if self.step_time is None:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
+        if not self.steps:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
             self.k = self.most
             return
-        step = self.step_time
-        self.draft_cost = _mix(self.draft_cost, drafting / drafted / step)
-        self.row_cost = _mix(self.row_cost, max(0.0, (seconds - drafting) / step - 1) / drafted)
+        step = statistics.median(self.steps)
+        self.draft_costs.append(drafting / drafted / step)
+        self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
         self.k = self._best_k()
         self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
         if len(self.trial) < rounds:
             return
-        if sum(self.trial[-rounds:]) / rounds < 1.0:  # slower than plain steps: set it aside
+        if statistics.median(self.trial[-rounds:]) < 1.0:  # slower than plain steps: set it aside
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
@@ -420,7 +424,8 @@ class Speculator:
 
     def _best_k(self) -> int:
         """The k of the most tokens per time: (1 + a + ... + a^k) / (1 + k (d + c))."""
-        a, cost = self.stood / (self.stood + self.fell), self.draft_cost + self.row_cost
+        a = self.stood / (self.stood + self.fell)
+        cost = statistics.median(self.draft_costs) + statistics.median(self.row_costs)
         best, best_value, tokens, term = 1, 0.0, 1.0, 1.0
         for k in range(1, self.most + 1):
             term *= a
@@ -429,11 +434,6 @@ class Speculator:
             if value > best_value:
                 best, best_value = k, value
         return best
-
-
-def _mix(old: float | None, new: float) -> float:
-    """A running figure: the latest measure weighs 0.3."""
-    return new if old is None else 0.7 * old + 0.3 * new
 
 
 @dataclass
