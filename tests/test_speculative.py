@@ -353,3 +353,14 @@ def test_server_gives_the_same_greedy_completions_with_speculation_beside_other_
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda p: _complete(base, p, 90)["choices"][0]["text"], prompts))
     assert got == want
+
+
+def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():
+    # the first plain steps run on one thread while ThreadChoice looks, the rounds on two: 20 ms against the
+    # 11 ms a two-row verification takes; nothing stands, so no round can pay, and it is set aside
+    spec = speculative.Speculator(speculative.DraftModel(_gpt(1, 32, 1), V, 48), most=8)
+    spec.plain(0.020)
+    spec.plain(0.020)
+    for _ in range(speculative.TRIAL_ROUNDS):
+        spec.settle(spec.k, 0, 0.012, drafting=0.001)
+    assert spec.pause == speculative.FIRST_PAUSE

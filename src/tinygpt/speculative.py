@@ -379,6 +379,7 @@ class Speculator:
         self.stood, self.fell = 1.0, 1.0  # proposals that stood and rounds where one fell, weighted: a = 1/2 at first
         self.draft_costs: deque[float] = deque(maxlen=5)  # a draft step's time, in plain steps (d)
         self.row_costs: deque[float] = deque(maxlen=5)  # a verified row's beyond the first, in plain steps (c)
+        self.verifies: deque[float] = deque(maxlen=5)  # verifications' seconds
         self.pause = 0  # plain tokens to go before speculating again
         self.next_pause = FIRST_PAUSE
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
@@ -408,22 +409,27 @@ class Speculator:
         if not self.steps:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
             self.k = self.most
             return
-        step = statistics.median(self.steps)
+        # a verification reads what a step reads and more: where the plain steps timed slower (the first ones run
+        # on one thread while ThreadChoice looks), a verification bounds what a step costs now
+        self.verifies.append(seconds - drafting)
+        step = min(statistics.median(self.steps), min(self.verifies))
         self.draft_costs.append(drafting / drafted / step)
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
-        self.k = self._best_k()
+        self.k, expected = self._best_k()
         self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
         if len(self.trial) < rounds:
             return
-        if statistics.median(self.trial[-rounds:]) < 1.0:  # slower than plain steps: set it aside
+        # slower than plain steps, as timed or as the acceptance and costs expect: set it aside
+        if statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
             self.next_pause = FIRST_PAUSE
 
-    def _best_k(self) -> int:
-        """The k of the most tokens per time: (1 + a + ... + a^k) / (1 + k (d + c))."""
+    def _best_k(self) -> tuple[int, float]:
+        """The k of the most tokens per time, (1 + a + ... + a^k) / (1 + k (d + c)), and that many (a plain step
+        gives 1)."""
         a = self.stood / (self.stood + self.fell)
         cost = statistics.median(self.draft_costs) + statistics.median(self.row_costs)
         best, best_value, tokens, term = 1, 0.0, 1.0, 1.0
@@ -433,7 +439,7 @@ class Speculator:
             value = tokens / (1 + k * cost)
             if value > best_value:
                 best, best_value = k, value
-        return best
+        return best, best_value
 
 
 @dataclass
