@@ -179,7 +179,7 @@ def test_k_follows_the_measured_acceptance_and_costs():
     assert spec.budget(100) == 0  # plain steps first: what a round is weighed against
     spec.plain(0.010)
     spec.plain(0.010)
-    assert spec.budget(100) == 4 and spec.budget(2) == 2
+    assert spec.budget(100) == speculative.START_TOKENS and spec.budget(1) == 1
     for _ in range(5):  # every proposal stands, and a row costs a twentieth of a step: as many as it may
         spec.settle(spec.k, spec.k, 0.010 * (1 + 0.05 * spec.k))
     assert spec.k == 8

@@ -23,7 +23,7 @@ which no query reads before the next tokens overwrite them.
 A `Speculator` is one sequence's speculation: its drafter, the tokens it proposes (k, up to the most it
 was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
-tokens cost more than plain steps would: for 16 tokens the first time, four times as many each time it
+tokens cost more than plain steps would: for 32 tokens the first time, four times as many each time it
 loses again. `generate_stream` (the library, `tinygpt sample` and `chat`) and the server's scheduler both decode
 through `speculate`.
 
@@ -56,11 +56,13 @@ from .kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (transformers' lookup: 10)
-START_TOKENS = 4  # proposals of the first round: a draft that misses wastes few steps finding out
-FIRST_PAUSE = 16  # plain tokens after speculation first loses; four times as many each time it loses again
+# proposals of the first round: a draft that misses wastes little finding out (verifying 5 rows of an int8 model
+# costs 2.2 of its steps on the Zen 3), and one that hits gets its k from the next round on
+START_TOKENS = 2
+FIRST_PAUSE = 32  # plain tokens after speculation first loses; four times as many each time it loses again
 LONGEST_PAUSE = 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
-RETRY_ROUNDS = 3  # and after a pause: fewer, since it lost before (a draft that is never right costs ~1% of 160 tokens)
+RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
