@@ -1,0 +1,199 @@
+"""Speculative decoding against plain decoding at batch 1 (issue 60): tokens per second with and without it,
+the share of proposed tokens that stood, per weight format, on a target and a draft trained here.
+
+Both learn the same text for the same minutes: the first --chars characters of the python-stdlib corpus (this
+interpreter's standard library, read in place, in file order; character tokens). The target is 5 x 384 (9.1M
+parameters: 36.0 MB of float32 Linear weights, more than the 32 MiB last-level cache of the 2-core AMD EPYC Zen 3
+this was written on), the draft 3 x 128, 13 times smaller. The cases, each plain and speculative:
+
+  code, prompt lookup   greedy; the prompt is the start of a standard-library file the models never saw, which
+                        they continue: input-grounded text, where the reply repeats its input (--prompt-lookup 3)
+  code, trained draft   the same prompt, the trained draft proposing
+  code, int4 copy as draft   the same, the float32 target itself in int4 proposing (a sixth of its bytes)
+  text, random draft    greedy, from an English sentence, a draft of the draft's shape with random weights
+                        proposing: next to nothing stands, what speculating costs where it cannot pay
+  text, prompt lookup, sampled   at temperature 0.8 from the same sentence (open-ended text, as a chat's),
+                        proposals from the text
+
+Each case runs plain and speculative one after the other in each of --rounds interleaved rounds; the table
+gives each one's best round and the median of the rounds' ratios. The whole generate call is timed (the
+prompt's pass included, and a draft's reading of it), on the threads generate chooses. The runs and the data stay in --work, so a
+second run measures without training again (delete it to retrain).
+
+    .venv/bin/python benchmarks/speculative.py [--minutes 10] [--rounds 5] [--new-tokens 160] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import tinygpt
+from tinygpt.calc import count_params
+from tinygpt.data.sources import python_stdlib_root
+from tinygpt.device import last_level_cache
+from tinygpt.interop.quantize import FORMATS
+from tinygpt.lab.bench.machine import load_average, machine
+
+TARGET = dict(n_layer=5, n_head=6, n_embd=384, block_size=384)
+DRAFT = dict(n_layer=3, n_head=2, n_embd=128, block_size=384)
+TEXT = "The history of the city begins in the year when the first traders came up the river, and"
+LOOKUP = 3
+PROMPT = 200  # characters of the code prompt: with --new-tokens, within the models' 384 positions (no sliding)
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files in a fixed order (site-packages and tests' fixtures aside)."""
+    root = python_stdlib_root()
+    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.stat().st_size > 0)
+
+
+def corpus(work: Path, chars: int) -> tuple[Path, str]:
+    """The training text (the first `chars` characters of the files, in order) and a code prompt from the first
+    unseen file long enough: its first function, PROMPT characters."""
+    text, prompt = [], None
+    total = 0
+    for path in stdlib_files():
+        try:
+            body = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if total < chars:
+            text.append(body)
+            total += len(body)
+        elif "\ndef " in body and len(body) > 4000:
+            start = body.index("\ndef ") + 1
+            prompt = body[start : start + PROMPT]
+            break
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "stdlib.txt"
+    path.write_text("".join(text)[:chars], encoding="utf-8")
+    return path, prompt
+
+
+def trained(work: Path, data: Path, name: str, shape: dict, minutes: float, log) -> tinygpt.GPT:
+    """The run work/name, trained for `minutes` on data unless it is there already."""
+    run = work / name
+    if not (run / "config.json").exists():
+        cfg = tinygpt.GPTConfig(vocab_size=tinygpt.load_tokenizer(data).vocab_size, **shape)
+        log(f"training {name} ({count_params(cfg).total:,} parameters) for {minutes:g} minutes")
+        # a short warmup and small batches: minutes on two cores are a few hundred steps
+        result = tinygpt.train(data, run, cfg, tinygpt.TrainConfig(max_time=60 * minutes, batch_size=4, warmup=10,
+                                                                     eval_interval=10**6, eval_iters=4))
+        val = f"{result.val_loss:.3f}" if result.val_loss is not None else "not evaluated"
+        log(f"  {result.step:,} steps, {result.tokens:,} tokens, val loss {val}")
+    return tinygpt.load(run).eval()
+
+
+def timed(model, idx: torch.Tensor, n: int, sampling: dict, speculation: dict) -> tuple[float, object]:
+    """Seconds for one generate call of n new tokens, and its speculation figures (None without)."""
+    seen = []
+    start = time.perf_counter()
+    tinygpt.generate(model, idx, n, observer=lambda s: seen.append(s.speculation) if not seen else None,
+                     **sampling, **speculation)
+    return time.perf_counter() - start, seen[0] if seen else None
+
+
+def measure(base, draft, noise, tokenizer, prompt: str, fmt: str, args, log) -> list[dict]:
+    """Every case of one weight format, plain and speculative one after the other in each of the interleaved
+    rounds: the best round's tokens/s of each, and the median of the rounds' ratios (the two calls of a round
+    ran within a second of each other, so a busy spell of the machine falls on both)."""
+    target, draft, noise = (tinygpt.quantize(copy.deepcopy(m), fmt) for m in (base, draft, noise))
+    code, text = (torch.tensor([tokenizer.encode(p)]) for p in (prompt, TEXT))
+    greedy, sampled = dict(greedy=True), dict(temperature=0.8, generator=None)
+    cases = {
+        "code, prompt lookup": (code, greedy, dict(prompt_lookup=LOOKUP)),
+        "code, trained draft": (code, greedy, dict(draft=draft)),
+    }
+    if fmt == "fp32":  # the target itself in 4 bits, a sixth of its bytes (in the other formats it fits the L3)
+        cases["code, int4 copy as draft"] = (code, greedy, dict(draft=tinygpt.quantize(copy.deepcopy(base), "int4")))
+    cases.update({"text, random draft": (text, greedy, dict(draft=noise)),
+                  "text, prompt lookup, sampled": (text, sampled, dict(prompt_lookup=LOOKUP))})
+    runs: dict[str, list[tuple[float, float, object]]] = {case: [] for case in cases}
+    for _ in range(args.rounds):
+        for case, (idx, sampling, speculation) in cases.items():
+            pair = []
+            for how in ({}, speculation):
+                if "generator" in sampling:
+                    sampling = dict(sampling, generator=torch.Generator().manual_seed(0))
+                timed(target, idx[:, :8], 2, sampling, how)  # warm up: the plans, the threads' verdict, allocations
+                pair.append(timed(target, idx, args.new_tokens, sampling, how))
+            runs[case].append((pair[0][0], pair[1][0], pair[1][1]))
+    rows = []
+    for case, measured in runs.items():
+        plain, fast = min(m[0] for m in measured), min(m[1] for m in measured)
+        stats = min(measured, key=lambda m: m[1])[2]
+        rows.append({"format": fmt, "case": case, "plain_tokens_per_s": args.new_tokens / plain,
+                     "speculative_tokens_per_s": args.new_tokens / fast,
+                     "ratio": statistics.median(m[0] / m[1] for m in measured),
+                     "ratios": [round(m[0] / m[1], 3) for m in measured],
+                     **{f"speculation_{k}": v for k, v in stats.to_dict().items()}})
+        r = rows[-1]
+        log(f"{fmt:5s} {case:28s} plain {r['plain_tokens_per_s']:7.1f} tokens/s  speculative "
+            f"{r['speculative_tokens_per_s']:7.1f}  {r['ratio']:.2f}x (rounds {r['ratios']})  {stats.describe()}")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| format | case | plain, tokens/s | speculative, tokens/s | ratio (median) | accepted | tokens per target step |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rate = r["speculation_acceptance_rate"]
+        lines.append(f"| {r['format']} | {r['case']} | {r['plain_tokens_per_s']:,.1f} | "
+                     f"{r['speculative_tokens_per_s']:,.1f} | {r['ratio']:.2f}x | "
+                     f"{'-' if rate is None else f'{rate:.0%}'} | {r['speculation_tokens_per_step'] or 1:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="training time of each model (10)")
+    parser.add_argument("--chars", type=int, default=20_000_000, help="characters of the corpus to train on")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
+    parser.add_argument("--new-tokens", type=int, default=160, help="tokens each generate call adds (160)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="weight formats to measure (all)")
+    parser.add_argument("--work", default=os.path.expanduser("~/.cache/tinygpt/speculative-bench"),
+                        help="where the data and the two runs are kept between runs")
+    parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
+    args = parser.parse_args()
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    work = Path(args.work)
+    text, prompt = corpus(work, args.chars)
+    data = work / "data"
+    if not (data / "meta.json").exists():
+        tinygpt.prepare([str(text)], data, tokenizer="char")
+    target = trained(work, data, "target", TARGET, args.minutes, log)
+    draft = trained(work, data, "draft", DRAFT, args.minutes, log)
+    torch.manual_seed(0)
+    # the draft's shape with random weights, its head untied (a tied one would propose the last token again,
+    # which a looping text accepts): a draft that is almost never right
+    noise = tinygpt.GPT(dataclasses.replace(draft.config, tie_weights=False, init="torch")).eval()
+    tokenizer = tinygpt.load_tokenizer(data)
+    info = machine(torch.device("cpu"))
+    cache = last_level_cache()
+    log(f"{info['processor']}, {info['cores']} cores, L3 {cache / 2**20 if cache else '?'} MiB, torch {info['torch']}, "
+        f"load {info['load_average']}; target {count_params(target.config).total:,} parameters, draft "
+        f"{count_params(draft.config).total:,}")
+    rows = []
+    for fmt in args.formats.split(","):
+        rows += measure(target, draft, noise, tokenizer, prompt, fmt, args, log)
+    log(f"load at the end {load_average()}")
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": {**info, "load_average_end": load_average(),
+                                                           "last_level_cache": cache}, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
