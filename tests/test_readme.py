@@ -113,6 +113,8 @@ SKIP = {
     "response_format=Person": "needs a running `tinygpt serve`; tests/test_structured_server.py parses such models",
     "def add(a: int, b: int)": "needs a running `tinygpt serve`; tests/test_structured_server.py runs a tool loop",
     'regex=r"[0-9]{4}': "needs a trained run; tests/test_constrain.py makes the same calls on a tiny model",
+    "prompt_lookup=3)   # or draft=small_model": "needs a model and a prompt; tests/test_speculative.py makes the "
+                                                 "same calls on tiny ones",
 }
 
 
