@@ -20,10 +20,10 @@ own forward); everything else (training, accelerators) runs the model's forward.
 their own (the server's batch) are one call into the plan too (DecodePlan.rows), each row's logits those
 of a step that decodes it alone, bit for bit, and so are several tokens of one sequence at once (`verify`:
 a speculative step's proposals, tinygpt.speculative): every row takes a one-row step's kernels, float32's
-past 8 rows too, where a prompt's rows take the prompt kernel. A short prompt (up to PROMPT_ROWS rows) is one call into the plan too (`prompt`, which
-`generate.prefill` takes): a 16-token prompt to a SmolLM2-135M-shaped float32 model took 56 ms so
-against 78 through the model's forward (the README's Xeon with AMX, interleaved), the baby model in
-bf16 5.0 against 8.1.
+past 8 rows too, where a prompt's rows take the prompt kernel. A short prompt (up to PROMPT_ROWS rows) is
+one call into the plan too (`prompt`, which `generate.prefill` takes): a 16-token prompt to a
+SmolLM2-135M-shaped float32 model took 56 ms so against 78 through the model's forward (the README's Xeon
+with AMX, interleaved), the baby model in bf16 5.0 against 8.1.
 """
 
 from __future__ import annotations
