@@ -364,3 +364,55 @@ def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():
     for _ in range(speculative.TRIAL_ROUNDS):
         spec.settle(spec.k, 0, 0.012, drafting=0.001)
     assert spec.pause == speculative.FIRST_PAUSE
+
+
+# -- the prompt cache --------------------------------------------------------------------------------------
+
+
+def _entries(cache) -> dict:
+    """A prompt cache's entries: tokens -> (keys, values)."""
+    return {key: (keys, values) for key, (_, keys, values) in cache._entries.items()}
+
+
+def _same_entries(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key][i], b[key][i]) for key in a for i in (0, 1))
+
+
+def test_a_sequence_that_ends_inside_a_round_leaves_the_prompt_cache_what_plain_decoding_leaves(always):
+    from tinygpt.prompt_cache import PromptCache
+
+    target = _gpt(**TARGET)
+    idx = torch.tensor([[5, 6, 7, 8, 9, 5, 6]])
+    plain = generate(target, idx, 20, greedy=True)
+    stop = int(plain[0, 7 + 4])  # inside the second round: its own copy as draft, every proposal stands
+    caches = {name: PromptCache(10**8) for name in ("plain", "speculative")}
+    ended = generate(target, idx, 20, greedy=True, stop_tokens=[stop], prompt_cache=caches["plain"])
+    fast, stats = _figures(target, idx, 20, greedy=True, stop_tokens=[stop], prompt_cache=caches["speculative"],
+                           draft=copy.deepcopy(target), speculate=8)
+    assert torch.equal(fast, ended)
+    assert stats.accepted + stats.rounds + 1 > ended.shape[1] - 7  # the rounds gave more: it ended inside one
+    assert _same_entries(*(_entries(c) for c in caches.values()))  # the tokens but the last, bit for bit
+
+
+def test_the_server_keeps_a_sequence_that_ends_inside_a_round_in_the_prompt_cache(always):
+    model, tok = _gpt(2, 32, 0, vocab=len(CHARS), block=64), tiny_tokenizer()
+    prompt = "the cat the cat the"
+    with running(create_app(model, tok, model_name=NAME)) as base:
+        text = _complete(base, prompt, 20)["choices"][0]["text"]
+    end = next(i for i in range(4, 10) if text[i] not in text[:i])  # a stop string inside the second round
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 20, "temperature": 0, "stop": [text[end]]}
+    kept, second = [], []
+    for speculation in (None, dict(draft=copy.deepcopy(model), speculate=8)):
+        app = create_app(model, tok, model_name=NAME, speculation=speculation)
+        with running(app) as base:
+            first = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+            assert first["choices"][0]["text"] == text[:end]
+            assert app.state.scheduler.wait_idle(10)  # the entry is kept once the answer is out
+            kept.append(_entries(app.state.scheduler.prompt_cache))
+            # the next turn reads the first from the cache, speculating or not
+            again = _complete(base, prompt + text[:end + 1] + " and", 10)
+            second.append((again["choices"][0]["text"], again["usage"]["prompt_tokens_details"]["cached_tokens"]))
+    stats = first["usage"]["speculation"]
+    assert stats["accepted_tokens"] + stats["rounds"] + 1 > end + 1  # the rounds gave more: it ended inside one
+    assert len(kept[0]) == 1 and _same_entries(*kept)
+    assert second[0] == second[1] and second[0][1] == len(prompt) + end

@@ -459,9 +459,10 @@ class _Decoder:
         return logits, processed, choose(processed, self.cfg, self.generator), False
 
     def keep(self, tokens: torch.Tensor) -> None:
-        """Keep the sequence, tokens (1, T), in the prompt cache, where the cache holds it from its start."""
+        """Keep the sequence, tokens (1, T), in the prompt cache, where the cache holds it from its start: all
+        but its last token, as a plain step leaves it (one that ends inside a speculative round holds more)."""
         if self.prompt_cache is not None and self.filled and not self.slid:
-            self.prompt_cache.store(tokens[0, : self.filled].tolist(), self.kv_cache)
+            self.prompt_cache.store(tokens[0, : min(self.filled, tokens.shape[1] - 1)].tolist(), self.kv_cache)
 
 
 def generate(

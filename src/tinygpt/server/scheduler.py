@@ -533,9 +533,10 @@ class Scheduler:
 
     def _keep(self, s: Sequence, row: int) -> None:
         """Keep a finished sequence's keys and values in the prompt cache, where its row holds its tokens
-        from the start (a sequence whose context slid past block_size holds only its end)."""
-        if self.prompt_cache is not None and s.filled == s.length - 1:
-            self.prompt_cache.store(s.context()[0, : s.filled].tolist(), self._cache.slot(row))
+        from the start (a sequence whose context slid past block_size holds only its end): all but its last
+        token, as a plain step leaves them (one that ends inside a speculative round holds more)."""
+        if self.prompt_cache is not None and s.filled >= s.length - 1:
+            self.prompt_cache.store(s.context()[0, : s.length - 1].tolist(), self._cache.slot(row))
 
     def _shape(self, s: Sequence, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
         """s's logits at R consecutive positions (R, V), shaped for the choice as the proposals drafted (m,)
