@@ -1,9 +1,10 @@
 """Speculative decoding (tinygpt.speculative): greedy output is plain greedy output token for token (drafts of
 several sizes, prompt lookup, every weight format, k = 1, 4, 8, across the context limit), sampled tokens are
 distributed as the target's (chi-square, fixed seed), the schedule steps aside where it loses, bad input is one
-line (the library's and the command line's), sample and chat say what it did, and the server's greedy
-completions are its own beside other requests. The verification's rows are one-row steps bit for bit:
-test_generate.py."""
+line (the library's and the command line's), sample and chat say what it did, the server's greedy
+completions are its own beside other requests, a grammar's mask applies at each verified position (the
+constrained reply is the plain one), and the prompt cache keeps what plain decoding keeps. The verification's
+rows are one-row steps bit for bit: test_generate.py."""
 
 import concurrent.futures
 import copy
@@ -416,3 +417,47 @@ def test_the_server_keeps_a_sequence_that_ends_inside_a_round_in_the_prompt_cach
     assert stats["accepted_tokens"] + stats["rounds"] + 1 > end + 1  # the rounds gave more: it ended inside one
     assert len(kept[0]) == 1 and _same_entries(*kept)
     assert second[0] == second[1] and second[0][1] == len(prompt) + end
+
+
+# -- a grammar's mask --------------------------------------------------------------------------------------
+
+CONSTRAINTS = {
+    "json_schema": dict(json_schema={"type": "object", "additionalProperties": False, "required": ["name", "tags"],
+                                     "properties": {"name": {"type": "string", "maxLength": 8},
+                                                    "tags": {"type": "array", "items": {"enum": ["ab", "cd"]},
+                                                             "maxItems": 4}}}),
+    "regex": dict(regex=r"([a-c]{2}-[0-9]{2} ){2,6}"),
+    "choices": dict(choices=["the cat sat", "the cat ran", "a dog"]),
+}
+# a prompt that writes what the grammars allow: prompt lookup's proposals stand where the grammar forces a
+# character, and fall (refused by the mask, the grammar's state given back) where it does not
+GROUNDED = '{"name": "ab", "tags": ["ab", "cd"]} ab-12 cd-34 the cat sat: '
+
+
+@pytest.mark.parametrize("source", ["near draft", "prompt lookup"])
+@pytest.mark.parametrize("constraint", list(CONSTRAINTS))
+def test_a_constrained_reply_speculates_and_is_the_plain_constrained_reply(constraint, source, always):
+    tok = tiny_tokenizer()
+    target = _gpt(2, 64, 0, vocab=len(CHARS), block=256)
+    kw = dict(draft=_near(target, 0.3, 1)) if source == "near draft" else dict(prompt_lookup=2)
+    idx = torch.tensor([tok.encode(GROUNDED)])
+    plain = generate(target, idx, 80, greedy=True, tokenizer=tok, **CONSTRAINTS[constraint])
+    fast, stats = _figures(target, idx, 80, greedy=True, tokenizer=tok, **CONSTRAINTS[constraint], **kw)
+    assert torch.equal(fast, plain), (tok.decode(fast[0, idx.shape[1]:].tolist()),
+                                      tok.decode(plain[0, idx.shape[1]:].tolist()))
+    assert stats.rounds > 0 and stats.accepted > 0 and stats.drafted > stats.accepted
+
+
+def test_the_server_speculates_for_a_constrained_request_and_answers_as_without(always):
+    model, tok = _gpt(2, 64, 0, vocab=len(CHARS), block=256), tiny_tokenizer()
+    body = {"model": NAME, "prompt": GROUNDED, "max_tokens": 80, "temperature": 0,
+            "guided_json": CONSTRAINTS["json_schema"]["json_schema"]}
+    answers = []
+    for speculation in (None, dict(prompt_lookup=2)):
+        with running(create_app(model, tok, model_name=NAME, speculation=speculation)) as base:
+            r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            answers.append(r.json())
+    assert answers[1]["choices"][0]["text"] == answers[0]["choices"][0]["text"]
+    assert answers[1]["choices"][0]["finish_reason"] == answers[0]["choices"][0]["finish_reason"] == "stop"
+    assert answers[1]["usage"]["speculation"]["accepted_tokens"] > 0

@@ -334,6 +334,30 @@ class Matcher:
             raise GrammarError(f"the grammar stopped: {_first_line(self.engine.get_error())}")
         return logits.masked_fill(allowed.to(logits.device) == 0, float("-inf"))
 
+    def masks(self, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+        """A speculative round's logits (R, V) masked as `mask` would mask each row's step: row r's position
+        follows the proposals drafted[: m - R + 1 + r] (m = len(drafted); speculative.Shape), which the matcher
+        takes for the rows and then gives back, left where it was. A row after a proposal the grammar refuses,
+        or after its end, stays as it is: no token is chosen there (the refused proposal falls; the reply ends
+        with its grammar).
+
+        Raises:
+            GrammarError: as mask.
+        """
+        ids, first = drafted.tolist(), len(drafted) - logits.shape[0] + 1
+        allowed = self.engine.validate_tokens(ids)  # the proposals it takes, in a row
+        rows, taken = [], 0
+        try:
+            for r in range(logits.shape[0]):
+                while taken < min(first + r, allowed):
+                    self.engine.consume_token(ids[taken])
+                    taken += 1
+                live = taken == first + r and not self.engine.is_stopped()
+                rows.append(self.mask(logits[r : r + 1]) if live else logits[r : r + 1])
+        finally:
+            self.engine.rollback(taken)
+        return torch.cat(rows)
+
     def advance(self, token: int) -> bool:
         """Follow the token chosen; True once the grammar is complete and allows no more text.
 

@@ -323,8 +323,6 @@ def generate_stream(
     stop_ids = _stop_ids(stop_tokens)
     rows = _rows(model, idx, tokenizer, stop_ids, Constraint.given(json_schema, regex, choices))
     spec = _speculation(model, idx, use_cache, compile, cache_len, vocab_size, draft, speculate, prompt_lookup)
-    if rows is not None:
-        spec = None  # a grammar's mask applies to one chosen token at a time: a constrained request takes plain steps
     ends = _Ends(torch.tensor(stop_ids, dtype=torch.long, device=idx.device), rows, idx.shape[0])
     tokens = idx
     # on a CPU, the decode steps' thread count follows what the machine allows
@@ -445,7 +443,10 @@ class _Decoder:
         return [chosen]
 
     def _shape(self, tokens: torch.Tensor, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-        """speculative.Shape for a sequence of tokens (1, T): each row as a plain step would process it."""
+        """speculative.Shape for a sequence of tokens (1, T): each row as a plain step would process it, a grammar's
+        mask the one its state after the proposals before the row allows."""
+        if self.rows is not None:
+            logits = self.rows.matchers[0].masks(logits, drafted)
         if self.cfg.repetition_penalty == 1.0:  # the history does not enter: every row at once
             return process_logits(logits, None, self.cfg, self.vocab_size)
         first = len(drafted) - logits.shape[0] + 1

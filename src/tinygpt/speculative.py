@@ -27,11 +27,11 @@ tokens cost more than plain steps would: for 32 tokens the first time, four time
 loses again. `generate_stream` (the library, `tinygpt sample` and `chat`) and the server's scheduler both decode
 through `speculate`.
 
-A constraint on the tokens (a grammar's mask: structured output, not in tinygpt yet) belongs in the
-caller's `shape`, which is given each verified position's logits with the proposals before it: the mask
-there is the one the grammar's state after those proposals allows, and the state then advances by the
-tokens that stood only, as the caches roll back. Until a constraint is applied there, a constrained
-request does not speculate.
+A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
+which is given each verified position's logits with the proposals before it: the mask there is the one the
+grammar allows after those proposals (constrain.Matcher.masks takes them and gives them back), so a
+proposal the grammar refuses falls as any other, and the grammar then follows the tokens that stood only,
+as the caches roll back.
 """
 
 from __future__ import annotations

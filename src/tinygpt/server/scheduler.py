@@ -519,8 +519,7 @@ class Scheduler:
     def _admit(self, s: Sequence, row: int) -> torch.Tensor:
         """Set up an admitted sequence and prefill its prompt into `row`; returns its first logits."""
         s.start(self.tokenizer, self.vocab_size, self.device)
-        # a grammar's mask applies to one chosen token at a time: a constrained sequence takes plain steps
-        s.speculator = speculator(self.model, **self.speculation) if s.matcher is None else None
+        s.speculator = speculator(self.model, **self.speculation)
         bs = self.block_size
         if len(s.prompt) > bs:  # the app cuts prompts already; keep the invariant here too
             s.tokens, s.length = s.tokens[len(s.prompt) - bs :], bs
@@ -541,23 +540,20 @@ class Scheduler:
     def _shape(self, s: Sequence, logits: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
         """s's logits at R consecutive positions (R, V), shaped for the choice as the proposals drafted (m,)
         before them leave them (speculative.Shape): the vocabulary mask, logit_bias, the presence and frequency
-        penalties, then the sampling settings. A plain step's is one row with no proposals."""
+        penalties, the grammar's mask, then the sampling settings. A plain step's is one row with no proposals."""
         x = mask_vocab(logits.float(), self.tokenizer_vocab)
         if s.bias is not None:
             x = x + s.bias
-        if s.counts is None and s.sampling.repetition_penalty == 1.0 and s.matcher is None:  # no row's depends
-            return process_logits(x, None, s.sampling)  # on what came before
-        rows, first = [], len(drafted) - x.shape[0] + 1
-        for r in range(x.shape[0]):
-            before, row = drafted[: first + r], x[r : r + 1]
-            if s.counts is not None:
-                counts = s.counts + torch.bincount(before, minlength=s.counts.shape[1])
-                row = row - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
-            if s.matcher is not None:  # a plain step's only: a constrained sequence does not speculate
-                row = s.matcher.mask(row)
-            history = torch.cat([s.context(), before.view(1, -1)], 1) if s.sampling.repetition_penalty != 1.0 else None
-            rows.append(process_logits(row, history, s.sampling))
-        return torch.cat(rows)
+        before = [drafted[: len(drafted) - x.shape[0] + 1 + r] for r in range(x.shape[0])]  # each row's proposals
+        if s.counts is not None:
+            counts = torch.cat([s.counts + torch.bincount(b, minlength=s.counts.shape[1]) for b in before])
+            x = x - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+        if s.matcher is not None:
+            x = s.matcher.masks(x, drafted)
+        if s.sampling.repetition_penalty == 1.0:  # no row's depends on what came before
+            return process_logits(x, None, s.sampling)
+        return torch.cat([process_logits(x[r : r + 1], torch.cat([s.context(), b.view(1, -1)], 1), s.sampling)
+                          for r, b in enumerate(before)])
 
     def _advance(self, s: Sequence, logits: torch.Tensor, token: int | None = None) -> bool:
         """Choose s's next token from logits (1, V) (or take `token`, chosen by a round), report its text; True
