@@ -17,7 +17,7 @@ from server_util import CHARS, NAME, running, tiny_tokenizer
 from tinygpt import GPT, ConfigError, GPTConfig, generate, quantize, speculative
 from tinygpt.config import SampleConfig
 from tinygpt.interop.quantize import FORMATS
-from tinygpt.sampling import process_logits
+from tinygpt.sampling import choose, choose_with, noise, process_logits
 from tinygpt.server import create_app
 from tinygpt.tokenizer import CharTokenizer
 
@@ -165,11 +165,59 @@ def test_sampled_tokens_are_distributed_as_the_target_s(small_models, source, al
 
 def test_the_chi_square_test_sees_a_rule_that_keeps_every_proposal(small_models, always, monkeypatch):
     target, draft, exact = small_models
-    monkeypatch.setattr(speculative, "judge", lambda p, drafted, dists, greedy, g: (
-        len(drafted), int(torch.multinomial(p[-1].softmax(-1), 1, generator=g))))
+    monkeypatch.setattr(speculative, "judge", lambda p, drafted, draws: (
+        len(drafted), int(choose_with(p[-1:], draws.row(len(drafted))))))
     samples = _sampled(target, 1500, draft=draft, speculate=2)
     counts = torch.bincount(samples[:, 1], minlength=SMALL_V).double()
     assert _chi_square_p(counts, exact[1]) < 1e-3  # the draft's distribution, not the target's
+
+
+
+# -- sampling with a seed: plain sampling's tokens ----------------------------------------------------------
+
+
+def test_a_draw_with_its_random_numbers_given_is_choose_s_draw():
+    cfg = SampleConfig(temperature=1.0)
+    for width in (6, 67, 50257):
+        logits = torch.randn(1, width, generator=torch.Generator().manual_seed(width)) * 3
+        for seed in range(5):
+            a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            assert [int(choose(logits, cfg, a)) for _ in range(4)] == \
+                [int(choose_with(logits, noise(width, b))) for _ in range(4)]
+            assert torch.equal(a.get_state(), b.get_state())  # the same numbers taken
+
+
+def _random_schedule(monkeypatch, seed: int) -> None:
+    """Rounds of random sizes with plain steps between them: what the rounds' timing may decide."""
+    import random
+
+    rng = random.Random(seed)
+    monkeypatch.setattr(speculative.Speculator, "budget",
+                        lambda self, room: rng.choice([0, *range(1, min(self.most, room) + 1)]) if room > 0 else 0)
+
+
+SAMPLERS = [dict(temperature=0.9), dict(temperature=1.2, top_k=8, top_p=0.9, repetition_penalty=1.2)]
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8"])
+def test_seeded_sampling_gives_plain_sampling_s_tokens_whenever_speculation_steps_aside(fmt, source, monkeypatch):
+    target = _gpt(**TARGET)
+    kw = dict(SOURCES[source]) if source != "prompt lookup" else dict(prompt_lookup=1)  # sampled text repeats less
+    if "draft" in kw:
+        kw["draft"] = quantize(kw["draft"](target), fmt)
+    target = quantize(target, fmt)
+    idx = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]])
+    for sampler in SAMPLERS:
+        left = torch.Generator().manual_seed(7)
+        plain = generate(target, idx, 80, generator=left, **sampler)
+        for schedule in range(3):
+            _random_schedule(monkeypatch, schedule)
+            g = torch.Generator().manual_seed(7)
+            fast, stats = _figures(target, idx, 80, generator=g, speculate=8, **sampler, **kw)
+            assert torch.equal(fast, plain), (sampler, schedule)
+            assert stats.rounds > 0 and stats.plain > 0 and stats.drafted > stats.accepted
+            assert torch.equal(g.get_state(), left.get_state())  # and the generator left as plain sampling leaves it
 
 
 # -- the schedule ------------------------------------------------------------------------------------------
@@ -227,12 +275,12 @@ def test_a_round_slowed_by_another_program_does_not_set_speculation_aside():
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
     lookup = speculative.PromptLookup(2)
-    propose = lambda ids, k: lookup.propose(torch.tensor(ids), k, None, True, None)[0].tolist()  # noqa: E731
+    propose = lambda ids, k: lookup.propose(torch.tensor(ids), k, None, None).tolist()  # noqa: E731
     assert propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
     assert propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 2) == [9, 9]  # the latest occurrence wins
     assert propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2, 5], 4) == []  # (2, 5) never came before
     again = speculative.PromptLookup(1)
-    assert again.propose(torch.tensor([7, 7, 7]), 4, None, True, None)[0].tolist() == [7, 7, 7, 7]  # a run repeats
+    assert again.propose(torch.tensor([7, 7, 7]), 4, None, None).tolist() == [7, 7, 7, 7]  # a run repeats
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
@@ -356,6 +404,26 @@ def test_server_gives_the_same_greedy_completions_with_speculation_beside_other_
     assert got == want
 
 
+def test_the_server_s_seeded_sampled_completions_are_its_own_with_speculation(always):
+    model, tok = _gpt(2, 32, 0, vocab=len(CHARS), block=64), tiny_tokenizer()
+    prompts = ["abcabcabcabc", "hello hello", "the cat the cat the"]
+
+    def complete(base: str, prompt: str, seed: int) -> dict:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 60, "temperature": 0.8, "top_p": 0.95, "seed": seed}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with running(create_app(model, tok, model_name=NAME)) as base:
+        want = [complete(base, p, seed)["choices"][0]["text"] for seed, p in enumerate(prompts)]
+    with running(create_app(model, tok, model_name=NAME, speculation=dict(draft=_near(model, 0.1, 1)))) as base:
+        alone = complete(base, prompts[0], 0)
+        assert alone["choices"][0]["text"] == want[0] and alone["usage"]["speculation"]["accepted_tokens"] > 0
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(lambda a: complete(base, a[1], a[0])["choices"][0]["text"], enumerate(prompts)))
+    assert got == want
+
+
 def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():
     # the first plain steps run on one thread while ThreadChoice looks, the rounds on two: 20 ms against the
     # 11 ms a two-row verification takes; nothing stands, so no round can pay, and it is set aside
@@ -441,11 +509,17 @@ def test_a_constrained_reply_speculates_and_is_the_plain_constrained_reply(const
     target = _gpt(2, 64, 0, vocab=len(CHARS), block=256)
     kw = dict(draft=_near(target, 0.3, 1)) if source == "near draft" else dict(prompt_lookup=2)
     idx = torch.tensor([tok.encode(GROUNDED)])
-    plain = generate(target, idx, 80, greedy=True, tokenizer=tok, **CONSTRAINTS[constraint])
-    fast, stats = _figures(target, idx, 80, greedy=True, tokenizer=tok, **CONSTRAINTS[constraint], **kw)
-    assert torch.equal(fast, plain), (tok.decode(fast[0, idx.shape[1]:].tolist()),
-                                      tok.decode(plain[0, idx.shape[1]:].tolist()))
-    assert stats.rounds > 0 and stats.accepted > 0 and stats.drafted > stats.accepted
+    total = speculative.SpeculationStats()
+    for sampler in (dict(greedy=True), dict(temperature=0.9, top_k=20)):
+        plain = generate(target, idx, 80, tokenizer=tok, generator=torch.Generator().manual_seed(5), **sampler,
+                         **CONSTRAINTS[constraint])
+        fast, stats = _figures(target, idx, 80, tokenizer=tok, generator=torch.Generator().manual_seed(5), **sampler,
+                               **CONSTRAINTS[constraint], **kw)
+        assert torch.equal(fast, plain), (sampler, tok.decode(fast[0, idx.shape[1]:].tolist()),
+                                          tok.decode(plain[0, idx.shape[1]:].tolist()))
+        assert stats.rounds > 0 and stats.accepted > 0
+        total.add(stats)
+    assert total.drafted > total.accepted  # and some fell
 
 
 def test_the_server_speculates_for_a_constrained_request_and_answers_as_without(always):

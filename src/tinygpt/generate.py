@@ -521,10 +521,9 @@ def generate(
         prompt_cache: a PromptCache (one row, use_cache, not compile): the prompt reuses the keys and values
             of the longest prefix it shares with a sequence generated before, and this one is kept in it.
         draft: a smaller model of the same vocabulary that proposes tokens for the model to verify, several
-            in one forward pass (speculative decoding, tinygpt.speculative): greedy output is the model's
-            own, token for token, and sampled tokens are distributed as its own (a seed then repeats the
-            distribution, not the tokens: when speculation steps aside depends on its timing). One row
-            (B = 1), with the cache, eager. A draft at least as large as the model is logged as a warning.
+            in one forward pass (speculative decoding, tinygpt.speculative): the output is the one plain
+            decoding gives, token for token, greedy or sampled with the same generator. One row (B = 1),
+            with the cache, eager. A draft at least as large as the model is logged as a warning.
         speculate: the most tokens a round proposes (8; from 1 to 16, or to 8 for int8 and int4 weights);
             fewer where the proposals keep falling. Speculation steps aside for a while where it measures
             itself slower than plain steps.

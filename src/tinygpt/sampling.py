@@ -114,3 +114,20 @@ def choose(processed: torch.Tensor, cfg: SampleConfig, generator: torch.Generato
 
 NONFINITE = ("the next-token probabilities are NaN or infinite: the model's output is not finite "
              "(non-finite weights, loaded with allow_nonfinite?)")
+
+
+def noise(width: int, generator: torch.Generator | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """The random numbers `choose` draws for one row of `width` ids, (1, width): an Exp(1) number an id, taken
+    from the generator as torch.multinomial takes them for one sample."""
+    return torch.empty(1, width, device=device).exponential_(1, generator=generator)
+
+
+def choose_with(processed: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """`choose`'s draws from rows of logits (R, V) with their random numbers given, (R, V) from `noise`: the id
+    of the largest p / e, the exponential race torch.multinomial runs for one sample (the Gumbel-max trick), so
+    a draw made ahead of its step (a speculative round's) is the one the step makes from the same generator
+    (a test holds them equal). Returns (R,)."""
+    probs = processed.softmax(dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise ValueError(NONFINITE)
+    return (probs / drawn).argmax(dim=-1)

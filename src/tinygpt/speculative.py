@@ -10,12 +10,17 @@ proposals it agrees with and one token of its own after them:
 
 - greedy: a proposal stands while it is the target's argmax; the first that is not is replaced by the
   argmax, and when all stand the argmax after them is added. The text is the target's greedy text.
-- sampling: a proposal d drawn from the draft's distribution q stands with probability min(1, p(d) / q(d)),
-  p the target's (after the vocabulary mask, repetition penalty, temperature, top-k and top-p, as
-  `sampling.process_logits` shapes it); the first that falls is replaced by a draw from max(0, p - q)
-  renormalised, and when all stand one more token is drawn from p (Leviathan et al., Chen et al., 2023):
-  every token is distributed as the target's own. A lookup's proposal is not drawn (q is one-hot at d):
-  it stands with probability p(d), and one that falls is replaced by a draw from p without d.
+- sampling: each verified position's token is drawn from the target's distribution p (after the vocabulary
+  mask, penalties, temperature, top-k and top-p, as `sampling.process_logits` shapes it) with the random
+  numbers a plain step at that position would draw (`Draws`: torch.multinomial's exponential race, the
+  generator's numbers taken position by position), and a proposal stands while it is that token. The text
+  is then the one plain sampling gives with the same generator, token for token, whatever the rounds
+  decided and whenever speculation stepped aside. A draft draws its proposals from its own distribution q
+  with the same numbers (the Gumbel-max coupling, drafter-invariant speculative decoding: Daliri et al.,
+  2024), so it proposes the target's token where q is near p: a proposal stands with probability at least
+  (1 - t) / (1 + t), t the distance between p and q, where rejection sampling's min(1, p / q) keeps 1 - t
+  but draws other tokens than plain sampling does. A lookup's proposal d stands with probability p(d), as
+  under rejection sampling.
 
 Both caches then roll back to what stood: their positions past it hold refused tokens' keys and values,
 which no query reads before the next tokens overwrite them.
@@ -52,6 +57,7 @@ from .calc import count_params
 from .errors import ConfigError
 from .interop import quantize
 from .kv_cache import KVCache
+from .sampling import choose_with, noise
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +200,8 @@ class PromptLookup:
         self.text: list[int] = []
         self.follows: dict[tuple[int, ...], int] = {}  # n tokens -> where the token after their latest occurrence is
 
-    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, greedy: bool,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Up to k proposals after tokens (T,), the whole sequence so far, and no distribution (q is one-hot)."""
+    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
+        """Up to k proposals after tokens (T,), the whole sequence so far (no draws: they are not drawn)."""
         seen = len(self.text)
         self.text += tokens[seen:].tolist()  # the text only grows: what was proposed and refused never entered it
         n, text = self.n, self.text
@@ -208,7 +213,7 @@ class PromptLookup:
             # an occurrence that ends near the text's end continues as the text went on from it: the
             # proposals repeat with the same period (a run of one token proposes more of it)
             found.append(text[at + i] if at + i < len(text) else found[at + i - len(text)])
-        return torch.tensor(found, dtype=torch.long, device=tokens.device), None
+        return torch.tensor(found, dtype=torch.long, device=tokens.device)
 
     def prepare(self, tokens: torch.Tensor) -> None:
         """Nothing to read ahead: the look-up indexes the text as it proposes."""
@@ -219,7 +224,8 @@ class PromptLookup:
 
 class DraftModel:
     """Proposals from a smaller model of the same vocabulary, decoding on a KV cache of its own: greedy for
-    greedy decoding, else drawn from its logits shaped as the target's are (its distribution q).
+    greedy decoding, else drawn from its logits shaped as the target's are (its distribution q), with the
+    random numbers of each proposal's position (Draws).
 
     Args:
         draft: the draft model (a tinygpt GPT; eval mode while it proposes).
@@ -233,28 +239,24 @@ class DraftModel:
         self.cache: KVCache | None = None
         self.filled = 0  # the draft's cache holds the sequence's first `filled` tokens
 
-    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, greedy: bool,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Up to k proposals after tokens (T,) and the distributions they were drawn from ((k, V); None if greedy)."""
+    def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
+        """Up to k proposals after tokens (T,): the argmax of each position's logits, or with `draws` (sampling)
+        the draw its random numbers make."""
         k = min(k, self.max_len - len(tokens))  # the draft sees its own context and no further
         if k < 1:
-            return tokens.new_empty(0), None
+            return tokens.new_empty(0)
         if self.cache is None:
             self.cache = KVCache.for_model(self.model, 1, self.max_len)
         with _evaluating(self.model):
             logits = self._catch_up(tokens)
-            drafted, dists = [], []
+            drafted = []
             for i in range(k):
                 if i:
                     logits = _forward(self.model, drafted[-1].view(1, 1), self.cache, len(tokens) + i - 1)
                 shaped = shape(self._widen(logits.float()), torch.cat(drafted) if drafted else tokens.new_empty(0))
-                if greedy:
-                    drafted.append(shaped.argmax(dim=-1))
-                else:
-                    dists.append(shaped.softmax(dim=-1))
-                    drafted.append(torch.multinomial(dists[-1], 1, generator=generator)[0])
+                drafted.append(shaped.argmax(dim=-1) if draws is None else choose_with(shaped, draws.row(i)))
         self.filled = len(tokens) + k - 1  # the last proposal was never read
-        return torch.cat(drafted), None if greedy else torch.cat(dists)
+        return torch.cat(drafted)
 
     def prepare(self, tokens: torch.Tensor) -> None:
         """Read the prompt, tokens (T,) but the last, into an empty cache: before the first round's clock starts,
@@ -322,36 +324,58 @@ def verify(model, rows: torch.Tensor, kv_cache: KVCache, start: int) -> torch.Te
     return _forward(model, rows, kv_cache, start)
 
 
-def judge(processed: torch.Tensor, drafted: torch.Tensor, dists: torch.Tensor | None, greedy: bool,
-          generator: torch.Generator | None) -> tuple[int, int]:
-    """How many proposals stand and the token after them.
+class Draws:
+    """The random numbers of the positions a round decides, (1, V) a position (sampling.noise), taken from the
+    generator in the order of the positions as they are needed, as plain steps there would take them; `keep`
+    then leaves the generator as the steps of the positions that were decided leave it, so the next position
+    draws the same numbers whether a round or a plain step decides it.
+
+    Args:
+        generator: the sequence's generator; None: torch's default one, which is not wound back (unseeded
+            draws repeat nothing).
+        width: the logits' width (the target's head).
+        device: where the logits are.
+    """
+
+    def __init__(self, generator: torch.Generator | None, width: int, device: torch.device) -> None:
+        self.generator, self.width, self.device = generator, width, device
+        self.drawn: list[torch.Tensor] = []
+        self.states = [generator.get_state()] if generator is not None else None  # the generator's, after each
+
+    def row(self, i: int) -> torch.Tensor:
+        """Position i's random numbers (1, V), drawing those of the positions up to it not drawn yet."""
+        while len(self.drawn) <= i:
+            self.drawn.append(noise(self.width, self.generator, self.device))
+            if self.states is not None:
+                self.states.append(self.generator.get_state())
+        return self.drawn[i]
+
+    def rows(self, n: int) -> torch.Tensor:
+        """The first n positions' random numbers (n, V)."""
+        return torch.cat([self.row(i) for i in range(n)])
+
+    def keep(self, n: int) -> None:
+        """The first n positions were decided: the generator goes on from there (their plain steps' draws)."""
+        if self.states is not None:
+            self.generator.set_state(self.states[n])
+
+
+def judge(processed: torch.Tensor, drafted: torch.Tensor, draws: Draws | None) -> tuple[int, int]:
+    """How many proposals stand and the token after them: the target's token at each verified position (its
+    argmax, or with `draws` the draw of that position's random numbers), a proposal standing while it is that
+    token.
 
     Args:
         processed: the target's logits at each verified position, shaped for the choice (k + 1, V).
         drafted: the k proposals.
-        dists: the distributions (k, V) they were drawn from; None for a lookup's (q one-hot at the proposal).
-        greedy: the argmax rule (else the rejection rule: the module's docstring).
-        generator: the random numbers of acceptance and of the draws.
+        draws: the positions' random numbers (sampling); None: greedy.
 
     Returns:
         (n, token): drafted[:n] stand and `token` follows them.
     """
-    if greedy:
-        best = processed.argmax(dim=-1)
-        n = int((best[:-1] == drafted).long().cumprod(0).sum())
-        return n, int(best[n])
-    probs = processed.softmax(dim=-1)
-    for i, d in enumerate(drafted.tolist()):
-        p = probs[i]
-        q = dists[i] if dists is not None else None
-        chance = p[d] / q[d] if q is not None else p[d]
-        if float(torch.rand((), generator=generator, device=p.device)) < float(chance):
-            continue
-        rest = (p - q).clamp(min=0) if q is not None else p.clone().index_fill_(0, drafted[i : i + 1], 0.0)
-        if not float(rest.sum()) > 0:  # p is q where it is not zero, to float rounding: draw from p
-            rest = p
-        return i, int(torch.multinomial(rest, 1, generator=generator))
-    return len(drafted), int(torch.multinomial(probs[-1], 1, generator=generator))
+    best = processed.argmax(dim=-1) if draws is None else choose_with(processed, draws.rows(len(processed)))
+    n = int((best[:-1] == drafted).long().cumprod(0).sum())
+    return n, int(best[n])
 
 
 class Speculator:
@@ -467,8 +491,9 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
         k: the most tokens to propose (Speculator.budget).
         shape: the caller's processing of positions' logits (vocabulary mask, penalties, temperature, top-k,
             top-p), given the proposals before them (Shape).
-        greedy: choose by argmax (else sample by the rejection rule).
-        generator: random numbers for the draft's draws, acceptance and the draws after a refusal.
+        greedy: choose by argmax (else draw, as the module's docstring says).
+        generator: the sequence's random numbers: each position's draws, the draft's and the target's, are the
+            ones its plain step would take, and it is left as those of the positions decided leave it.
         run: calls the verification on the threads chosen (a ThreadChoice's prefill: its looks time plain steps,
             which a verification of several rows is not); None: directly.
 
@@ -477,14 +502,19 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     """
     spec.drafter.prepare(tokens)
     start = time.perf_counter()
-    drafted, dists = spec.drafter.propose(tokens, k, shape, greedy, generator)
+    draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
+    drafted = spec.drafter.propose(tokens, k, shape, draws)
     if not drafted.numel():
+        if draws is not None:
+            draws.keep(0)
         return None
     proposed = time.perf_counter()
     rows = torch.cat([tokens[-1:], drafted]).unsqueeze(0)
     logits = (run or (lambda f: f()))(lambda: verify(model, rows, kv_cache, filled))
     processed = shape(logits, drafted)
-    n, token = judge(processed, drafted, dists, greedy, generator)
+    n, token = judge(processed, drafted, draws)
+    if draws is not None:
+        draws.keep(n + 1)
     spec.drafter.rollback(len(tokens) + n)
     spec.settle(len(drafted), n, time.perf_counter() - start, proposed - start)
     return Round(drafted[:n].tolist() + [token], logits[: n + 1], processed[: n + 1], len(drafted))

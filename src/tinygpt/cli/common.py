@@ -290,8 +290,8 @@ def add_speculation_flags(p: argparse.ArgumentParser) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--draft", metavar="RUN",
                         help="speculative decoding: a smaller run with the same tokenizer proposes tokens that the "
-                             "model checks several at a time (the same text: greedy token for token, sampled "
-                             "alike); with --quantize in the same format")
+                             "model checks several at a time (the same text token for token, greedy or sampled "
+                             "with --seed); with --quantize in the same format")
     source.add_argument("--prompt-lookup", type=POSITIVE, metavar="N",
                         help="speculative decoding without a draft: propose the tokens that followed the latest "
                              "earlier occurrence of the last N tokens in the prompt or the text so far (pays where "
