@@ -292,6 +292,23 @@ class RunFolder:
         settings = saved.get(section) if isinstance(saved, dict) else None
         return settings if isinstance(settings, dict) else None
 
+    def begun_with(self) -> ModelChoice | None:
+        """The ModelChoice that train_config.json recorded for a run that has no checkpoint yet (one
+        killed before its first save), or None where there is no record of one.
+
+        Raises:
+            TrainingError: a recorded choice tinygpt does not read.
+        """
+        saved = self._record(TrainingError)
+        notes = saved.get("notes") if isinstance(saved, dict) else None
+        choice = notes.get("model_choice") if isinstance(notes, dict) else None
+        if not isinstance(choice, dict):
+            return None
+        try:
+            return ModelChoice.from_dict(choice)
+        except ConfigError as e:
+            raise TrainingError(f"{os.path.join(self.given, TRAIN_CONFIG)}: {e}") from None
+
     def objective(self, error: type[Exception] = TrainingError) -> str | None:
         """What a run trained from FROM optimised, by the command that trains it ("finetune", "grpo"), as
         train_config.json records it (a fine-tune run recorded before the name was: "finetune"); None for a
