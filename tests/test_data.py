@@ -648,15 +648,16 @@ def test_the_package_gives_the_names_users_import_and_loads_no_torch():
     # build), each the topic module's own object; preparing data still needs no torch (a smaller memory floor)
     import tinygpt
     import tinygpt.data as data
-    from tinygpt.data import batches, chat, folder, inspect, sources, text
+    from tinygpt.data import batches, chat, folder, inspect, preference, sources, text
 
     assert tinygpt.prepare is data.prepare is text.prepare and data.prepare_chat is chat.prepare_chat
+    assert data.prepare_preference is preference.prepare_preference
     assert data.load_data is folder.load_data and data.DataSet is folder.DataSet
     assert data.inspect_data is inspect.inspect_data and data.resolve_sources is sources.resolve_sources
     assert (data.get_batch, data.get_chat_batch, data.pack_conversations) == (
         batches.get_batch, batches.get_chat_batch, batches.pack_conversations)
-    assert set(data.__all__) == {"prepare", "prepare_chat", "resolve_sources", "load_data", "DataSet", "inspect_data",
-                                 "get_batch", "get_chat_batch", "pack_conversations"}
+    assert set(data.__all__) == {"prepare", "prepare_chat", "prepare_preference", "resolve_sources", "load_data",
+                                 "DataSet", "inspect_data", "get_batch", "get_chat_batch", "pack_conversations"}
     loaded = subprocess.run([sys.executable, "-c", "import sys, tinygpt.data; print('torch' in sys.modules)"],
                             capture_output=True, text=True, timeout=120)
     assert loaded.stdout.strip() == "False", loaded.stderr

@@ -158,15 +158,15 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
         check_picture(args.out)
     info = inspect_data(args.data, first_tokens=args.tokens)
     chat = info["content"] == "chat"
-    what = "conversations" if chat else "documents"
+    what = {"chat": "conversations", "preference": "pairs"}.get(info["content"], "documents")
     lengths = info["lengths"]
     if args.out and not (lengths and lengths["documents"]):
         raise ConfigError(f"--out: {args.data} has no {what[:-1]} lengths to draw "
                           + ("(no separator between its documents)" if lengths is None else f"(no {what})"))
     eot = (f"documents separated by token {info['eot_id']} {json.dumps(info['eot_token'], ensure_ascii=False)}"
-           if info["eot_id"] is not None else "a conversation a document" if chat
+           if info["eot_id"] is not None else f"a {what[:-1]} a document" if what != "documents"
            else "no separator between documents: their lengths are unknown")
-    print(f"{info['path']}: {'chat' if chat else 'text'}, {info['tokenizer']} tokenizer (vocab "
+    print(f"{info['path']}: {info['content']}, {info['tokenizer']} tokenizer (vocab "
           f"{info['vocab_size']:,}, {info['dtype']}); {eot}")
 
     def count(n: int | None) -> str:
@@ -195,6 +195,8 @@ def cmd_inspect_data(args: argparse.Namespace) -> int:
     print(f"  {json.dumps(first['text'], ensure_ascii=False)}")
     if chat:
         print(f"  trained: {json.dumps(first['trained_text'], ensure_ascii=False)}")
+    for side, text in first.get("pair", {}).items():
+        print(f"  first pair's {side}: {json.dumps(text, ensure_ascii=False)}")
     if args.out:
         from ..lab import viz
 

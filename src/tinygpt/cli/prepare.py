@@ -29,6 +29,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     With --format chat, SOURCE is one JSONL file of conversations; each is written with the
     tokenizer's chat template and a loss mask (train.mask, val.mask) so training learns the
     assistant's turns only.
+
+    With --format preference, SOURCE is one JSONL file of preference pairs in TRL's formats (standard:
+    prompt, chosen and rejected texts; conversational: lists of messages; or chosen and rejected alone,
+    sharing the prompt they begin with), tokenized with the model's tokenizer (--tokenizer-file FROM) for
+    `tinygpt dpo` and `tinygpt reward train`.
     """
     import time
 
@@ -36,6 +41,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     if args.format == "chat":
         return _prepare_chat(args)
+    if args.format == "preference":
+        return _prepare_preference(args)
     out = args.out or default_data_folder(args.sources[0])
     start = time.perf_counter()
     progress, close = _progress_bars() if args.progress else (None, lambda: None)
@@ -128,6 +135,31 @@ def _prepare_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_preference(args: argparse.Namespace) -> int:
+    """`prepare FILE.jsonl --format preference`: preference pairs into token files and their index."""
+    from ..data.preference import prepare_preference
+
+    if len(args.sources) != 1:
+        raise ConfigError("--format preference reads one JSONL file of preference pairs")
+    if args.errors == "replace" or args.vocab_size is not None:
+        raise ConfigError("--format preference takes --errors strict or skip, and the model's tokenizer as it is "
+                          "(--tokenizer-file FROM), without --vocab-size")
+    out = args.out or default_data_folder(args.sources[0])
+    meta = prepare_preference(args.sources[0], out, tokenizer=args.tokenizer, tokenizer_file=args.tokenizer_file,
+                              val_fraction=args.val_fraction, errors="skip" if args.errors == "skip" else "strict")
+    prompt = "implicit prompts" if meta["implicit_prompt"] else "prompts"
+    print(f"prepared {out} from {args.sources[0]}: {meta['pairs']:,} {meta['pair_format']} pairs with {prompt} "
+          f"({meta['train_pairs']:,} train, {meta['val_pairs']:,} val)")
+    print(f"  tokenizer  {meta['tokenizer']}, vocab {meta['vocab_size']:,}, {meta['dtype']}")
+    for split in ("train", "val"):
+        print(f"  {split:<5}      {meta[f'{split}_tokens']:>12,} tokens")
+    if meta["skipped"]:
+        print(f"  skipped {plural(meta['skipped'], 'line')}:")
+        for note in meta["skipped_why"]:
+            print(f"    {note}")
+    return 0
+
+
 def default_data_folder(source: str) -> str:
     """Where `prepare` writes without --out: data/NAME, NAME from the first source (a file's name without
     its suffix, a folder's name, or the built-in corpus), so `prepare python-stdlib` makes data/python-stdlib.
@@ -186,9 +218,10 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
         help="invalid UTF-8: stop (default), put U+FFFD, or (a dataset) skip the row; --format chat: stop at "
              "malformed lines and conversations the tokenizer cannot encode, listing them (default), or skip them"
     )
-    p.add_argument("--format", choices=("text", "chat"), default="text",
-                   help="text (default), or chat: one JSONL file, a conversation per line "
-                        '({"messages": [{"role": ..., "content": ...}]}), trained on the assistant\'s turns')
+    p.add_argument("--format", choices=("text", "chat", "preference"), default="text",
+                   help="text (default); chat: one JSONL file, a conversation per line "
+                        '({"messages": [{"role": ..., "content": ...}]}), trained on the assistant\'s turns; '
+                        "preference: one JSONL file of TRL's preference pairs (prompt, chosen, rejected)")
     p.add_argument(
         "--tokenizer-file",
         metavar="PATH",

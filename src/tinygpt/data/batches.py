@@ -1,7 +1,8 @@
 """Training batches from a data folder's splits: windows of running text at given offsets (get_batch),
 whole conversations packed into rows with their loss weights (pack_conversations, get_chat_batch),
 where a batch's positions come from (Batches draws them at random, Stream in order, resumably) and
-which of the two orders a run takes (data_order).
+which of the two orders a run takes (data_order); preference pairs fitted to a window and batched for
+their log-probs or their scores (Pairs).
 
 torch is imported where a batch is made, not at the top: preparing data needs no torch (a smaller
 memory floor).
@@ -247,3 +248,99 @@ def data_order(cfg: TrainConfig, dataset: DataSet) -> str:
                             "drop --data-order sequential")
     return order
 
+
+
+class Pairs:
+    """A preference split's pairs (data.preference) fitted to a window of `max_length` tokens, drawn at random
+    and made into batches: both sides of each pair as rows for the log-probs of their completions (get,
+    DPO's), or each side's whole sequence to score (scored, a reward model's).
+
+    A sequence longer than the window loses tokens from the start of its prompt (TRL's keep_end: the
+    completions stay whole), the same ones for both sides, so the two are compared on the same context; a
+    pair whose longer completion leaves no room for one prompt token is dropped (`dropped` counts them).
+
+    Args:
+        tokens: the split's ids.
+        index: the split's (start, prompt, chosen, rejected lengths), one row a pair.
+        max_length: the longest sequence, prompt and completion.
+        margins: the split's margins (TRL's reward margin), if the data has them.
+        closing: "eos" where each completion ends with the end of text (standard pairs), which a scored
+            sequence leaves out, or "turn" (conversational: the template's end of turn is part of the text).
+    """
+
+    def __init__(self, tokens: np.ndarray, index: np.ndarray, max_length: int, margins: np.ndarray | None = None,
+                 closing: str = "eos") -> None:
+        self.tokens, self.index, self.margins, self.closing = tokens, index, margins, closing
+        longer = np.maximum(index[:, 2], index[:, 3])
+        keep = longer < max_length
+        self.rows = np.flatnonzero(keep)
+        self.dropped = int((~keep).sum())
+        self.cut = np.maximum(0, index[:, 1] + longer - max_length)  # prompt tokens left out, from its start
+
+    @classmethod
+    def of(cls, dataset: DataSet, split: str, max_length: int) -> Pairs:
+        """A preference data folder's split ("train" or "val")."""
+        margins = dataset.margins[split] if dataset.margins is not None else None
+        return cls(getattr(dataset, split), dataset.pairs[split], max_length, margins, dataset.meta["closing"])
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n positions among the kept pairs, drawn with replacement."""
+        import torch
+
+        return torch.randint(0, len(self.rows), (n,), generator=generator)
+
+    def sides(self, position: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prompt (as the window keeps it), chosen and rejected ids of the kept pair at `position`."""
+        start, prompt, chosen, rejected = self.index[self.rows[position]].tolist()
+        cut = int(self.cut[self.rows[position]])
+        ids = self.tokens[start : start + prompt + chosen + rejected]
+        return ids[cut:prompt], ids[prompt : prompt + chosen], ids[prompt + chosen :]
+
+    def get(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DPO's batch of the pairs at `positions` (B), as TRL's collator lays it out: each pair's prompt and
+        chosen completion as a row, then each one's prompt and rejected completion, right-padded.
+
+        Returns:
+            ids (2B, T) int64 and the completion mask (2B, T) int64, 1 on the completions' tokens.
+        """
+        prompts, chosen, rejected = zip(*(self.sides(p) for p in positions.tolist()))
+        rows = [(p, c) for p, c in zip(prompts, chosen)] + [(p, r) for p, r in zip(prompts, rejected)]
+        return _padded([np.concatenate(row) for row in rows], [len(p) for p, _ in rows])
+
+    def scored(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A reward model's batch of the pairs at `positions` (B): each pair's prompt and chosen completion,
+        then each one's prompt and rejected completion, right-padded, a standard completion without the end
+        of text that closes it (the score is read at the text's last token, as transformers reads it with
+        the end of text as padding).
+
+        Returns:
+            ids (2B, T) int64, the last token's index of each row (2B,), and the margins (B,) (zeros where
+            the data has none).
+        """
+        import torch
+
+        drop = 1 if self.closing == "eos" else 0
+        prompts, chosen, rejected = zip(*(self.sides(p) for p in positions.tolist()))
+        rows = [np.concatenate((p, c[: len(c) - drop])) for p, c in zip(prompts * 2, chosen + rejected)]
+        ids, _ = _padded(rows, [0] * len(rows))
+        last = torch.tensor([len(r) - 1 for r in rows])
+        kept = self.rows[positions.numpy()]
+        margins = torch.from_numpy(self.margins[kept].astype(np.float32)) if self.margins is not None \
+            else torch.zeros(len(kept))
+        return ids, last, margins
+
+
+def _padded(rows: list[np.ndarray], prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ids right-padded with 0 into one (N, T) tensor, and the mask of what follows each row's prompt."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width), dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, (row, prompt) in enumerate(zip(rows, prompts)):
+        ids[i, : len(row)] = row
+        mask[i, prompt : len(row)] = 1
+    return torch.from_numpy(ids), torch.from_numpy(mask)

@@ -73,9 +73,13 @@ class _ChatFile:
                 yield m["content"]
 
 
-def _bad_lines(bad: list[tuple[int, str]]) -> list[str]:
+def bad_lines(bad: list[tuple[int, str]]) -> list[str]:
     """The first few bad lines, each with why, then how many more and their numbers: what an error or
-    prepare's summary lists so that one pass can fix them all."""
+    prepare's summary lists so that one pass can fix them all.
+
+    Args:
+        bad: (line number, why) of each bad line, in order.
+    """
     notes = [f"line {n}: {why}" for n, why in bad[:SHOW_BAD_LINES]]
     rest = [str(n) for n, _ in bad[SHOW_BAD_LINES:]]
     if rest:
@@ -84,8 +88,16 @@ def _bad_lines(bad: list[tuple[int, str]]) -> list[str]:
     return notes
 
 
-def _bad_lines_error(path: Path, bad: list[tuple[int, str]], noun: str, why: str = "") -> DataError:
-    return DataError(f"{path}: {plural(len(bad), noun)}{why}: {' | '.join(_bad_lines(bad))}; fix them, or pass "
+def bad_lines_error(path: Path, bad: list[tuple[int, str]], noun: str, why: str = "") -> DataError:
+    """The one-line error a strict prepare raises for a file's bad lines, listing the first few.
+
+    Args:
+        path: the file.
+        bad: (line number, why) of each bad line.
+        noun: what a bad line is ("malformed line").
+        why: said after the count (" the tokenizer cannot encode").
+    """
+    return DataError(f"{path}: {plural(len(bad), noun)}{why}: {' | '.join(bad_lines(bad))}; fix them, or pass "
                      "--errors skip to leave such lines out")
 
 
@@ -172,7 +184,7 @@ def prepare_chat(
         else:
             conversations += 1
     if malformed and errors == "strict":
-        raise _bad_lines_error(src, malformed, "malformed line")
+        raise bad_lines_error(src, malformed, "malformed line")
     if not conversations:
         raise DataError(f"{src}: no conversations" + (f" ({len(malformed)} malformed lines)" if malformed else ""))
     tok = _chat_tokenizer(tokenizer, tokenizer_file, chats, vocab_size, template)
@@ -180,9 +192,9 @@ def prepare_chat(
     try:
         counts, unencodable = _write_chat(tok, chats, tmp, val_fraction)
         if unencodable and errors == "strict":
-            raise _bad_lines_error(src, unencodable, "conversation", " the tokenizer cannot encode")
+            raise bad_lines_error(src, unencodable, "conversation", " the tokenizer cannot encode")
         if len(unencodable) == conversations:
-            raise DataError(f"{src}: no conversation the tokenizer can encode: {' | '.join(_bad_lines(unencodable))}")
+            raise DataError(f"{src}: no conversation the tokenizer can encode: {' | '.join(bad_lines(unencodable))}")
         skipped = sorted(malformed + unencodable)
         meta = {
             **folder_meta(tok, counts, "chat"),
@@ -192,7 +204,7 @@ def prepare_chat(
             "sources": [{"name": printable_path(path), "path": printable_path(src),
                          "bytes": src.stat().st_size}],
             "errors": errors, "skipped": len(skipped), "skipped_lines": [n for n, _ in skipped[:100]],
-            "unencodable": len(unencodable), "skipped_why": _bad_lines(skipped),
+            "unencodable": len(unencodable), "skipped_why": bad_lines(skipped),
         }
         publish(tmp, out, tok, meta, tokenizer_file)
     finally:
@@ -239,8 +251,8 @@ def _write_chat(
     n = len(starts)
     n_train = split_point(n, val_fraction)
     cut = starts[n_train] if n_train < n else total  # the first validation token
-    _move_tail(folder / "train.bin", folder / "val.bin", cut * dtype.itemsize)
-    _move_tail(folder / "train.mask", folder / "val.mask", cut)
+    move_tail(folder / "train.bin", folder / "val.bin", cut * dtype.itemsize)
+    move_tail(folder / "train.mask", folder / "val.mask", cut)
     offsets = np.array(starts, dtype=np.uint64)
     offsets[:n_train].tofile(folder / "train.starts")
     (offsets[n_train:] - np.uint64(cut)).tofile(folder / "val.starts")
@@ -252,8 +264,14 @@ def _write_chat(
     return counts, unencodable
 
 
-def _move_tail(path: Path, tail: Path, offset: int) -> None:
-    """Move the bytes of `path` from `offset` on into a new file `tail`, cutting `path` there."""
+def move_tail(path: Path, tail: Path, offset: int) -> None:
+    """Move the bytes of `path` from `offset` on into a new file `tail`, cutting `path` there.
+
+    Args:
+        path: the file to cut.
+        tail: the new file.
+        offset: the first byte that moves.
+    """
     with open(path, "r+b") as head, open(tail, "wb") as out:
         head.seek(offset)
         shutil.copyfileobj(head, out)

@@ -10,7 +10,8 @@ A prepared data folder holds:
 
 A dataset prepared with shards holds train_00000.bin, ... val_00000.bin, ... in place of the two
 token files (tinygpt.data.shards; meta.json's "shards" index), and a chat data folder also holds,
-per split, the loss mask and where each conversation starts (CHAT_FILES).
+per split, the loss mask and where each conversation starts (CHAT_FILES); a preference data folder where
+each pair's prompt and completions lie (PREFERENCE_FILES).
 
 Everything is written into a hidden temporary folder next to the data folder and renamed into place at
 the end (publish): an interrupted prepare leaves no half-written data folder, and a folder that is not a
@@ -40,6 +41,10 @@ DATA_FILES = ("train.bin", "val.bin", "tokenizer.json", "meta.json")
 # a chat data folder (prepare_chat) also holds, per split, the loss mask (uint8, one per token) and
 # where each conversation starts (uint64 token offsets)
 CHAT_FILES = ("train.mask", "val.mask", "train.starts", "val.starts")
+# a preference data folder (data.preference) also holds, per split, each pair's start and the lengths of its
+# prompt, chosen and rejected ids (uint64, PAIR_FIELDS a pair), and its margins (float32) where the file gave any
+PREFERENCE_FILES = ("train.pairs", "val.pairs", "train.margins", "val.margins")
+PAIR_FIELDS = 4
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -78,7 +83,8 @@ def check_out_dir(out: Path) -> None:
     entries = set(os.listdir(out))
     if not entries:
         return
-    if "meta.json" in entries and all(e in DATA_FILES + CHAT_FILES or SHARD_FILE.fullmatch(e) for e in entries):
+    known = DATA_FILES + CHAT_FILES + PREFERENCE_FILES
+    if "meta.json" in entries and all(e in known or SHARD_FILE.fullmatch(e) for e in entries):
         try:
             if read_json(out / "meta.json", DataError).get("format") == FORMAT:
                 return
@@ -129,11 +135,19 @@ class DataSet:
     # chat data only: per split, the loss mask (1 where the model learns the token) and conversation starts
     masks: dict[str, np.ndarray] | None = None
     starts: dict[str, np.ndarray] | None = None
+    # preference data only: per split, each pair's (start, prompt, chosen, rejected lengths), and margins
+    pairs: dict[str, np.ndarray] | None = None
+    margins: dict[str, np.ndarray] | None = None
 
     @property
     def is_chat(self) -> bool:
         """Conversations with a loss mask (prepare_chat), not running text."""
         return self.masks is not None
+
+    @property
+    def is_preference(self) -> bool:
+        """Preference pairs (a prompt, a chosen and a rejected completion), not running text."""
+        return self.pairs is not None
 
     @property
     def is_sharded(self) -> bool:
@@ -265,6 +279,9 @@ def load_data(path: str | os.PathLike) -> DataSet:
             split: _open_tokens(p / f"{split}.bin", dtype, meta[f"{split}_tokens"], meta["vocab_size"])
             for split in ("train", "val")
         }
+    if meta.get("content") == "preference":
+        pairs, margins = _open_pairs(p, meta)
+        return DataSet(p, meta, arrays["train"], arrays["val"], tok, pairs=pairs, margins=margins)
     if meta.get("content") != "chat":
         return DataSet(p, meta, arrays["train"], arrays["val"], tok)
     masks, starts = _open_chat(p, meta, tok)
@@ -290,6 +307,33 @@ def _open_chat(p: Path, meta: dict[str, Any], tok: Tokenizer) -> tuple[dict[str,
         if n_conv and (s[0] != 0 or (np.diff(s) <= 0).any() or s[-1] >= n_tokens):
             raise DataError(f"{p / f'{split}.starts'}: conversation starts are not increasing offsets from 0")
     return masks, starts
+
+
+def _open_pairs(p: Path, meta: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+    """A preference folder's pair index (and margins), checked against meta.json and the token files: the
+    pairs lie one after another from the split's start to its end, each with a prompt and two completions."""
+    pairs, margins = {}, {} if meta.get("margins") else None
+    for split in ("train", "val"):
+        n = meta.get(f"{split}_pairs")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise DataError(f"{p / 'meta.json'}: {split}_pairs must be a non-negative integer")
+        files = [(f"{split}.pairs", np.uint64, n * PAIR_FIELDS)]
+        if margins is not None:
+            files.append((f"{split}.margins", np.float32, n))
+        for name, dtype, count in files:
+            f = p / name
+            if not f.is_file() or f.stat().st_size != count * np.dtype(dtype).itemsize:
+                raise DataError(f"{f} is missing or does not hold {n:,} pairs as meta.json says")
+        index = np.fromfile(p / f"{split}.pairs", dtype=np.uint64).astype(np.int64).reshape(n, PAIR_FIELDS)
+        ends = index[:, 0] + index[:, 1:].sum(axis=1)
+        if n and (index[0, 0] != 0 or (index[1:, 0] != ends[:-1]).any() or ends[-1] != meta[f"{split}_tokens"]
+                  or (index[:, 1:] <= 0).any()):
+            raise DataError(f"{p / f'{split}.pairs'}: the pairs do not lie one after another through the split, "
+                            "each with a prompt and two completions")
+        pairs[split] = index
+        if margins is not None:
+            margins[split] = np.fromfile(p / f"{split}.margins", dtype=np.float32)
+    return pairs, margins
 
 
 def _open_shards(p: Path, meta: dict[str, Any], split: str, dtype: np.dtype) -> ShardedTokens:

@@ -95,8 +95,8 @@ def _scan_split(ds: DataSet, split: str, eot: int | None, lengths: _Lengths | No
                     last, separators = int(at[-1]), separators + len(at)
         if eot is not None:  # a document counts in the file holding its first id, its separator, as prepare counts
             documents = separators + int(n == 0 and len(ids) > 0)
-        elif ds.is_chat:  # one file per split
-            documents = len(ds.starts[split])
+        elif ds.is_chat or ds.is_preference:  # one file per split
+            documents = len(ds.starts[split]) if ds.is_chat else len(ds.pairs[split])
         else:
             documents = (entry or {}).get("documents")
         if entry is not None and eot is not None and documents != entry.get("documents"):
@@ -108,6 +108,9 @@ def _scan_split(ds: DataSet, split: str, eot: int | None, lengths: _Lengths | No
         starts = ds.starts[split]
         lengths.add(np.diff(np.append(starts, n)) if len(starts) else starts)
         info.update(documents=len(starts), trained_tokens=meta[f"{split}_trained_tokens"])
+    elif ds.is_preference:  # a pair's length: its prompt and both completions
+        lengths.add(ds.pairs[split][:, 1:].sum(axis=1))
+        info["documents"] = len(ds.pairs[split])
     elif eot is not None:
         if n:
             lengths.add(np.array([n - last - 1]))
@@ -126,7 +129,8 @@ def inspect_data(path: str | os.PathLike, *, first_tokens: int = 32) -> dict[str
     bins, and the first tokens of the train split decoded.
 
     Documents are what the end-of-text token separates (a split's first begins at its start, and a
-    document's length leaves its separator out); a chat folder's documents are its conversations. A
+    document's length leaves its separator out); a chat folder's documents are its conversations, a
+    preference folder's its pairs (with the first one's prompt, chosen and rejected completion decoded). A
     character vocabulary has no separator: documents are meta.json's counts, lengths unknown (None).
 
     Files are read SCAN_TOKENS ids at a time through memory maps (a shard at a time), so memory stays
@@ -142,8 +146,8 @@ def inspect_data(path: str | os.PathLike, *, first_tokens: int = 32) -> dict[str
     """
     ds = load_data(path)
     meta, tok = ds.meta, ds.tokenizer
-    eot = None if ds.is_chat else tok.eot_id
-    lengths = _Lengths() if ds.is_chat or eot is not None else None
+    eot = None if ds.is_chat or ds.is_preference else tok.eot_id
+    lengths = _Lengths() if ds.is_chat or ds.is_preference or eot is not None else None
     splits = {split: _scan_split(ds, split, eot, lengths) for split in ("train", "val")}
     split = "train" if len(ds.train) or not len(ds.val) else "val"
     ids = np.asarray(getattr(ds, split)[:first_tokens]).tolist()
@@ -151,8 +155,13 @@ def inspect_data(path: str | os.PathLike, *, first_tokens: int = 32) -> dict[str
     if ds.is_chat:
         mask = ds.masks[split][: len(ids)]
         first["trained_text"] = tok.decode([i for i, m in zip(ids, mask) if m])
+    if ds.is_preference and len(ds.pairs[split]):
+        start, *sizes = ds.pairs[split][0].tolist()
+        ends = np.cumsum([start, *sizes]).tolist()
+        first["pair"] = {side: tok.decode(np.asarray(getattr(ds, split)[a:b]).tolist())
+                         for side, a, b in zip(("prompt", "chosen", "rejected"), ends, ends[1:])}
     return {
-        "path": str(ds.path), "content": "chat" if ds.is_chat else "text", "tokenizer": tok.kind,
+        "path": str(ds.path), "content": meta.get("content", "text"), "tokenizer": tok.kind,
         "vocab_size": ds.vocab_size, "dtype": ds.dtype.name, "eot_id": eot,
         "eot_token": None if eot is None else tok.decode([eot]), "shard_tokens": meta.get("shard_tokens"),
         "documents": meta.get("documents") if lengths is None else lengths.count, "splits": splits,
