@@ -410,7 +410,8 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """A decoder-only transformer: token (+ position) embeddings, blocks, final norm, LM head.
 
-    `model(idx)` returns the logits (B, T, vocab_size). Generation passes a KVCache and the
+    `model(idx)` returns the logits (B, T, vocab_size); a reward model's (config.head "reward") returns
+    its scores (B, T, 1), a text's score being its last token's. Generation passes a KVCache and the
     positions of the new tokens; the model itself keeps no decoding state.
     """
 
@@ -423,7 +424,10 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = norm_layer(config, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.head == "reward":  # one score a position, Hugging Face's *ForSequenceClassification's `score`
+            self.score = nn.Linear(config.n_embd, 1, bias=False)
+        else:
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight
         # False drops the causal mask: every position sees the whole sequence, the future included.
@@ -541,6 +545,8 @@ class GPT(nn.Module):
             the mean loss, a float32 scalar.
         """
         B, T = idx.shape
+        if targets is not None and self.config.head != "lm":
+            raise ValueError("a reward model has no language-model head: it scores a text, it has no next-token loss")
         if targets is not None and (last_only or return_attention or kv_cache is not None):
             raise ValueError("targets (the training loss) take a forward pass without a cache, last_only or attention")
         if T > self.config.block_size:
@@ -572,7 +578,8 @@ class GPT(nn.Module):
             x = x[:, -1:]
         if targets is not None:
             return head_loss(self.ln_f(x), self.lm_head, targets, loss_weights)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, vocab_size)
+        head = self.score if self.config.head == "reward" else self.lm_head
+        logits = head(self.ln_f(x))  # (B, T, vocab_size), or a reward model's scores (B, T, 1)
         return (logits, weights) if return_attention else logits
 
 

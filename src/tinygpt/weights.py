@@ -27,6 +27,7 @@ from .fileio import check_regular_file
 from .model import GPT
 
 TIED_KEY = "lm_head.weight"  # a tied head is this tensor, stored once as wte.weight
+SCORE_KEY = "score.weight"  # a reward model's head (GPTConfig.head "reward"), as Hugging Face names it
 # A safetensors header is JSON naming every tensor: about 1 KB per layer (GPT-2 XL's is 64 KB).
 # safetensors itself allows 100 MB, but parsed JSON can take 25x its size in memory, so tinygpt
 # refuses a header over 8 MB before reading it, and one with more JSON objects and arrays than

@@ -22,7 +22,8 @@ class ParamCounts:
         mlp: c_fc (d -> 4d) and c_proj (4d -> d) of every layer, biases included; in the llama
             layout gate_proj (SwiGLU), up_proj and down_proj, intermediate_size wide.
         layer_norm: ln_1 and ln_2 of every layer and ln_f (weight, and bias for a LayerNorm with config.bias).
-        head: lm_head's own weight (n_embd x vocab_size); 0 when tied to wte, which then serves as both.
+        head: lm_head's own weight (n_embd x vocab_size); 0 when tied to wte, which then serves as both; a
+            reward model's score layer (n_embd x 1).
         biases: how many of the above are Linear or LayerNorm biases (0 without config.bias and qkv_bias).
         matmul_weights: the block weights that multiply activations (attention and MLP matrices,
             biases excluded), the "dense" part the FLOP count is built on.
@@ -103,7 +104,8 @@ def count_params(config: GPTConfig) -> ParamCounts:
         attention=L * (weights["attn"] + biases["attn"] + qk_norms),
         mlp=L * (weights["mlp"] + biases["mlp"]),
         layer_norm=n_norms * (d + norm_bias * d),
-        head=0 if config.tie_weights else d * V,  # lm_head has no bias, as in GPT-2
+        # lm_head has no bias, as in GPT-2; nor has a reward model's score
+        head=d if config.head == "reward" else 0 if config.tie_weights else d * V,
         biases=L * (biases["attn"] + biases["mlp"]) + n_norms * norm_bias * d,
         matmul_weights=L * (weights["attn"] + weights["mlp"]),
         tied=config.tie_weights,

@@ -151,15 +151,19 @@ def add_nonfinite_flag(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(run: str, device: str, quantize: str | None = None, allow_nonfinite: bool = False,
-               pack: bool | None = None):
+               pack: bool | None = None, job: str | None = "generate"):
     """Model and tokenizer of a run folder or a Hugging Face folder (shared by sample, eval, serve),
     with weights for inference: a low-precision format with --quantize, else float32 laid out for fast kernels
     (pack=False: PyTorch's own layout, which torch.compile traces). NaN or infinite weights are refused
-    unless allow_nonfinite (--allow-nonfinite)."""
+    unless allow_nonfinite (--allow-nonfinite). A reward model is refused for `job` (what the command does
+    with a language model's head, which it has not); None takes it."""
     from ..checkpoint import load_run
     from ..interop.quantize import quantize as to_format
 
     model, tokenizer = load_run(run, device, allow_nonfinite=allow_nonfinite)
+    if job is not None and model.config.head == "reward":
+        raise ConfigError(f"{run} is a reward model: it scores texts (tinygpt reward score) and has no "
+                          f"language-model head to {job} with")
     return to_format(model, quantize or "fp32", pack=pack), tokenizer
 
 

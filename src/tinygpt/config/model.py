@@ -23,6 +23,9 @@ MLPS = ("gelu", "swiglu", "relu2")
 ACTIVATIONS = ("gelu", "gelu_tanh")  # the GELU of a "gelu" MLP
 MLP_ACTIVATIONS = {"swiglu": "silu", "relu2": "relu2"}  # the one activation each other MLP has
 INITS = ("gpt2", "torch")
+# what the last hidden state becomes: "lm", the next token's logits (lm_head), or "reward", one score
+# (a reward model: HF's *ForSequenceClassification with one label, its `score` layer)
+HEADS = ("lm", "reward")
 # how rotary positions stretch past the context they were trained at: "none", "linear" (every frequency
 # divided by rope_factor) or "llama3" (Llama 3.1's: low frequencies divided, high ones kept, a smooth
 # step between); Hugging Face's other kinds (yarn, dynamic, longrope) are not implemented
@@ -90,6 +93,9 @@ class GPTConfig:
         rope_scaling: ROPE_SCALINGS: "none", "linear" or "llama3", with rope_factor and, for llama3,
             rope_low_freq_factor, rope_high_freq_factor and rope_original_context (the context the
             model was first trained at), as Hugging Face's rope_scaling holds them.
+        head: HEADS: "lm" (the language model's head, lm_head: logits over the vocabulary) or "reward"
+            (a reward model's: one score a position from a bias-free `score` layer, read at a text's last
+            token; no language-model head, so nothing to tie: tie_weights must be off).
     """
 
     vocab_size: int = 50257
@@ -120,6 +126,7 @@ class GPTConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_context: int = 8192
     zero_init: bool = False
+    head: str = "lm"
 
     def __post_init__(self) -> None:
         check(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}, got {self.arch!r}")
@@ -138,7 +145,7 @@ class GPTConfig:
             check(is_int(value), name, f"must be an integer, got {value!r}")
             check(value >= 1, name, f"must be >= 1, got {value}")
         for name, allowed in (("positions", POSITIONS), ("norm", NORMS), ("mlp", MLPS),
-                              ("rope_scaling", ROPE_SCALINGS), ("init", INITS)):
+                              ("rope_scaling", ROPE_SCALINGS), ("init", INITS), ("head", HEADS)):
             value = getattr(self, name)
             check(value in allowed, name, f"must be one of {', '.join(allowed)}, got {value!r}")
         check_bools(self, ("bias", "tie_weights", "scale_embeddings", "qk_norm", "qkv_bias", "zero_init"))
@@ -155,6 +162,8 @@ class GPTConfig:
             "dropout",
             f"must be in [0, 1), got {self.dropout!r}",
         )
+        check(self.head == "lm" or not self.tie_weights, "tie_weights",
+              "a reward head has no language-model head to tie to the embedding: set it off")
         if self.arch == "gpt2":
             for name, value in GPT2_ONLY.items():
                 check(getattr(self, name) == value or (name == "n_kv_head" and self.kv_heads == self.n_head), name,

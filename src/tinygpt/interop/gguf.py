@@ -187,6 +187,9 @@ def _check_export(model: GPT, tokenizer: Tokenizer, out: Path, dtype: str) -> No
     if out.exists() and not _is_gguf(out):  # an earlier export is replaced; nothing else is
         raise CheckpointError(f"{out} exists and is not a GGUF file; give a new path to write")
     config = model.config
+    if config.head == "reward":
+        raise ConfigError("a reward model has no language-model head, which a GGUF file's model is: export it with "
+                          "--format hf (a sequence classifier transformers loads)")
     arch = gguf_arch(config)
     if arch == "gpt2":
         check_gpt2_computes(config, "llama.cpp's gpt2")

@@ -6,7 +6,8 @@ the Llama family, LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (tinyg
     config_from_hf(data)        config.json -> GPTConfig, by model_type
     folder_config(path)         the folder's GPTConfig, from its config.json
     load_hf(path)               the folder's model
-    export_hf(model, tok, out)  the folder transformers' AutoModelForCausalLM loads, by config.arch
+    export_hf(model, tok, out)  the folder transformers' AutoModelForCausalLM loads, by config.arch (a reward
+                                model's: AutoModelForSequenceClassification, one label)
     to_transformers(model)      the model as transformers' own class (needs the hf extra)
     hf_name(config, name)       a tinygpt parameter's or module's Hugging Face name (a PEFT key's stem)
 
@@ -16,6 +17,7 @@ Pickled checkpoints (pytorch_model.bin) are refused.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ import torch
 from ..config.model import GPTConfig
 from ..errors import CheckpointError, MissingDependencyError
 from ..weights import check_layers, model_from_tensors
-from .hf_folder import FAMILY, MODEL_TYPES, is_hf_config, is_hf_folder, read_hf_config, read_hf_weights
+from .hf_folder import MODEL_TYPES, head_from_hf, is_hf_config, is_hf_folder, read_hf_config, read_hf_weights
 
 __all__ = ["config_from_hf", "export_hf", "folder_config", "hf_name", "is_hf_config", "is_hf_folder", "load_hf",
            "read_hf_weights", "to_transformers"]
@@ -38,14 +40,15 @@ def config_from_hf(data: Any, where: str) -> GPTConfig:
     if not isinstance(data, dict):
         raise CheckpointError(f"{where}: config.json is not a JSON object")
     kind = data.get("model_type")
-    if kind == "gpt2":
-        from .hf_gpt2 import config_from_hf as gpt2_config
-
-        return gpt2_config(data, where)
-    if kind in FAMILY:
-        from .hf_llama import config_from_hf as llama_config
-
-        return llama_config(data, where)
+    if kind in MODEL_TYPES:
+        if kind == "gpt2":
+            from .hf_gpt2 import config_from_hf as read
+        else:
+            from .hf_llama import config_from_hf as read
+        config = read(data, where)
+        if head_from_hf(data, where) == "reward":  # a reward model: its score for a head, nothing tied
+            config = dataclasses.replace(config, head="reward", tie_weights=False)
+        return config
     raise CheckpointError(f"{where}: config.json's model_type={kind!r} is not supported (tinygpt reads "
                           f"{', '.join(MODEL_TYPES)})")
 
@@ -91,7 +94,8 @@ def load_hf(path: str | Path, *, device: str | torch.device = "cpu", allow_nonfi
 
 def export_hf(model: Any, tokenizer: Any, out: str | Path) -> Path:
     """Write the model as the Hugging Face folder of its architecture (GPT2LMHeadModel, or for the llama
-    layout LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM), with its tokenizer."""
+    layout LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM; a reward model as the same family's
+    *ForSequenceClassification with one label), with its tokenizer."""
     if model.config.arch == "gpt2":
         from .hf_gpt2 import export_hf as export_gpt2
 

@@ -23,6 +23,7 @@ INDEX = "model.safetensors.index.json"
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 FAMILY = ("llama", "qwen2", "qwen3")  # the model_types of tinygpt.interop.hf_llama
 MODEL_TYPES = ("gpt2", *FAMILY)
+CLASSIFIER = "ForSequenceClassification"  # a reward model's architecture: GPT2ForSequenceClassification, ...
 
 
 def is_hf_config(data: Any) -> bool:
@@ -38,6 +39,27 @@ def read_hf_config(path: str | Path, error: type[Exception] = CheckpointError) -
         error: the exception a missing or broken file raises.
     """
     return read_json(Path(path) / CONFIG, error)
+
+
+def head_from_hf(data: dict[str, Any], where: str) -> str:
+    """The head a Hugging Face config.json's architectures name: "reward" for a *ForSequenceClassification
+    with one label (a reward model, as TRL's RewardTrainer writes it), else "lm".
+
+    Args:
+        data: the config.json.
+        where: the folder, for the message.
+
+    Raises:
+        CheckpointError: a sequence classifier of more than one label, which tinygpt does not compute.
+    """
+    names = data.get("architectures") or []
+    if not any(isinstance(n, str) and n.endswith(CLASSIFIER) for n in names):
+        return "lm"
+    labels = data.get("num_labels", len(data.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise CheckpointError(f"{where}: a sequence classifier of {labels!r} labels; tinygpt reads a reward model's "
+                              "one score (num_labels 1)")
+    return "reward"
 
 
 def is_hf_folder(path: str | Path) -> bool:

@@ -10,6 +10,8 @@ weights, every shape asserted:
     h.N.attn.c_attn.weight     transformer.h.N.attn.c_attn.weight    transposed (see TRANSPOSED)
     ...                        transformer. + the same name
     lm_head.weight             lm_head.weight                        only when the head is untied
+    score.weight               score.weight                          a reward model's head, in place of
+                                                                     lm_head (GPT2ForSequenceClassification)
 
 GPT-2's projections are `Conv1D` modules that store their weight as (in, out), the transpose of
 `nn.Linear`'s (out, in). GPT-2 always has biases: a bias-free tinygpt model is written with zero
@@ -34,7 +36,7 @@ from ..fileio import atomic_write, write_json
 from ..model import GPT
 from ..tokenizer.base import Tokenizer
 from ..tokenizer.hf_folder import GENERATION_CONFIG
-from ..weights import TIED_KEY
+from ..weights import SCORE_KEY, TIED_KEY
 from .hf_folder import CONFIG, WEIGHTS, check_export_target
 from .hf_tokenizer import save_hf_tokenizer
 
@@ -55,7 +57,7 @@ ACTIVATION_FROM_HF = {
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of a tinygpt parameter."""
-    return name if name == TIED_KEY else "transformer." + name
+    return name if name in (TIED_KEY, SCORE_KEY) else "transformer." + name
 
 
 def gpt2_shapes(config: GPTConfig) -> dict[str, tuple[int, ...]]:
@@ -116,7 +118,7 @@ def from_hf_state_dict(tensors: dict[str, torch.Tensor], config: GPTConfig, wher
     for key, t in tensors.items():
         if key.endswith(BUFFERS):
             continue
-        if key != TIED_KEY and not key.startswith("transformer."):
+        if key not in (TIED_KEY, SCORE_KEY) and not key.startswith("transformer."):
             if key.split(".")[0] not in ("wte", "wpe", "h", "ln_f"):
                 continue  # another head's tensors: not part of a language model
             key = "transformer." + key
@@ -173,9 +175,10 @@ def check_gpt2_computes(config: GPTConfig, target: str = "a Hugging Face GPT-2")
 
 
 def hf_config(config: GPTConfig, eot_id: int | None = None) -> dict[str, Any]:
-    """config.json for a GPT2LMHeadModel equal to a tinygpt model of `config`."""
+    """config.json for a GPT2LMHeadModel equal to a tinygpt model of `config` (a reward model's: a
+    GPT2ForSequenceClassification of one label, the end of text its padding, reward_fields)."""
     return {
-        "architectures": ["GPT2LMHeadModel"],
+        "architectures": ["GPT2ForSequenceClassification" if config.head == "reward" else "GPT2LMHeadModel"],
         "model_type": MODEL_TYPE,
         "vocab_size": config.vocab_size,
         "n_positions": config.block_size,
@@ -197,7 +200,21 @@ def hf_config(config: GPTConfig, eot_id: int | None = None) -> dict[str, Any]:
         "use_cache": True,
         "bos_token_id": eot_id,
         "eos_token_id": eot_id,
+        **reward_fields(config, eot_id),
     }
+
+
+def reward_fields(config: GPTConfig, pad_id: int | None) -> dict[str, Any]:
+    """What a reward model's config.json adds: one label, and the padding id transformers finds a text's last
+    token by (the rightmost that is not padding: the end of text, which tinygpt's scores leave out too).
+
+    Args:
+        config: the model's architecture (nothing is added for a language model).
+        pad_id: the tokenizer's end of text, or None.
+    """
+    if config.head != "reward":
+        return {}
+    return {"num_labels": 1, "id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": pad_id}
 
 
 def config_from_hf(data: Any, where: str) -> GPTConfig:
@@ -268,22 +285,26 @@ def export_hf(model: GPT, tokenizer: Tokenizer | None, out: str | Path) -> Path:
     if template is not None:  # a chat run's replies end at its end of turn (and at <|endoftext|>, where there is one)
         end = tokenizer.special_ids()[template.end]
         generation["eos_token_id"] = [end, eot] if eot is not None else end
-    write_json(out / GENERATION_CONFIG, generation)
+    if model.config.head == "lm":
+        write_json(out / GENERATION_CONFIG, generation)
+    else:  # a reward model generates nothing
+        (out / GENERATION_CONFIG).unlink(missing_ok=True)
     save_hf_tokenizer(tokenizer, out, model.config.block_size)
     write_json(out / CONFIG, hf_config(model.config, eot))  # last: a folder without it is not a model yet
     return out
 
 
 def to_transformers(model: GPT) -> Any:
-    """The model as a `transformers.GPT2LMHeadModel` in eval mode (needs the hf extra)."""
+    """The model as a `transformers.GPT2LMHeadModel` (a reward model: GPT2ForSequenceClassification) in eval
+    mode (needs the hf extra)."""
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers import GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel
     except ImportError:
         raise MissingDependencyError("transformers is not installed: pip install 'tinygpt[hf]'") from None
     check_gpt2_computes(model.config, "transformers' GPT-2")
     fields = {k: v for k, v in hf_config(model.config).items() if k not in ("architectures", "model_type")}
     config = GPT2Config(**fields)
-    hf = GPT2LMHeadModel(config)
+    hf = (GPT2ForSequenceClassification if model.config.head == "reward" else GPT2LMHeadModel)(config)
     result = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     # a tied head is not stored (it is wte), and the causal-mask buffers are not weights
     missing = [k for k in result.missing_keys if k != TIED_KEY and not k.endswith(BUFFERS)]

@@ -14,6 +14,8 @@ so interchange is a key map, every shape asserted, nothing transposed or split:
     h.N.mlp.gate_proj.weight     model.layers.N.mlp.gate_proj.weight       (up_proj, down_proj alike)
     ln_f.weight                  model.norm.weight
     lm_head.weight               lm_head.weight                            only when the head is untied
+    score.weight                 score.weight                              a reward model's head, in place of
+                                                                           lm_head (*ForSequenceClassification)
 
 The same map names modules (h.N.attn.q_proj <-> model.layers.N.self_attn.q_proj), which is what a
 PEFT adapter's keys are built from. A config.json field that changes what the model computes and that
@@ -32,11 +34,13 @@ import torch
 
 from ..config.model import GPTConfig
 from ..errors import CheckpointError, ConfigError, MissingDependencyError, TokenizerError
+from .hf_folder import CLASSIFIER
 
-# model_type -> the architecture transformers names in config.json
+# model_type -> the architecture transformers names in config.json (a reward model's: Llama... + CLASSIFIER)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 # tinygpt name prefix <-> Hugging Face's, the block's parts after `h.N.` / `model.layers.N.`
-_OUTSIDE = (("wte.", "model.embed_tokens."), ("ln_f.", "model.norm."), ("lm_head.", "lm_head."))
+_OUTSIDE = (("wte.", "model.embed_tokens."), ("ln_f.", "model.norm."), ("lm_head.", "lm_head."), ("score.", "score."))
 _BLOCK = (("ln_1", "input_layernorm"), ("ln_2", "post_attention_layernorm"), ("attn", "self_attn"), ("mlp", "mlp"))
 # tensors older checkpoints carry that are not weights (the rotary frequencies, recomputed from the config)
 BUFFERS = (".rotary_emb.inv_freq",)
@@ -179,7 +183,10 @@ def check_exportable(config: GPTConfig, target: str = "a Hugging Face Llama") ->
 
 
 def hf_config(config: GPTConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict[str, Any]:
-    """config.json for the transformers model (model_type) equal to a llama-layout tinygpt model."""
+    """config.json for the transformers model (model_type) equal to a llama-layout tinygpt model (a reward
+    model's: the family's *ForSequenceClassification of one label, padded with the end of text)."""
+    from .hf_gpt2 import reward_fields
+
     kind = model_type(config)
     rope: dict[str, Any] = {"rope_type": "default" if config.rope_scaling == "none" else config.rope_scaling,
                             "rope_theta": config.rope_theta}
@@ -189,7 +196,7 @@ def hf_config(config: GPTConfig, bos_id: int | None = None, eos_id: int | None =
         rope.update(low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                     original_max_position_embeddings=config.rope_original_context)
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[kind]],
+        "architectures": [architecture(config)],
         "model_type": kind,
         "vocab_size": config.vocab_size,
         "hidden_size": config.n_embd,
@@ -219,7 +226,14 @@ def hf_config(config: GPTConfig, bos_id: int | None = None, eos_id: int | None =
         out["mlp_bias"] = config.bias
     if kind == "qwen3":
         out.update(use_sliding_window=False, sliding_window=None)
-    return out
+    return {**out, **reward_fields(config, eos_id)}
+
+
+def architecture(config: GPTConfig) -> str:
+    """The transformers class a llama-layout config is: LlamaForCausalLM, ... or, for a reward model,
+    LlamaForSequenceClassification, ..."""
+    kind = model_type(config)
+    return FAMILY_NAMES[kind] + CLASSIFIER if config.head == "reward" else ARCHITECTURES[kind]
 
 
 # ---- weights ----------------------------------------------------------------------------------
@@ -291,10 +305,8 @@ def transformers_class(config: GPTConfig) -> tuple[Any, Any]:
     """(config class, model class) of transformers for a llama-layout config (needs transformers)."""
     import transformers
 
-    kind = model_type(config)
-    names = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[kind]
-    return getattr(transformers, names[0]), getattr(transformers, names[1])
+    family = FAMILY_NAMES[model_type(config)]
+    return getattr(transformers, family + "Config"), getattr(transformers, architecture(config))
 
 
 # ---- export -----------------------------------------------------------------------------------
@@ -338,7 +350,10 @@ def export_hf(model: Any, tokenizer: Any, out: str | Path) -> Path:
     generation: dict[str, Any] = {"bos_token_id": bos, "eos_token_id": stops[0] if len(stops) == 1 else stops or eos}
     if eos is not None:
         generation["pad_token_id"] = eos
-    write_json(out / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
+    if config.head == "lm":
+        write_json(out / GENERATION_CONFIG, {k: v for k, v in generation.items() if v is not None})
+    else:  # a reward model generates nothing
+        (out / GENERATION_CONFIG).unlink(missing_ok=True)
     save_hf_tokenizer(tokenizer, out, config.block_size)
     write_json(out / CONFIG, {**hf_config(config, bos, eos), "torch_dtype": str(state["model.embed_tokens.weight"].dtype)
                               .removeprefix("torch."), "transformers_version": _transformers_version()})
