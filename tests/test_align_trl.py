@@ -18,8 +18,9 @@ peft = pytest.importorskip("peft", reason="peft is not installed (the dev extra)
 datasets = pytest.importorskip("datasets", reason="datasets is not installed (the dev extra)")
 
 from tinygpt import GPT, GPTConfig  # noqa: E402
-from tinygpt.align.dpo import LOSSES, METRICS, dpo_losses, dpo_metrics, pair_logps  # noqa: E402
+from tinygpt.align.dpo import METRICS, dpo_losses, dpo_metrics, pair_logps  # noqa: E402
 from tinygpt.align.reward import reward_loss, reward_metrics, scores  # noqa: E402
+from tinygpt.config.preference import DPO_LOSSES  # noqa: E402
 from tinygpt.data.batches import Pairs  # noqa: E402
 from tinygpt.data.folder import load_data  # noqa: E402
 from tinygpt.data.preference import prepare_preference  # noqa: E402
@@ -97,7 +98,7 @@ def test_dpo_losses_and_log_probs_equal_trl_with_an_explicit_reference(world):
         ref_chosen, ref_rejected, _, _ = pair_logps(ref, ids, mask)
         theirs = dpo.compute_ref_log_probs(hf_policy, batch)
     assert torch.allclose(torch.cat([chosen, rejected]), torch.cat(theirs), atol=TOL, rtol=0)
-    for loss in LOSSES:
+    for loss in DPO_LOSSES:
         value, logged = trl_loss(dpo, hf_policy, batch, loss)
         mine = dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=BETA, loss=loss,
                           label_smoothing=SMOOTHING if loss == "robust" else 0.0, chosen_tokens=chosen_tokens,

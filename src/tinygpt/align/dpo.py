@@ -1,6 +1,6 @@
-"""Direct preference optimisation as pure functions: a completion's log-prob under a model, and the losses
-and metrics of a batch of pairs from the log-probs of their chosen and rejected completions under the
-policy and the reference, as TRL's DPOTrainer defines them.
+"""Direct preference optimisation: a completion's log-prob under a model, the losses and metrics of a batch
+of pairs from the log-probs of their chosen and rejected completions under the policy and the reference, as
+TRL's DPOTrainer defines them, and DPO as an objective of the one training loop.
 
     completion_logps(logits, ids, mask)       each row's log-prob of its completion tokens, summed
     pair_logps(model, ids, mask)              the chosen and rejected rows' log-probs (TRL's layout: the
@@ -9,40 +9,34 @@ policy and the reference, as TRL's DPOTrainer defines them.
     sft_loss(chosen_logps, chosen_tokens)     the negative log-likelihood of the chosen completions, a
                                               token's mean (TRL's "sft" loss type)
     dpo_metrics(...)                          TRL's logged names and their values
+    Reference                                 where the reference's log-probs come from: a frozen model, or
+                                              a LoRA policy with its adapters off
+    DPO                                       the objective: pairs drawn from a preference data folder
+    collapsing(first, record)                 whether an evaluation shows pure DPO's failure: the chosen
+                                              completions' log-probs falling while the margin grows
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..config.preference import DPO_LOSSES, DPOConfig
+from ..config.train import TrainConfig
+from ..data.folder import DataSet
+from ..distributed import Dist
 from ..errors import ConfigError
+from ..lora import adapters_off
+from ..model import GPT
+from ..train.objectives import Batch
+from .pairs import PairObjective
 
-LOSSES = ("sigmoid", "ipo", "hinge", "robust")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-
-
-def check_loss(loss: str, beta: float, label_smoothing: float = 0.0) -> None:
-    """Refuse a loss tinygpt does not compute, a beta that is not positive, and a label smoothing outside
-    robust's [0, 0.5).
-
-    Args:
-        loss: one of LOSSES.
-        beta: the strength of the pull towards the reference.
-        label_smoothing: the share of pairs robust DPO takes to be flipped.
-
-    Raises:
-        ConfigError: naming the setting.
-    """
-    if loss not in LOSSES:
-        raise ConfigError(f"loss: must be one of {', '.join(LOSSES)}, got {loss!r}")
-    if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
-        raise ConfigError(f"beta: must be a positive number, got {beta!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing < 0.5):
-        raise ConfigError(f"label_smoothing: must be in [0, 0.5), got {label_smoothing!r}")
 
 
 def completion_logps(logits: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,14 +94,13 @@ def dpo_losses(
         chosen, rejected: (B,) the policy's log-probs of the chosen and rejected completions.
         ref_chosen, ref_rejected: (B,) the reference's.
         beta: how strongly the policy is held to the reference.
-        loss: one of LOSSES.
+        loss: one of DPO_LOSSES.
         label_smoothing: robust's share of flipped pairs.
         chosen_tokens, rejected_tokens: (B,) the completions' token counts (ipo needs them).
 
     Returns:
         (B,) float32: the batch's loss is their mean.
     """
-    check_loss(loss, beta, label_smoothing)
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
     delta = chosen_ratio - rejected_ratio
     if loss == "sigmoid":
@@ -119,8 +112,10 @@ def dpo_losses(
             raise ConfigError("loss ipo: needs the completions' token counts")
         per_token = chosen_ratio / chosen_tokens.clamp(min=1.0) - rejected_ratio / rejected_tokens.clamp(min=1.0)
         return (per_token - 1 / (2 * beta)) ** 2
-    e = label_smoothing
-    return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    if loss == "robust":
+        e = label_smoothing
+        return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    raise ConfigError(f"loss: must be one of {', '.join(DPO_LOSSES)}, got {loss!r}")
 
 
 def sft_loss(chosen: torch.Tensor, chosen_tokens: torch.Tensor) -> torch.Tensor:
@@ -153,3 +148,146 @@ def dpo_metrics(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.
     values = (chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
               chosen_rewards - rejected_rewards, chosen, rejected)
     return {name: v.float().mean() for name, v in zip(METRICS, values)}
+
+
+class Reference:
+    """Where DPO's reference log-probs come from: a frozen model (FROM as the run starts from it, or another
+    named), loaded at its first use and kept; or, with no model to load, the LoRA policy itself with its
+    adapters off (its base exactly, no second copy in memory).
+
+    Args:
+        load: the reference model (on the CPU); None for a LoRA policy's adapters-off base.
+    """
+
+    def __init__(self, load: Callable[[], GPT] | None = None) -> None:
+        self.load, self.model = load, None
+
+    @contextmanager
+    def of(self, policy: GPT) -> Iterator[GPT]:
+        """Within it, the reference model for `policy` (unwrapped), in eval mode, under torch.no_grad."""
+        with torch.no_grad():
+            if self.load is not None:
+                if self.model is None:
+                    device = next(policy.parameters()).device
+                    self.model = self.load().float().to(device).eval().requires_grad_(False)
+                yield self.model
+                return
+            training = policy.training
+            policy.eval()  # the base's log-probs without the policy's dropout
+            try:
+                with adapters_off(policy):
+                    yield policy
+            finally:
+                policy.train(training)
+
+    def drop(self) -> None:
+        """Free the loaded model (its log-probs were precomputed)."""
+        self.model = None
+
+
+class DPO(PairObjective):
+    """Direct preference optimisation on a preference data folder's pairs (PairObjective: drawn at random,
+    fitted to the window, evaluated in order): the chosen and rejected completions' log-probs under the policy
+    against the reference's; the loss TRL's config.loss, plus config.sft_weight times the chosen completions'
+    NLL. It logs TRL's metrics (METRICS) a step, and its evaluations the same loss, TRL's metrics and the
+    policy's preference accuracy (the share of pairs whose chosen completion it finds the likelier).
+
+    Args:
+        dataset, cfg, window, ctx: as Objective takes them.
+        config: DPO's settings.
+        reference: where the reference's log-probs come from.
+
+    Raises:
+        TrainingError: as preference_pairs.
+    """
+
+    def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist, *, config: DPOConfig,
+                 reference: Reference) -> None:
+        super().__init__(dataset, cfg, window, ctx)
+        self.config, self.reference = config, reference
+        self.precomputed: dict[str, torch.Tensor] | None = None  # per split: (pairs, 2) chosen, rejected
+
+    def draw(self, model: GPT) -> Batch:
+        positions, tokens = self.positions()
+        ids, mask = (t.to(self.ctx.device) for t in self.pairs["train"].get(positions))
+        return Batch(positions, (ids, mask, *self._reference_logps(model, "train", positions, ids, mask)), tokens)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, mask, ref_chosen, ref_rejected = batch.inputs
+        chosen, rejected, chosen_tokens, rejected_tokens = pair_logps(model, ids, mask)
+        loss = self._losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens).mean()
+        if self.config.sft_weight:
+            loss = loss + self.config.sft_weight * sft_loss(chosen, chosen_tokens)
+        return loss, dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, self.config.beta)
+
+    @torch.no_grad()
+    def evaluate(self, model: GPT, iters: int | None) -> dict[str, float]:
+        sums = dict.fromkeys(("loss", "nll", "chosen_tokens", "preference_accuracy", *METRICS), 0.0)
+        for positions in self.eval_positions(iters):
+            ids, mask = (t.to(self.ctx.device) for t in self.pairs["val"].get(positions))
+            chosen, rejected, chosen_tokens, rejected_tokens = pair_logps(model, ids, mask)
+            ref_chosen, ref_rejected = self._reference_logps(model, "val", positions, ids, mask)
+            losses = self._losses(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+            metrics = dpo_metrics(chosen, rejected, ref_chosen, ref_rejected, self.config.beta)
+            found = {"loss": losses.sum(), "nll": -chosen.sum(), "chosen_tokens": chosen_tokens.sum(),
+                     "preference_accuracy": (chosen > rejected).sum(),
+                     **{name: value * len(positions) for name, value in metrics.items()}}
+            for name, value in found.items():
+                sums[name] += float(value)
+        totals, n = self.totals(sums), self.eval_size(iters)
+        loss = totals.pop("loss") / n
+        nll, tokens = totals.pop("nll"), totals.pop("chosen_tokens")
+        if self.config.sft_weight:
+            loss += self.config.sft_weight * nll / max(tokens, 1.0)
+        return {"val_loss": loss, **{f"val_{name}": value / n for name, value in totals.items()}}
+
+    def _losses(self, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor,
+                ref_rejected: torch.Tensor, chosen_tokens: torch.Tensor, rejected_tokens: torch.Tensor
+                ) -> torch.Tensor:
+        """Each pair's DPO loss under the run's settings."""
+        c = self.config
+        return dpo_losses(chosen, rejected, ref_chosen, ref_rejected, beta=c.beta, loss=c.loss,
+                          label_smoothing=c.label_smoothing, chosen_tokens=chosen_tokens,
+                          rejected_tokens=rejected_tokens)
+
+    def _reference_logps(self, policy: GPT, split: str, positions: torch.Tensor, ids: torch.Tensor,
+                         mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's log-probs of the chosen and rejected completions of the pairs at `positions`."""
+        if self.config.precompute_ref:
+            if self.precomputed is None:
+                self.precomputed = self._precompute(policy)
+            both = self.precomputed[split][positions].to(ids.device)
+            return both[:, 0], both[:, 1]
+        with self.reference.of(policy) as reference:
+            chosen, rejected, _, _ = pair_logps(reference, ids, mask)
+        return chosen, rejected
+
+    def _precompute(self, policy: GPT) -> dict[str, torch.Tensor]:
+        """Every pair's reference log-probs, computed once, and the reference model let go."""
+        out = {}
+        with self.reference.of(policy) as reference:
+            for split, pairs in self.pairs.items():
+                rows = []
+                for positions in torch.arange(len(pairs)).split(self.cfg.batch_size):
+                    ids, mask = (t.to(self.ctx.device) for t in pairs.get(positions))
+                    chosen, rejected, _, _ = pair_logps(reference, ids, mask)
+                    rows.append(torch.stack([chosen, rejected], dim=1).float())
+                out[split] = torch.cat(rows)
+        self.reference.drop()
+        return out
+
+
+def collapsing(first: dict[str, Any], record: dict[str, Any]) -> bool:
+    """Whether an evaluation shows DPO's known failure against the first: the chosen completions' log-probs
+    fell while the margin between the sides grew (the policy pushes both sides down, the rejected faster:
+    its preferences look better while its chosen answers grow less likely).
+
+    Args:
+        first: the step-0 evaluation's record (val_logps/chosen, val_rewards/margins).
+        record: a later one's.
+    """
+    keys = ("val_logps/chosen", "val_rewards/margins")
+    if not all(k in first and k in record for k in keys):
+        return False
+    return record["val_logps/chosen"] < first["val_logps/chosen"] and \
+        record["val_rewards/margins"] > first["val_rewards/margins"]

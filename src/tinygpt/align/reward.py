@@ -4,14 +4,29 @@
     reward_loss(chosen, rejected, ...)            Bradley-Terry: -log sigmoid(r_chosen - r_rejected - margin),
                                                   a mean, plus TRL's centering term
     reward_metrics(chosen, rejected)              TRL's logged names: accuracy, margin, min/mean/max_reward
+    with_score_head(model)                        a language model made a reward model: a new score for its head
+    BradleyTerry                                  the objective: a reward model trained on a preference folder
 
 A reward model is the one GPT with its head a score (GPTConfig.head "reward").
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from ..config.preference import RewardConfig
+from ..config.train import TrainConfig
+from ..data.folder import DataSet
+from ..distributed import Dist
+from ..model import GPT
+from ..train.objectives import Batch
+from .pairs import PairObjective
+
+SCORE_INIT_STD = 0.02  # the new score layer's init: transformers' initializer_range for these families
 
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
 
@@ -65,3 +80,71 @@ def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, to
     values = ((chosen > rejected).float().mean(), (chosen - rejected).float().mean(), both.min(), both.mean(),
               both.max())
     return dict(zip(METRICS, values))
+
+
+def with_score_head(model: GPT) -> GPT:
+    """The language model `model` made a reward model in place: its head (lm_head, tied or not) replaced by a
+    new bias-free score layer drawn from N(0, 0.02) with the torch generator, its config's head "reward".
+
+    Args:
+        model: a language model (config.head "lm").
+    """
+    weight = model.wte.weight
+    del model.lm_head
+    model.config = dataclasses.replace(model.config, head="reward", tie_weights=False)
+    model.score = torch.nn.Linear(model.config.n_embd, 1, bias=False, device=weight.device, dtype=weight.dtype)
+    torch.nn.init.normal_(model.score.weight, std=SCORE_INIT_STD)
+    return model
+
+
+class BradleyTerry(PairObjective):
+    """A reward model trained on a preference data folder's pairs (PairObjective: drawn at random, fitted to
+    the window, evaluated in order): each side's score at its last token, the Bradley-Terry loss with the
+    data's margins and config.center's centering (reward_loss), TRL's metrics (METRICS) logged a step; its
+    evaluations the same loss and metrics on the validation pairs.
+
+    Args:
+        dataset, cfg, window, ctx: as Objective takes them.
+        config: the reward model's settings.
+
+    Raises:
+        TrainingError: as preference_pairs.
+    """
+
+    def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist, *,
+                 config: RewardConfig) -> None:
+        super().__init__(dataset, cfg, window, ctx)
+        self.config = config
+
+    def draw(self, model: GPT) -> Batch:
+        positions, tokens = self.positions()
+        return Batch(positions, self._rows("train", positions), tokens)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ids, last, margins = batch.inputs
+        chosen, rejected = scores(model, ids, last).chunk(2)
+        return reward_loss(chosen, rejected, margins, self.config.center), reward_metrics(chosen, rejected)
+
+    @torch.no_grad()
+    def evaluate(self, model: GPT, iters: int | None) -> dict[str, float]:
+        sums = dict.fromkeys(("loss", "accuracy", "margin", "mean_reward"), 0.0)
+        lowest, highest = float("inf"), -float("inf")
+        for positions in self.eval_positions(iters):
+            ids, last, margins = self._rows("val", positions)
+            chosen, rejected = scores(model, ids, last).chunk(2)
+            metrics = reward_metrics(chosen, rejected)
+            metrics["loss"] = reward_loss(chosen, rejected, margins, self.config.center)
+            for name in sums:
+                sums[name] += float(metrics[name]) * len(positions)
+            lowest, highest = min(lowest, float(metrics["min_reward"])), max(highest, float(metrics["max_reward"]))
+        n = self.eval_size(iters)
+        record = {f"val_{name}": value / n for name, value in self.totals(sums).items()}
+        low, high = self.ctx.max([-lowest, highest])
+        return {**record, "val_min_reward": -low, "val_max_reward": high}
+
+    def _rows(self, split: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The pairs' rows to score, their last tokens' indices, and their margins (None where the data has
+        none), on the run's device."""
+        ids, last, margins = self.pairs[split].scored(positions)
+        device = self.ctx.device
+        return ids.to(device), last.to(device), margins.to(device) if self.dataset.margins is not None else None

@@ -299,6 +299,13 @@ class Pairs:
         ids = self.tokens[start : start + prompt + chosen + rejected]
         return ids[cut:prompt], ids[prompt : prompt + chosen], ids[prompt + chosen :]
 
+    def count(self, positions: torch.Tensor) -> int:
+        """The tokens the pairs at `positions` put into a batch's rows: each pair's prompt (as the window keeps
+        it) twice, and its two completions."""
+        rows = self.rows[positions.numpy()]
+        index = self.index[rows]
+        return int((2 * (index[:, 1] - self.cut[rows]) + index[:, 2] + index[:, 3]).sum())
+
     def get(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """DPO's batch of the pairs at `positions` (B), as TRL's collator lays it out: each pair's prompt and
         chosen completion as a row, then each one's prompt and rejected completion, right-padded.

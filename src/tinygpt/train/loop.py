@@ -129,8 +129,10 @@ def _steps(run: Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | 
         started = run.started = clock()
         pace = Pace(cfg, started)
         with signals(stop):
-            at_start = run.keep_best and run.step == 0 and run.best == math.inf  # a new run (a resumed one has a best)
-            if at_start:  # the starting model is the one to beat (nanoGPT evaluates at iteration 0 for this)
+            # a new run (a resumed one has a best); the starting model is the one to beat (nanoGPT evaluates at
+            # iteration 0 for this), or the point an objective's curves start from
+            at_start = (run.keep_best or run.objective.evaluate_first) and run.step == 0 and run.best == math.inf
+            if at_start:
                 t_eval = clock()
                 val_loss = _evaluate_and_save(run, metrics, hooks)
                 pace.evaluation(clock() - t_eval)

@@ -72,6 +72,10 @@ class Objective:
         ctx: the processes (rank, world size, device, collectives).
     """
 
+    # True: a new run evaluates (and saves) its starting model at step 0, as keep best does, so that the
+    # objective's curves start where the model did (DPO's margins and log-probs are read against step 0)
+    evaluate_first = False
+
     def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist) -> None:
         self.dataset, self.cfg, self.window, self.ctx = dataset, cfg, window, ctx
 
