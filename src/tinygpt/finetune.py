@@ -51,7 +51,7 @@ from .device import resolve_device
 from .errors import CheckpointError, ConfigError, DataError, TokenizerError
 from .generate import generate
 from .lora import apply_lora, check_rank, weights_checksum
-from .model import GPT, grow_vocab
+from .model import GPT, grow_vocab, score_head
 from .report import CountParams, Text, dtype_names, make_report, reference_text, score_texts, val_text
 from .run_folder import RunFolder
 from .tokenizer.base import Tokenizer, encode_named
@@ -134,11 +134,14 @@ class Tuning:
             a run is resumed by its own command only.
         title: what the report says was done ("fine-tuned", "trained with GRPO").
         sampled: how the report's samples were written ("same seed", "greedy").
+        head: the head of the model the run trains: "lm", FROM's own, or "reward", FROM with its head
+            replaced by a new score (tinygpt.model.score_head): a reward model.
     """
 
     name = "finetune"
     title = "fine-tuned"
     sampled = "same seed"
+    head = "lm"
 
     def begin(self, base: Base, dataset: DataSet | None, cfg: FinetuneConfig) -> None:
         """Settle, and refuse, what depends on FROM: prompts its tokenizer cannot write, completions longer
@@ -285,10 +288,13 @@ def tune(
         dataset = load_data(data) if data is not None else None
         base = Base.of(from_, dataset, cfg)
         base_checksum = weights_checksum(base.model)  # hashed once (every weight): a resume checks its base by it
-        model_config = (_check_resume(out, from_, base_checksum, cfg, base.config, tuning.name)
-                        if resume and folder.has_weights() else base.config)
+        config = base.config if tuning.head == "lm" else dataclasses.replace(base.config, head=tuning.head,
+                                                                              tie_weights=False)
+        model_config = (_check_resume(out, from_, base_checksum, cfg, config, tuning.name)
+                        if resume and folder.has_weights() else config)
         tuning.begin(base, dataset, cfg)  # what it refuses is refused here, before any measuring or training
-        measure = _with_reference(tuning, reference_text(from_, cfg, base.tokenizer), base.tokenizer, cfg)
+        reference = reference_text(from_, cfg, base.tokenizer) if tuning.head == "lm" else None  # a score has no loss
+        measure = _with_reference(tuning, reference, base.tokenizer, cfg)
         dtypes = {name: t.dtype for name, t in base.model.state_dict().items()}  # the base's, to save the run in
         start = _make_start(from_, base_checksum, model_config, cfg, base.new_ids, dtypes, tuning)
         before = measure(_shaped(base.model, model_config, from_, base.new_ids))
@@ -467,15 +473,20 @@ def _shaped(model: GPT, config: GPTConfig, from_: Path, new_ids: range) -> GPT:
     run that cropped it), its vocabulary grown
     to config's (tinygpt.model.grow_vocab). Every new token's row starts as the mean of the base's rows,
     also where the base's vocabulary was padded past its tokenizer's and the row exists already
-    (a padding row was only ever taught never to be written)."""
+    (a padding row was only ever taught never to be written). A config with a reward head: the language
+    model shaped so, then its head replaced by a score (score_head)."""
+    scored = config.head != model.config.head
     same_vocab = dataclasses.replace(config, vocab_size=model.config.vocab_size)
+    if scored:  # shaped as the language model it is made from, then given its score
+        same_vocab = dataclasses.replace(same_vocab, head=model.config.head, tie_weights=model.config.tie_weights)
     model = reconfigured(model, same_vocab, str(from_))
     old = model.config.vocab_size
     padded = range(new_ids.start, min(new_ids.stop, old))
     with torch.no_grad():
         for weight in {id(w): w for w in (model.wte.weight, model.lm_head.weight)}.values():  # a tied head once
             weight[padded.start : padded.stop] = weight.mean(dim=0)
-    return grow_vocab(model, config.vocab_size)
+    model = grow_vocab(model, config.vocab_size)
+    return score_head(model) if scored else model
 
 
 def _prepare(model: GPT, cfg: FinetuneConfig, *, adapters: bool) -> GPT:

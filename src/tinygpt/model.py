@@ -636,3 +636,27 @@ def grow_vocab(model: GPT, vocab_size: int) -> GPT:
     model.lm_head = head
     model.config = dataclasses.replace(model.config, vocab_size=vocab_size)
     return model
+
+
+SCORE_SEED, SCORE_STD = 0, 0.02  # a new score layer's draw: transformers' initializer_range for these families
+
+
+def score_head(model: GPT) -> GPT:
+    """Make a language model a reward model, in place: its head (lm_head, tied or not) gives way to a new
+    bias-free score layer (n_embd x 1) drawn from N(0, 0.02) with a fixed seed, so that every model made from
+    the same base starts from the same score, and config.head becomes "reward" (nothing tied).
+
+    Args:
+        model: a language model (config.head "lm").
+
+    Returns:
+        The same model.
+    """
+    weight = model.wte.weight
+    del model.lm_head
+    model.config = dataclasses.replace(model.config, head="reward", tie_weights=False)
+    g = torch.Generator().manual_seed(SCORE_SEED)
+    model.score = nn.Linear(model.config.n_embd, 1, bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=g) * SCORE_STD)
+    return model

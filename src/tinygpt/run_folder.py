@@ -338,9 +338,11 @@ class RunFolder:
         if objective is None or objective == command:
             return
         base = (self.finetune_settings(error) or {}).get("from") or "FROM"
-        data = "--data DATA" if objective == "finetune" else "..."
-        raise error(f"{self.given} is a {'fine-tune' if objective == 'finetune' else objective} run: continue it "
-                    f"with tinygpt {objective} {base} {data} --out {self.given} --resume")
+        data = "--data DATA" if objective in ("finetune", "dpo", "reward") else "..."
+        what = {"finetune": "fine-tune", "reward": "reward-model"}.get(objective, objective)
+        command = "reward train" if objective == "reward" else objective
+        raise error(f"{self.given} is a {what} run: continue it with tinygpt {command} {base} {data} --out "
+                    f"{self.given} --resume")
 
     def write_record(self, record: dict[str, Any], notes: dict[str, Any] | None, *, fresh: bool) -> None:
         """Write train_config.json: `record` and the notes, merged with those a resumed run recorded; for a

@@ -8,8 +8,9 @@
   as pure functions of them; the reference (a frozen model, or a LoRA policy's adapters off) and DPO, the
   objective the training loop takes.
 - `reward`: a reward model's scores (a text's last token's) and its Bradley-Terry loss, with TRL's margin and
-  centering, and metrics (accuracy, margin, min/mean/max reward); a language model given a score head, and
-  BradleyTerry, the objective that trains it.
+  centering, and metrics (accuracy, margin, min/mean/max reward); BradleyTerry, the objective that trains
+  one.
+- `preferences`: what a model prefers on pairs (pair accuracy, each side's mean, their margin).
 
 TRL's definitions are the reference: a parity test holds these functions to TRL's trainers.
 """

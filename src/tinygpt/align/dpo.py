@@ -14,6 +14,7 @@ TRL's DPOTrainer defines them, and DPO as an objective of the one training loop.
     DPO                                       the objective: pairs drawn from a preference data folder
     collapsing(first, record)                 whether an evaluation shows pure DPO's failure: the chosen
                                               completions' log-probs falling while the margin grows
+    CollapseWatch(warn)                       a callback that says so, once a run, in one line
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..distributed import Dist
 from ..errors import ConfigError
 from ..lora import adapters_off
 from ..model import GPT
+from ..train.callbacks import TrainCallback
 from ..train.objectives import Batch
 from .pairs import PairObjective
 
@@ -291,3 +293,26 @@ def collapsing(first: dict[str, Any], record: dict[str, Any]) -> bool:
         return False
     return record["val_logps/chosen"] < first["val_logps/chosen"] and \
         record["val_rewards/margins"] > first["val_rewards/margins"]
+
+
+class CollapseWatch(TrainCallback):
+    """Says, once, when an evaluation shows DPO's collapse against the first evaluation the run makes (its step
+    0 in a new run): the validation pairs' chosen log-probs fell while the margin grew.
+
+    Args:
+        warn: called with the one-line warning.
+    """
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.warn, self.first, self.warned = warn, None, False
+
+    def on_eval(self, record: dict[str, Any]) -> None:
+        if self.first is None:
+            self.first = record
+        elif not self.warned and collapsing(self.first, record):
+            self.warned = True
+            chosen = "val_logps/chosen"
+            self.warn(f"step {record['step']}: the chosen completions' log-probs fell ({self.first[chosen]:.3f} -> "
+                      f"{record[chosen]:.3f}, logps/chosen on the validation pairs) while the margin grew to "
+                      f"{record['val_rewards/margins']:.3f}: DPO is making the chosen answers less likely too; an "
+                      "--sft-weight above 0 keeps them")

@@ -4,16 +4,13 @@
     reward_loss(chosen, rejected, ...)            Bradley-Terry: -log sigmoid(r_chosen - r_rejected - margin),
                                                   a mean, plus TRL's centering term
     reward_metrics(chosen, rejected)              TRL's logged names: accuracy, margin, min/mean/max_reward
-    with_score_head(model)                        a language model made a reward model: a new score for its head
     BradleyTerry                                  the objective: a reward model trained on a preference folder
 
-A reward model is the one GPT with its head a score (GPTConfig.head "reward").
+A reward model is the one GPT with its head a score (GPTConfig.head "reward"; tinygpt.model.score_head makes a
+language model one).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +22,6 @@ from ..distributed import Dist
 from ..model import GPT
 from ..train.objectives import Batch
 from .pairs import PairObjective
-
-SCORE_INIT_STD = 0.02  # the new score layer's init: transformers' initializer_range for these families
 
 METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward")
 
@@ -80,21 +75,6 @@ def reward_metrics(chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, to
     values = ((chosen > rejected).float().mean(), (chosen - rejected).float().mean(), both.min(), both.mean(),
               both.max())
     return dict(zip(METRICS, values))
-
-
-def with_score_head(model: GPT) -> GPT:
-    """The language model `model` made a reward model in place: its head (lm_head, tied or not) replaced by a
-    new bias-free score layer drawn from N(0, 0.02) with the torch generator, its config's head "reward".
-
-    Args:
-        model: a language model (config.head "lm").
-    """
-    weight = model.wte.weight
-    del model.lm_head
-    model.config = dataclasses.replace(model.config, head="reward", tie_weights=False)
-    model.score = torch.nn.Linear(model.config.n_embd, 1, bias=False, device=weight.device, dtype=weight.dtype)
-    torch.nn.init.normal_(model.score.weight, std=SCORE_INIT_STD)
-    return model
 
 
 class BradleyTerry(PairObjective):

@@ -17,7 +17,8 @@ from typing import NoReturn
 
 from ..distributed import joined_a_group
 from ..errors import TinyGPTError
-from . import align, bench, chat, finetune, inspect, interchange, lab, prepare, run, scale, serve, sweep, train
+from . import (align, bench, chat, finetune, inspect, interchange, lab, preference, prepare, run, scale, serve, sweep,
+               train)
 from .common import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_NONFINITE, EXIT_PIPE, EXIT_SIGNAL, MAX_INT, Number
 from .prepare import default_data_folder
 
@@ -26,7 +27,8 @@ __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_NONFINITE", "EXIT_PIPE", "EXI
 
 # every command's parser, in the order `tinygpt --help` lists them
 COMMANDS = (
-    lab.add_lesson, train.add_train, finetune.add_finetune, align.add_grpo, finetune.add_report, run.add_sample,
+    lab.add_lesson, train.add_train, finetune.add_finetune, align.add_grpo, preference.add_dpo, preference.add_reward,
+    finetune.add_report, run.add_sample,
     inspect.add_attention, inspect.add_plot, inspect.add_inspect, lab.add_emergence, lab.add_fewshot,
     lab.add_fewshot_data, run.add_eval,
     scale.add_params, scale.add_chinchilla, sweep.add_sweep, prepare.add_prepare, interchange.add_export,

@@ -171,7 +171,7 @@ def format_report(report: dict) -> list[str]:
         lines.append(f"  {label + ' loss':<30}{b['loss']:>9.4f}{a['loss']:>9.4f}{a['loss'] - b['loss']:>+9.4f}")
         lines.append(f"  {'  ' + unit.replace('_', ' '):<30}{b[unit]:>9.4f}{a[unit]:>9.4f}{a[unit] - b[unit]:>+9.4f}")
         lines.append(f"    on {b['text']}")
-    if "reference" not in before:
+    if "reference" not in before and report.get("objective") != "reward":  # a score has no loss to measure
         lines.append("  reference: none (--reference FILE measures forgetting; a tinygpt base uses its own val data)")
     p = report["params"]
     share = 100 * p["trainable"] / p["total"] if p["total"] else 0.0

@@ -13,6 +13,7 @@ from ..errors import ConfigError, TinyGPTError
 from .common import (NATURAL, POSITIVE, RATE, Number, add_constraint_flags, add_device_flag, add_nonfinite_flag,
                      add_quantize_flag, add_speculation_flags, constraint_flags, json_line, load_model,
                      load_speculation, seed_type, utf8_flag)
+from .preference import eval_pairs
 
 
 def _encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -165,7 +166,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     """Loss, perplexity and bits per character (char) or per byte (BPE) on held-out text.
 
     On chat data (`prepare --format chat`) only the assistant's tokens are scored (the loss mask), as
-    training's evaluation does, each conversation alone; bits are per byte of the assistant's text.
+    training's evaluation does, each conversation alone; bits are per byte of the assistant's text. On
+    preference pairs, the pair accuracy: the share whose chosen side the model (or reward model) prefers.
 
     --text FILE with characters a char vocabulary lacks is refused, naming them; with --unknown skip
     those characters are left out and each run of known characters between them is scored as a
@@ -180,10 +182,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.unknown == "skip" and not args.text:
         raise ConfigError("--unknown skip applies to --text: a prepared data folder holds only known tokens")
-    model, tokenizer = load_model(args.run, args.device, args.quantize, args.allow_nonfinite)
+    model, tokenizer = load_model(args.run, args.device, args.quantize, args.allow_nonfinite, job=None)
     dataset = None if args.text else _eval_data(args.run, args.data, tokenizer)
     if dataset is not None and dataset.is_chat:
         return _eval_chat(args, model, dataset)
+    if (dataset is not None and dataset.is_preference) or model.config.head == "reward":  # no next-token loss
+        return eval_pairs(args, model, dataset)
     scored = _from_text(args.text, tokenizer, args.unknown) if args.text else _from_dataset(dataset)
     tokens, chars, nbytes, segments = scored.tokens, scored.chars, scored.nbytes, scored.segments
     skipped = scored.skipped

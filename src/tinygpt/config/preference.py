@@ -16,10 +16,6 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust")  # TRL's loss_type values tin
 # the SFT term's weight when none is given: what kept the task model's accuracy in the measurement of
 # docs/tutorials/align-preferences.md, where pure DPO (weight 0) collapsed it
 DEFAULT_SFT_WEIGHT = 1.0
-# What the library's dpo() and train_reward() train with when no TrainConfig is given: finetune's schedule
-# (constant after a short warmup, frequent evaluations) at a rate a tiny model moves at in 200 steps
-DEFAULT_TRAIN = dict(lr_schedule="constant", warmup=10, max_iters=200, eval_interval=50, eval_iters=10,
-                     weight_decay=0.0, batch_size=16)
 
 
 @dataclass
