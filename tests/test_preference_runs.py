@@ -89,6 +89,15 @@ def test_dpo_logs_trls_metrics_from_step_0_reports_and_is_a_run_like_any_other(w
     assert ev.returncode == 0 and "pair accuracy" in ev.stdout
     assert json.loads(ev.stdout.splitlines()[-1])["pairs"] == 8
     assert cli("sample", run, "--prompt", "the sky", "--max-new-tokens", "4").returncode == 0
+    pytest.importorskip("matplotlib", reason="the viz extra is not installed")
+    from tinygpt.lab import viz
+
+    fig = viz.plot_loss([viz.read_metrics(run)], tmp_path / "curves.png")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert len(fig.axes) == 6 and {"margin and accuracy", "the policy's log-probs of the completions"} <= set(titles)
+    margins = next(ax for ax in fig.axes if ax.get_title() == "margin and accuracy")
+    assert any(line.get_label().endswith("margin (val)") and list(line.get_xdata()) == [0, 4, 8]
+               for line in margins.get_lines())
 
 
 def test_lora_dpo_trains_the_adapters_alone_and_peft_loads_them_with_tinygpts_logits(world, tmp_path, cli):

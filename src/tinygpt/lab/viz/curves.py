@@ -1,6 +1,6 @@
-"""Loss curves: runs' train and val loss against steps, tokens and wall-clock time (with their probes
-below where they have any), a run trained against rewards' reward, accuracy and KL against steps, and the
-recipe bench's val loss against tokens and training time."""
+"""Loss curves: runs' train and val loss against steps, tokens and wall-clock time (with their probes,
+and the curves of preference pairs, below where they have any), a run trained against rewards' reward,
+accuracy and KL against steps, and the recipe bench's val loss against tokens and training time."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ...errors import ConfigError
 from .figures import figure, save
 from .induction import PROBE_PANELS, draw_probes
 from .metrics import RunMetrics, smooth
+from .preference import draw_pairs, has_pairs
 
 
 def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str | None = None):
@@ -27,19 +28,21 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
         out: the picture to write (.png, .svg or .pdf).
         title: a title over the panels.
 
-    Runs with probes (tinygpt.lab.probes) get a second row: draw_probes' four panels.
+    Runs with probes (tinygpt.lab.probes) get a row of draw_probes' four panels; runs trained on preference
+    pairs (DPO, a reward model) a row of draw_pairs' three: rewards, margin and accuracy, log-probs.
 
     Returns:
-        the matplotlib Figure (three axes: by step, by token, by time; then the probes' four).
+        the matplotlib Figure (three axes: by step, by token, by time; then the probes' four, the pairs' three).
     """
     from matplotlib.ticker import EngFormatter
 
     if not runs:
         raise ConfigError("plot needs at least one run")
-    probed = any(m.probes for m in runs)
-    fig = figure(16.0, 9.6 if probed else 4.6)
-    top, bottom = fig.subfigures(2, 1) if probed else (fig, None)
-    by_step, by_token, by_time = top.subplots(1, 3, sharey=True)
+    probed, paired = any(m.probes for m in runs), any(has_pairs(m) for m in runs)
+    rows = 1 + probed + paired
+    fig = figure(16.0, 4.6 + 5.0 * (rows - 1))
+    parts = list(fig.subfigures(rows, 1)) if rows > 1 else [fig]
+    by_step, by_token, by_time = parts[0].subplots(1, 3, sharey=True)
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for m, color in zip(runs, colors):
         span = max(1, len(m.loss) // 100)
@@ -62,8 +65,10 @@ def plot_loss(runs: Sequence[RunMetrics], out: str | os.PathLike, *, title: str 
     for ax in (by_step, by_token, by_time):
         ax.grid(True, alpha=0.3)
     by_time.legend(fontsize=8, loc="upper right")
-    if bottom is not None:
-        draw_probes(dict(zip(PROBE_PANELS, bottom.subplots(1, 4))), runs)
+    if probed:
+        draw_probes(dict(zip(PROBE_PANELS, parts[1].subplots(1, 4))), runs)
+    if paired:
+        draw_pairs(parts[-1].subplots(1, 3), runs)
     if title:
         fig.suptitle(title)
     save(fig, out)
