@@ -178,8 +178,9 @@ def dpo(
         resume, merge, progress, callbacks, should_stop: as for finetune().
 
     Raises:
-        As finetune(); DataError for data that are not pairs; ConfigError for DPO settings other than a
-        resumed run's.
+        DataError: data that are not preference pairs (and what finetune() refuses of data).
+        ConfigError: DPO settings other than a resumed run's (and what finetune() refuses of settings).
+        CheckpointError, TrainingError: as for finetune().
     """
     config = config or DPOConfig()
     _check_settings(out, resume, "dpo", config.to_dict())
@@ -203,7 +204,7 @@ def train_reward(
         train_config, resume, progress, callbacks, should_stop: as for dpo().
 
     Raises:
-        As for dpo().
+        DataError, ConfigError, CheckpointError, TrainingError: as for dpo(); ConfigError for method lora.
     """
     config = config or RewardConfig()
     _check_settings(out, resume, "reward", config.to_dict())
