@@ -222,3 +222,15 @@ def test_reward_refusals_are_one_line_and_write_nothing(world, tmp_path, cli):
     assert not out.exists()
     one_line(cli("reward", "score", world / "base", "--prompt", "the sky", "--completion", " is"),
              "is a language model, not a reward model")
+
+
+def test_the_bench_times_a_dpo_step_and_prints_its_ratio_to_trls():
+    from tinygpt.lab.bench import SMOKE, ratios, render, run
+
+    result = run(plan=SMOKE, sections=("dpo",), peers=False, log=lambda line: None, device="cpu")
+    (row,) = result["dpo"]
+    assert row["impl"] == "tinygpt" and row["batch"] == SMOKE.dpo[0] and row["ms_per_step"] > 0
+    assert "dpo" in render(result) and not [r for r in result["ratios"] if r["name"].startswith("dpo")]
+    result["dpo"].append({**row, "impl": "trl", "ms_per_step": 3 * row["ms_per_step"]})  # TRL's, as it would be
+    (ratio,) = [r for r in ratios(result) if r["name"].startswith("dpo step")]
+    assert ratio["ratio"] == pytest.approx(3.0) and ratio["target"] is None

@@ -21,18 +21,21 @@ memory read bandwidth) turn speeds into MFU and bandwidth use.
                  the same weights in f32, f16, Q8_0 and Q4_0 (its own quantizer makes the last two),
                  on the quiet machine and again "busy", beside one process that spins on a core (a
                  laptop doing something else)
+    dpo          on a CPU, the milliseconds of a `tinygpt dpo` step (the reference's forward, the policy's
+                 forward and backward, AdamW) beside a step of TRL's DPOTrainer on the same Qwen2-shaped
+                 model, pairs and batch, float32
 
 MFU and bandwidth use are against the measured limits on a CPU, and against the datasheet's dense
 bf16 peak and memory bandwidth on a GPU (MFU as PaLM defines it; a GPU it does not know: the measured
 ones). Every report starts with the CPU and the instruction sets that decide which kernels are fast
 (AVX2, AVX-512, AVX-512 BF16, VNNI, AMX), since the same code ranks differently on each.
 
-transformers and llama.cpp (llama-cpp-python) are imported only in `peers`, and only when installed
-(the hf and llama extras); without them the tinygpt rows are measured alone.
+transformers and llama.cpp (llama-cpp-python) are imported only in `peers`, and TRL only in `dpo`, and only
+when installed (the hf, llama and dev extras); without them the tinygpt rows are measured alone.
 
 A module a part: `plans` (what a run measures), `machine` (the CPU, its flags and limits), `clock`
-(timing), `peers` (transformers and llama.cpp), `training` and `generation` (the rows), `report` (the
-ratios and tables) and `measure` (`run`, the whole of it).
+(timing), `peers` (transformers and llama.cpp), `training`, `generation` and `dpo` (the rows), `report`
+(the ratios and tables) and `measure` (`run`, the whole of it).
 """
 
 from .measure import run

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...device import resolve_device
+from .dpo import dpo_rows
 from .generation import generation_rows
 from .machine import describe_cpu, describe_limits, limits, load_average, machine
 from .peers import llama_available, peers_available
@@ -18,7 +19,7 @@ from .training import training_rows
 
 
 def run(
-    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate"), peers: bool = True,
+    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate", "dpo"), peers: bool = True,
     log: Callable[[str], None] = print, plan: Plan | None = None, device: str = "auto", smoke: bool = False,
 ) -> dict[str, Any]:
     """Measure and return everything as one JSON-ready dict (see the module docstring).
@@ -28,7 +29,7 @@ def run(
         smoke: every kind of row once at the smallest sizes (SMOKE): that the bench runs, in seconds.
         plan: what to measure, instead of the one plan_for picks.
         device: where to measure (resolve_device's names; "auto" picks cuda where there is one).
-        sections: any of "limits", "train", "generate".
+        sections: any of "limits", "train", "generate", "dpo" (a DPO step beside TRL's, on a CPU).
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
         log: called with a line per measurement, as it is taken.
     """
@@ -53,6 +54,8 @@ def run(
         result["training"] = training_rows(plan, device, lim, peers, log)
     if "generate" in sections:
         result["generation"] = generation_rows(plan, device, lim, peers, llama, log)
+    if "dpo" in sections and plan.dpo is not None and device.type == "cpu":
+        result["dpo"] = dpo_rows(*plan.dpo, want_peers, log)
     result["ratios"] = ratios(result)
     result["machine"]["load_average_end"] = load_average()
     result["seconds"] = time.perf_counter() - started

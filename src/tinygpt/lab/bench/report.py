@@ -106,6 +106,10 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
         target = 2 * PEER_CHAR_TOKENS_PER_S
         out.append({"name": f"train char 12x64: tinygpt best tokens/s / {target:,} (2x the peer's)",
                     "ratio": best_char / target, "target": 1.0, "met": best_char >= target})
+    dpo = {r["impl"]: r["ms_per_step"] for r in result.get("dpo", [])}
+    if {"tinygpt", "trl"} <= dpo.keys():  # how many times faster tinygpt's step is than TRL's
+        out.append({"name": "dpo step qwen2 4x256: TRL DPOTrainer ms / tinygpt dpo ms",
+                    "ratio": dpo["trl"] / dpo["tinygpt"], "target": None, "met": None})
     return out + _gpu_ratios(result)
 
 
@@ -152,6 +156,10 @@ def render(result: dict[str, Any]) -> str:
             lines.append(f"{r['model']:<8} {engine_name(r):<17}{r['format']:<8}{r['batch']:>5} "
                          f"{'yes' if r['kv_cache'] else 'no':<6}{r['decode_tokens_per_s']:>13.1f}"
                          f"{r['prefill_tokens_per_s']:>14.0f}{r['ttft_s'] * 1000:>9.1f}{bw}")
+    if result.get("dpo"):
+        lines += ["", f"{'dpo':<12} {'impl':<17}{'dtype':<10}{'pairs':>6}{'ms a step':>12}"]
+        lines += [f"{r['model']:<12} {r['impl']:<17}{r['dtype']:<10}{r['batch']:>6}{r['ms_per_step']:>12,.0f}"
+                  for r in result["dpo"]]
     same = [f"{r['format']} batch {r['batch']} {'yes' if r['same_tokens_as_eager'] else 'NO'}"
             for r in result.get("generation", []) if "same_tokens_as_eager" in r]
     if same:
