@@ -126,8 +126,7 @@ class Tuning:
 
     tune() calls begin once FROM is loaded and its tokenizer checked, so that what depends on FROM is
     settled and refused there, before anything is measured or written; measure on the base and then on
-    the checkpoint kept; and hands train() the data (trains_on), the objective, the settings to record and
-    the callbacks.
+    the checkpoint kept; and hands train() the data (trains_on), the objective and the settings to record.
 
     Attributes:
         name: the command that trains it, and the key of its settings in train_config.json and the report:
@@ -178,10 +177,6 @@ class Tuning:
     def settings(self) -> dict[str, Any] | None:
         """The objective's settings, JSON-ready, which train_config.json and the report keep under its name."""
         return None
-
-    def callbacks(self, before: dict[str, Any]) -> list[TrainCallback]:
-        """Callbacks of the objective's own for the run, given the base's measure (before)."""
-        return []
 
 
 def finetune(
@@ -301,7 +296,7 @@ def tune(
         del base  # the training builds its own copy: do not hold two through the run
         counter, started = CountParams(), time.perf_counter()
         result = train(tuning.trains_on(data), out, start, tcfg, resume=resume, progress=progress,
-                       callbacks=[counter, *tuning.callbacks(before), *callbacks], should_stop=should_stop)
+                       callbacks=[counter, *callbacks], should_stop=should_stop)
         ctx.barrier()  # rank 0 has written the checkpoint the others read
         after = measure(checkpoint.load(out, merge=True))  # the kept checkpoint: with keep best, the best one
         settings = tuning.settings()

@@ -283,6 +283,8 @@ class GRPO(Objective):
         TrainingError: several processes (GRPO's rollouts run on one).
     """
 
+    evaluate_first = True  # the held-out scores at step 0: the curves start at the model trained from
+
     def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist, *, plan: Plan) -> None:
         super().__init__(dataset, cfg, window, ctx)
         group = plan.config.num_generations

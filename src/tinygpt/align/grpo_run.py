@@ -33,7 +33,7 @@ from ..model import GPT
 from ..run_folder import RunFolder
 from ..tokenizer.base import encode_named
 from ..tokenizer.chat import render_chat_prompt, stop_ids
-from ..train.callbacks import RunStart, TrainCallback
+from ..train.callbacks import TrainCallback
 from . import tasks
 from .grpo import GRPO, Plan, Prompts, held_out_scores
 from .rewards import Reward, import_reward, read_prompts, task_reward
@@ -140,23 +140,6 @@ class GRPOTuning(Tuning):
 
     def settings(self) -> dict[str, Any]:
         return self.config.to_dict()
-
-    def callbacks(self, before: dict[str, Any]) -> list[TrainCallback]:
-        # keep best evaluates step 0 itself; keep last logs the base's scores there, so the curves start at it
-        return [_StepZero(before["held_out"])] if self.keep == "last" else []
-
-
-class _StepZero(TrainCallback):
-    """Logs the starting model's held-out scores (the report's "before") as a new run's evaluation at step 0,
-    so its curves start where it started."""
-
-    def __init__(self, held_out: dict[str, float]) -> None:
-        self.held_out = held_out
-
-    def on_start(self, start: RunStart) -> None:
-        if start.step == 0 and start.log is not None:
-            start.log({"step": 0, "tokens": 0, "val_loss": -self.held_out["reward"],
-                       **{f"val_{k}": v for k, v in self.held_out.items()}})
 
 
 def _rewards(config: GRPOConfig, given: Sequence[Reward] | None) -> list[Reward]:

@@ -134,7 +134,8 @@ def _steps(run: Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | 
             at_start = (run.keep_best or run.objective.evaluate_first) and run.step == 0 and run.best == math.inf
             if at_start:
                 t_eval = clock()
-                val_loss = _evaluate_and_save(run, metrics, hooks)
+                # keep last saves nothing at step 0: the model trained from is not a step of the run
+                val_loss = _evaluate_and_save(run, metrics, hooks, save=run.keep_best)
                 pace.evaluation(clock() - t_eval)
             while run.horizon is None or run.step < run.horizon:
                 t0 = clock()
@@ -168,9 +169,10 @@ def _steps(run: Run, hooks: TrainCallback, should_stop: Callable[[int], bool] | 
         metrics.close()
 
 
-def _evaluate_and_save(run: Run, metrics: MetricsLog, hooks: TrainCallback, iters: int | None = None) -> float:
+def _evaluate_and_save(run: Run, metrics: MetricsLog, hooks: TrainCallback, iters: int | None = None, *,
+                       save: bool = True) -> float:
     """Phase 4: evaluate, log it, save a checkpoint (with keep best, only one that improves on the
-    lowest validation loss saved); the validation loss."""
+    lowest validation loss saved; none unless `save`); the validation loss."""
     record = run.evaluate(iters)
     keep = not run.keep_best or record["val_loss"] < run.best
     if run.keep_best:
@@ -179,5 +181,6 @@ def _evaluate_and_save(run: Run, metrics: MetricsLog, hooks: TrainCallback, iter
     hooks.on_eval(record)
     if keep:
         run.best = min(run.best, record["val_loss"])
-        run.save()
+        if save:
+            run.save()
     return record["val_loss"]
