@@ -3,6 +3,7 @@ checkpoint, an exact resume) and the refusals around it; the warmup-stable-decay
 continuation of a WSD run from before its decay; the modern block's options for a new run (ReLU
 squared, zero-initialised output projections, QK-norm, an untied head) and what export says of them."""
 
+import copy
 import dataclasses
 import json
 import shutil
@@ -10,13 +11,15 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim._muon import _zeropower_via_newtonschulz
 
 from tinygpt import GPTConfig
 from tinygpt.checkpoint import load
-from tinygpt.config import MUON_LR, TrainConfig, with_arch
+from tinygpt.config import MUON_LR, RECIPE_MODEL, TrainConfig, with_arch
 from tinygpt.errors import ConfigError, TrainingError
 from tinygpt.model import GPT
-from tinygpt.optim import BudgetSchedule, MuonAdamW, decay_start, lr_at, make_optimizer, warmup_steps
+from tinygpt.optim import (BudgetSchedule, Muon, MuonAdamW, decay_start, lr_at, make_optimizer, orthogonalized,
+                           warmup_steps)
 from tinygpt.train import train
 
 LLAMA = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, arch="llama",
@@ -405,3 +408,52 @@ def test_cli_recipe_bench_trains_each_recipe_and_writes_table_json_and_plot(char
     assert (tmp_path / "r.png").stat().st_size > 0
     bad = cli("bench", "--recipes")
     assert bad.returncode != 0 and "--recipes needs --data" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_muon_s_float32_iteration_is_the_exact_one_and_near_torch_s_bfloat16():
+    """Muon's Newton-Schulz iteration in float32 (a CPU that emulates bfloat16, issue 61): the iteration's
+    float64 values within 1e-5, torch's bfloat16 ones within their rounding."""
+    g = torch.Generator().manual_seed(0)
+    matrices = [torch.randn(s, generator=g) for s in ((48, 48), (144, 48), (48, 144), (48, 48), (10, 7))]
+    a, b, c = coefficients = (3.4445, -4.7750, 2.0315)
+    for m, got in zip(matrices, orthogonalized(matrices, coefficients, 5, 1e-7)):
+        x = m.double().T if m.shape[0] > m.shape[1] else m.double()
+        x = x / x.norm()
+        for _ in range(5):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        torch.testing.assert_close(got.double(), x.T if m.shape[0] > m.shape[1] else x, atol=1e-5, rtol=1e-5)
+        # torch's, in bfloat16
+        torch.testing.assert_close(got, _zeropower_via_newtonschulz(m, coefficients, 5, 1e-7).float(), atol=3e-2,
+                                   rtol=3e-2)
+
+
+def test_muon_in_float32_steps_as_torch_s_and_keeps_its_state():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((32, 32), (96, 32), (32, 96))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    ours = Muon(params, float32=True, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    torch_s = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+    for step in range(3):
+        for p, q in zip(params, theirs):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            q.grad = p.grad.clone()
+        ours.step()
+        torch_s.step()
+    for p, q in zip(params, theirs):
+        torch.testing.assert_close(p, q, atol=2e-3, rtol=0)  # their bfloat16 iteration, three steps in
+    assert ours.state_dict()["state"].keys() == torch_s.state_dict()["state"].keys()
+    torch.testing.assert_close(ours.state_dict()["state"][0]["momentum_buffer"],
+                               torch_s.state_dict()["state"][0]["momentum_buffer"])
+    again = Muon(copy.deepcopy(params), float32=True, lr=0.02)
+    again.load_state_dict(ours.state_dict())  # a run moves between CPUs with its state
+
+
+def test_muon_iterates_in_float32_on_a_cpu_that_emulates_bfloat16(monkeypatch):
+    from tinygpt import optim
+
+    model = GPT(GPTConfig(**RECIPE_MODEL, vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    for native in (False, True):
+        monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: native)
+        opt = make_optimizer(model, TrainConfig(lr=1e-3, optimizer="muon"), torch.device("cpu"))
+        assert isinstance(opt, MuonAdamW) and opt.optimizers[0].float32 is not native
