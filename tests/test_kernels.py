@@ -195,8 +195,16 @@ def test_bad_shapes_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="float32"):
         ops.int8_linear(torch.randn(2, 64, dtype=torch.float64), kernels.int8_group(q8), s8, None, 8)
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(RuntimeError, match="k must be .* shaped as q"):
+    with pytest.raises(RuntimeError, match=r"k must be \(B, H_kv, T, D\) .* H_kv dividing q's heads"):
         ops.causal_attention(q, q[:, :, :4], q[:, :, :4])
+    with pytest.raises(RuntimeError, match="k must be"):  # 2 query heads are not served by 3
+        ops.causal_attention(q, torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(RuntimeError, match="rotary positions need an even head_dim"):
+        ops.rotary(torch.randn(1, 2, 3, 5), None, 1e-6, torch.randn(2, 5), torch.randn(2, 5))
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \(T, D\)"):
+        ops.rotary(torch.randn(1, 2, 3, 4), None, 1e-6, torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(RuntimeError, match="w must be 16 contiguous float32"):
+        ops.rms_norm(q, torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="last dimension contiguous"):
         ops.causal_attention(q, q, q.transpose(2, 3))
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
@@ -238,11 +246,13 @@ def test_without_the_kernels_quantize_keeps_pytorch_s(monkeypatch, caplog, tmp_p
 
 
 # A process of its own, since the kernels are asked for once a process: they are asked for twice, then a
-# tiny GPT-2 takes a training step and decodes greedily, and the loss, a gradient and the tokens are printed
+# tiny GPT-2 takes a training step and decodes greedily, and the default recipe's block (RMSNorm, QK-norm,
+# rotary positions, SwiGLU, grouped-query attention) a training step; the losses, gradients and tokens are printed
 NO_COMPILER_RUN = """
 import json
 import torch
 from tinygpt import GPT, GPTConfig, generate, kernels, quantize
+from tinygpt.config import RECIPE_MODEL
 kernels.cpu_supports = lambda: True  # whatever this CPU is, the compiler is looked for first
 assert kernels.lowbit() is None and kernels.lowbit() is None
 torch.manual_seed(0)
@@ -252,7 +262,12 @@ loss = model(idx[:, :-1], targets=idx[:, 1:])
 loss.backward()
 grad = model.h[0].mlp.c_fc.weight.grad.abs().sum().item()
 tokens = generate(quantize(model.eval(), "fp32"), idx[:1, :4], 8, greedy=True)
-print(json.dumps({"loss": loss.item(), "grad": grad, "tokens": tokens.tolist()}))
+modern = GPT(GPTConfig(**RECIPE_MODEL, vocab_size=37, block_size=16, n_layer=1, n_head=4, n_kv_head=2, n_embd=64))
+modern_loss = modern(idx[:, :-1], targets=idx[:, 1:])
+modern_loss.backward()
+modern_grad = [p.grad.abs().sum().item() for p in modern.parameters()]
+print(json.dumps({"loss": loss.item(), "grad": grad, "tokens": tokens.tolist(), "modern_loss": modern_loss.item(),
+                  "modern_grad": modern_grad}))
 """
 
 

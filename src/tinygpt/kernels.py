@@ -1,6 +1,7 @@
 """tinygpt's own CPU kernels: matrix-vector products for decoding (csrc/lowbit.cpp), with float32,
 float16, bfloat16, int8 and int4 weights, and for training GELU (both forms), the head's
-cross-entropy and causal attention (csrc/training.cpp).
+cross-entropy and causal attention (csrc/training.cpp), and the modern block's RMSNorm, QK-norm with
+rotary positions and SwiGLU gate (csrc/modern.cpp).
 
 PyTorch's CPU kernels are made for many rows at a time; at one row (a decoding step) they read the
 weights well below the memory's speed (the README's Performance section has the figures). These
@@ -24,8 +25,19 @@ said in one line, once a process.
     cross_entropy_rows_(logits, targets, weights, grad)   logits (N, V) float32, targets (N,) int64, weights
                                           (N,) float32: each row's loss; with grad the logits become its gradient
     causal_attention(q, k, v) -> (out, lse), causal_attention_backward(grad, q, k, v, out, lse) -> dqkv
-                                          (B, H, T, D) float32; dqkv (B, T, 3 H D), the gradients side by
-                                          side (causal_attention below: with autograd, on c_attn's output)
+                                          q (B, H, T, D), k and v (B, H_kv, T, D) float32; dqkv
+                                          (B, T, (H + 2 H_kv) D), the gradients side by side (causal_attention
+                                          below: with autograd, on c_attn's output; heads_attention on the
+                                          modern block's q, k and v)
+    rms_norm(x, w, eps) -> (y, rstd), rms_norm_backward(grad, x, w, rstd) -> (dx, dw)
+    rotary(x, w, eps, cos, sin) -> (y, rstd), rotary_backward(grad, x, w, rstd, cos, sin) -> (dx, dw)
+                                          x (B, T, H, D): the QK-norm (where w is given) and rotary positions
+                                          (backward's x and w: both or neither)
+    swiglu(a, b), swiglu_backward(grad, a, b) -> (da, db)   silu(a) * b
+                                          (the modern block's, csrc/modern.cpp: float32 or bfloat16, with
+                                          AVX2 or AVX-512; rms_norm, rotary and swiglu below: with autograd)
+    simd_width(n)                          the vector width modern.cpp's kernels run at: 16 where the CPU has
+                                          AVX-512, else 8; n = 8 (or 16) sets it, 0 reads it
 
 and torch.classes.tinygpt_lowbit.DecodePlan, a whole GPT decode step in one call on these kernels
 (tinygpt.fastpath builds it from a quantized model): `step` (rows at one position, or a short prompt),
@@ -53,7 +65,8 @@ except ImportError:  # not POSIX: builds are not serialized beyond PyTorch's own
     fcntl = None
 
 BLOCK = 32  # inputs per activation scale, and per int4 weight scale and minimum
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "training.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("lowbit.cpp", "training.cpp", "modern.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "modern_kernels.h"]  # included by the sources: copied and hashed too
 # the longest sequence causal_attention takes: measured faster than PyTorch's flash kernel up to here
 ATTENTION_MAX_T = 512
 NEEDS = ("avx2", "fma", "f16c")
@@ -89,7 +102,7 @@ def build_directory() -> Path:
     root = os.environ.get("TINYGPT_KERNELS_DIR") or Path.home() / ".cache" / "tinygpt" / "kernels"
     toolchain = [str(Path(torch.__file__).resolve().parent), _tool(get_cxx_compiler()), _tool("ninja")]
     digest = hashlib.sha256("\n".join(CFLAGS + toolchain).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return Path(root) / f"torch-{torch.__version__}-{digest.hexdigest()[:12]}"
 
@@ -141,12 +154,13 @@ def _build(folder: Path) -> None:
                 fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
         sources = []
-        for source in SOURCES:
+        for source in SOURCES + HEADERS:
             copy = folder / "src" / source.name
             if not copy.exists() or copy.read_bytes() != source.read_bytes():
                 copy.parent.mkdir(exist_ok=True)
                 copy.write_bytes(source.read_bytes())
-            sources.append(str(copy))
+            if source in SOURCES:
+                sources.append(str(copy))
         if _has_work(folder):
             log.warning("tinygpt: compiling its CPU kernels, once for this compiler, ninja and torch (20-60 s), "
                         "into %s", folder)
@@ -290,7 +304,23 @@ def _agrees(ops) -> bool:
     q, k, v = (torch.randn(1, 2, 11, 12, generator=g) for _ in range(3))  # partial tiles everywhere
     out, lse = ops.causal_attention(q, k, v)
     pairs += [(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))]
-    return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs)
+    out, lse = ops.causal_attention(q, k[:, :1], v[:, :1])  # grouped-query: one key/value head for two
+    pairs += [(out, torch.nn.functional.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True,
+                                                                      enable_gqa=True))]
+    return all(torch.allclose(got, want, rtol=1e-4, atol=1e-4) for got, want in pairs + _modern_pairs(ops, g))
+
+
+def _modern_pairs(ops, g: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The modern block's kernels (RMSNorm, the QK-norm and rotary positions, SwiGLU's gate) and PyTorch's
+    values, forward, on widths with partial vectors."""
+    F = torch.nn.functional
+    x, w = torch.randn(3, 4, 2, 12, generator=g), torch.rand(12, generator=g) + 0.5
+    a = torch.randn(3, 4, 6, generator=g) * 3  # six frequencies: a partial vector too
+    cos, sin = torch.cat((a, a), dim=-1).cos().reshape(12, 12), torch.cat((a, a), dim=-1).sin().reshape(12, 12)
+    normed = F.rms_norm(x, (12,), w, 1e-6)
+    turned = normed * cos.view(3, 4, 1, 12) + torch.cat((-normed[..., 6:], normed[..., :6]), -1) * sin.view(3, 4, 1, 12)
+    return [(ops.rms_norm(x, w, 1e-6)[0], normed), (ops.rotary(x, w, 1e-6, cos, sin)[0], turned),
+            (ops.swiglu(x, x * 2), F.silu(x) * x * 2)]
 
 
 class _Gelu(torch.autograd.Function):
@@ -339,21 +369,30 @@ def heads(qkv: torch.Tensor, n_head: int) -> list[torch.Tensor]:
 
 
 class _CausalAttention(torch.autograd.Function):
+    """Causal attention of c_attn's output (qkv, its gradient one buffer) or of separate q, k and v heads (views
+    of that buffer as gradients), on the one kernel."""
+
     @staticmethod
-    def forward(ctx, qkv: torch.Tensor, n_head: int) -> torch.Tensor:
-        out, lse = lowbit().causal_attention(*heads(qkv, n_head))
-        y = out.transpose(1, 2).view(qkv.shape[0], qkv.shape[1], -1)  # (B, T, C): heads side by side, no copy
-        ctx.save_for_backward(qkv, y, lse)
-        ctx.n_head = n_head
+    def forward(ctx, n_head: int, *tensors: torch.Tensor) -> torch.Tensor:
+        q, k, v = heads(tensors[0], n_head) if len(tensors) == 1 else tensors
+        out, lse = lowbit().causal_attention(q, k, v)
+        B, H, T, D = q.shape
+        y = out.transpose(1, 2).view(B, T, H * D)  # (B, T, C): heads side by side, no copy
+        ctx.save_for_backward(q, k, v, y, lse)
+        ctx.fused = len(tensors) == 1
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        qkv, y, lse = ctx.saved_tensors
-        B, T, C = y.shape
-        H = ctx.n_head
-        as_heads = [t.reshape(B, T, H, C // H).transpose(1, 2) for t in (grad, y)]
-        return lowbit().causal_attention_backward(as_heads[0], *heads(qkv, H), as_heads[1], lse), None
+        q, k, v, y, lse = ctx.saved_tensors
+        B, H, T, D = q.shape
+        as_heads = [t.reshape(B, T, H, D).transpose(1, 2) for t in (grad, y)]
+        grads = lowbit().causal_attention_backward(as_heads[0], q, k, v, as_heads[1], lse)  # (B, T, (H + 2 H_kv) D)
+        if ctx.fused:
+            return None, grads
+        H_kv = k.shape[1]
+        parts = grads.view(B, T, H + 2 * H_kv, D).split((H, H_kv, H_kv), dim=2)
+        return (None, *(p.transpose(1, 2) for p in parts))
 
 
 def trains_attention(qkv: torch.Tensor, n_head: int) -> bool:
@@ -369,4 +408,133 @@ def causal_attention(qkv: torch.Tensor, n_head: int) -> torch.Tensor:
     faster than PyTorch's flash kernel on a CPU for 64-512 positions and 32-64 dimensions a head;
     within float32 rounding of it). Its backward writes qkv's gradient as one buffer, where separate
     q, k and v would be concatenated. Only where trains_attention(qkv, n_head)."""
-    return _CausalAttention.apply(qkv, n_head)
+    return _CausalAttention.apply(n_head, qkv)
+
+
+def trains_heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether heads_attention takes q (B, H, T, D), k and v (B, H_kv, T, D): float32 that _trains_on_cpu,
+    each's last dimension contiguous, H_kv dividing H, T up to ATTENTION_MAX_T."""
+    return (_trains_on_cpu(q, k, v) and q.dim() == k.dim() == v.dim() == 4 and q.shape[2] <= ATTENTION_MAX_T
+            and all(t.stride(3) == 1 for t in (q, k, v)) and k.shape == v.shape and q.shape[1] % k.shape[1] == 0
+            and (q.shape[0], q.shape[2], q.shape[3]) == (k.shape[0], k.shape[2], k.shape[3]))
+
+
+def heads_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal self-attention of the modern block's heads (grouped-query where k and v have fewer: each serves
+    H / H_kv query heads, as SDPA's enable_gqa), back as (B, T, H D), on causal_attention's kernel. Only where
+    trains_heads_attention(q, k, v).
+
+    Args:
+        q: (B, H, T, D) queries.
+        k, v: (B, H_kv, T, D) keys and values.
+    """
+    return _CausalAttention.apply(q.shape[1], q, k, v)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = lowbit().rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = lowbit().rms_norm_backward(grad.to(x.dtype).contiguous(), x, weight, rstd)
+        return dx, dw, None
+
+
+def trains_rms_norm(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether rms_norm takes x and the norm's gain: float32 that _trains_on_cpu, x contiguous."""
+    return weight is not None and _trains_on_cpu(x, weight) and x.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """F.rms_norm(x, (C,), weight, eps) over x's last dimension and its gradients on tinygpt's kernel (one pass
+    over x each way, where PyTorch's makes five). Only where trains_rms_norm(x, weight).
+
+    Args:
+        x: (..., C) float32, contiguous.
+        weight: the gain, (C,) float32.
+        eps: added to the mean square (None: float32's machine epsilon, as torch's RMSNorm).
+    """
+    return _RMSNorm.apply(x, weight, torch.finfo(torch.float32).eps if eps is None else eps)
+
+
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        y, rstd = lowbit().rotary(x, weight, eps, cos, sin)
+        # without the norm the turn is linear: its gradient needs the angles only
+        ctx.save_for_backward(*((x, weight, rstd) if weight is not None else (None, None, rstd)), cos, sin)
+        ctx.dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, rstd, cos, sin = ctx.saved_tensors
+        grad = grad.to(ctx.dtype)
+        if grad.stride(3) != 1:  # attention's gradient is read as it comes, unless head_dim is strided (explicit path)
+            grad = grad.contiguous()
+        dx, dw = lowbit().rotary_backward(grad, x, weight, rstd, cos, sin)
+        return dx, dw if weight is not None else None, None, None, None
+
+
+def trains_rotary(x: torch.Tensor, norm: torch.nn.Module | None) -> bool:
+    """Whether rotary takes x (B, T, H, D), float32 or bfloat16 (autocast's), and the QK-norm `norm` (an RMSNorm
+    with a float32 gain, or None), that _trains_on_cpu, x's last dimension contiguous."""
+    if norm is not None and (getattr(norm, "weight", None) is None or norm.weight.dtype != torch.float32
+                             or not isinstance(norm, torch.nn.RMSNorm)):
+        return False
+    tensors = (x,) if norm is None else (x, norm.weight)
+    return _trains_on_cpu(*tensors, dtypes=(torch.float32, torch.bfloat16)) and x.dim() == 4 and x.stride(3) == 1
+
+
+def rotary_angles(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT.rotary's cos and sin ((T, D) or (B, 1, T, D), in autocast's dtype) as rotary takes them: float32,
+    (T, D) or (B T, D). Once a layer, for its queries and keys."""
+    return tuple(t.float().reshape(-1, t.shape[-1]).contiguous() for t in rope)
+
+
+def rotary(x: torch.Tensor, norm: torch.nn.Module | None, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """model.rotate(norm(x) or x, rope) on x (B, T, H, D) in one pass and its gradients on tinygpt's kernel: the
+    QK-norm over each head (where norm is given) then the rotary positions, computed in float32, in x's dtype
+    (B, T, H, D) contiguous. Only where trains_rotary(x, norm).
+
+    Args:
+        x: queries or keys, (B, T, H, D), last dimension contiguous.
+        norm: the QK-norm (an RMSNorm over head_dim), or None.
+        angles: cos and sin as rotary_angles gives them.
+    """
+    weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
+    return _Rotary.apply(x, weight, torch.finfo(torch.float32).eps if eps is None else eps, *angles)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return lowbit().swiglu(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return lowbit().swiglu_backward(grad, *ctx.saved_tensors)
+
+
+def trains_swiglu(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether swiglu takes a and b: contiguous, alike, float32 or bfloat16 (autocast's), that _trains_on_cpu."""
+    return (_trains_on_cpu(a, b, dtypes=(torch.float32, torch.bfloat16)) and a.dtype == b.dtype
+            and a.shape == b.shape and a.is_contiguous() and b.is_contiguous())
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """F.silu(a) * b in one pass and its gradients on tinygpt's kernel, computed in float32 and given in a's
+    dtype (one rounding of a bfloat16 result, where PyTorch's rounds twice). Only where trains_swiglu(a, b).
+
+    Args:
+        a: the gate projection's output.
+        b: the up projection's output.
+    """
+    return _SwiGLU.apply(a, b)

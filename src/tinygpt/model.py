@@ -234,10 +234,19 @@ def head_loss(
     return total / (w.sum().clamp_min(1.0) if weights is not None else flat.numel())
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, on tinygpt's CPU kernel where it trains in float32 (kernels.trains_rms_norm)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.trains_rms_norm(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
 def norm_layer(config: GPTConfig, dim: int) -> nn.Module:
     """The config's norm over the last `dim` features: LayerNorm (with a bias when config.bias) or RMSNorm."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=config.layer_norm_eps)
+        return RMSNorm(dim, eps=config.layer_norm_eps)
     return nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=config.bias)
 
 
@@ -307,9 +316,9 @@ class CausalSelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, C = x.shape
         dropout = self.dropout if self.training else 0.0
+        plain = kv_cache is None and mask is None and not explicit and dropout == 0.0  # what the kernels compute
         if self.fused:
             qkv = self.c_attn(x)
-            plain = kv_cache is None and mask is None and not explicit and dropout == 0.0
             if plain and kernels.trains_attention(qkv, self.n_head):  # training on a CPU: tinygpt's kernel
                 return self.resid_drop(self.c_proj(kernels.causal_attention(qkv, self.n_head))), None
             # (B, T, C) -> (B, n_head, T, head_dim): every head attends in parallel
@@ -319,12 +328,10 @@ class CausalSelfAttention(nn.Module):
             q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
             k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
             v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, D)
-            if self.qk_norm:
-                q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            if rope is not None:  # before the cache: it keeps keys with their positions applied
-                q, k = rotate(q, rope), rotate(k, rope)
+            q, k = self._turned(q, k, rope)  # (B, heads, T, D)
             out = self.o_proj
+            if plain and kernels.trains_heads_attention(q, k, v):  # training on a CPU: tinygpt's kernel
+                return self.resid_drop(out(kernels.heads_attention(q, k, v))), None
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v, input_pos, kv_len)  # (B, n_kv_head, kv_len, head_dim)
         # a cache may hold another dtype than the activations (float32 on a CPU: see KVCache.for_model)
@@ -332,6 +339,21 @@ class CausalSelfAttention(nn.Module):
         y, weights = attention(q.to(k.dtype), k, v, mask, explicit=explicit, dropout=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim).to(dtype)  # heads side by side
         return self.resid_drop(out(y)), weights
+
+    def _turned(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> list[torch.Tensor]:
+        """Queries (B, T, n_head, D) and keys after the QK-norm and the rotary positions, as (B, heads, T, D):
+        on tinygpt's kernel in training on a CPU, one pass each (kernels.rotary)."""
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        if rope is not None and all(kernels.trains_rotary(t, n) for t, n in zip((q, k), norms)):
+            angles = kernels.rotary_angles(rope)
+            return [kernels.rotary(t, n, angles).transpose(1, 2) for t, n in zip((q, k), norms)]
+        if self.qk_norm:
+            q, k = _normed(self.q_norm, q), _normed(self.k_norm, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if rope is not None:  # before the cache: it keeps keys with their positions applied
+            q, k = rotate(q, rope), rotate(k, rope)
+        return [q, k]
 
 
 def _normed(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -377,7 +399,8 @@ class MLP(nn.Module):
         if hasattr(self, "c_fc"):
             return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
         if self.kind == "swiglu":
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            a, b = self.gate_proj(x), self.up_proj(x)
+            h = kernels.swiglu(a, b) if kernels.trains_swiglu(a, b) else F.silu(a) * b
         elif self.kind == "relu2":
             h = F.relu(self.up_proj(x)).square()
         else:

@@ -47,7 +47,10 @@ queries of n_head heads and keys and values of n_kv_head (the fused kernel reads
 matmul and dropout paths repeat them for every query head), a SwiGLU MLP keeps gate, silu(gate), up
 and their product (4 BT intermediate_size c), torch's RMSNorm its input, rstd and normalized output
 (its weight's gradient needs the last), a qk-norm the same per head in float32, and rotary positions
-one cos and one sin (2 T head_dim c) for every layer.
+one cos and one sin (2 T head_dim c) for every layer. That is PyTorch's operations' count (a GPU, a CPU
+without tinygpt's kernels); tinygpt's CPU training kernels keep less of the llama layout (a norm its input
+and rstd, SwiGLU its two inputs, the rotary positions no copy of their input without a qk-norm), so on
+them it is an upper bound.
 
 This is Korthikanti et al.'s (2022) count (34 bytes per token and unit of width per layer at 2
 bytes a value, plus 5 aT^2 for unfused attention) adapted to fused attention, the loss, autocast

@@ -1,6 +1,7 @@
 // Kernels for training on x86 CPUs with AVX2 and FMA, in float32: GELU (also on bfloat16 tensors, as
 // autocast gives it), the head's cross-entropy and causal self-attention, forward and backward
-// (tinygpt/kernels.py wraps them for autograd).
+// (tinygpt/kernels.py wraps them for autograd). The modern block's norms, rotary positions and SwiGLU
+// are modern.cpp's.
 //
 // GELU, both forms. GPT-2's, x/2 (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3): PyTorch's CPU
 // kernel computes tanh with a general-purpose vector function, at 2-3 times the cost of its exact
@@ -16,10 +17,12 @@
 // T x T products are register tiles of 4 rows x 8 (scores) or 4 rows x 16 (the rest), and the T x T
 // probabilities live in the scratch only (backward recomputes them from the log-sum-exp the forward
 // keeps, as flash attention does). Tensors are (B, H, T, D) float32 with the last dimension
-// contiguous (such as the views of c_attn's output the model passes). The output comes back as a
-// (B, H, T, D) view of a (B, T, H, D) buffer, so the transpose back to (B, T, C) copies nothing,
-// and the gradients as one (B, T, 3 C) buffer laid out as c_attn's output: q's, k's and v's side
-// by side, so that nothing concatenates them on the way back to c_attn.
+// contiguous (such as the views of c_attn's output the model passes); keys and values may have fewer
+// heads, each serving H / H_kv query heads (grouped-query attention: a key/value head and its query
+// heads are then one thread's work). The output comes back as a (B, H, T, D) view of a (B, T, H, D)
+// buffer, so the transpose back to (B, T, C) copies nothing, and the gradients as one
+// (B, T, (H + 2 H_kv) D) buffer: q's, k's and v's side by side, c_attn's output layout, so that nothing
+// concatenates them on the way back to c_attn (the modern block's three projections take views of it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -420,6 +423,15 @@ void check(const at::Tensor& t, const at::Tensor& like, const char* what) {
               what, " must be (B, H, T, D) float32 on the CPU, shaped as q, its last dimension contiguous");
 }
 
+// k and v: (B, H_kv, T, D) as q but for their heads, whose number divides q's (grouped-query attention)
+void check_keys(const at::Tensor& t, const at::Tensor& q, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 4 && t.stride(3) == 1 &&
+                  t.size(0) == q.size(0) && t.size(1) > 0 && q.size(1) % t.size(1) == 0 && t.size(2) == q.size(2) &&
+                  t.size(3) == q.size(3),
+              what, " must be (B, H_kv, T, D) float32 on the CPU, H_kv dividing q's heads, its last dimension "
+              "contiguous");
+}
+
 // (B, H, T, D) view of a fresh (B, T, H, D) buffer
 at::Tensor heads_view(const at::Tensor& q) {
   return at::empty({q.size(0), q.size(2), q.size(1), q.size(3)}, q.options()).permute({0, 2, 1, 3});
@@ -431,112 +443,133 @@ struct Scratch {
 
 std::tuple<at::Tensor, at::Tensor> causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   check(q, q, "q");
-  check(k, q, "k");
-  check(v, q, "v");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tp = eights(T), Dp = eights(D);
+  check_keys(k, q, "k");
+  check(v, k, "v");
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), T = q.size(2), D = q.size(3), Tp = eights(T),
+                Dp = eights(D);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   at::Tensor out = heads_view(q), lse = at::empty({B, H, T}, q.options());
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  // a key/value head and the query heads it serves (H / H_kv of them) are one thread's work
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      load_head(q, b, h, Tp, Dp, w.q);
-      load_head(k, b, h, Tp, Dp, w.k);
-      load_head(v, b, h, Tp, Dp, w.v);
+    for (int64_t bkv = begin; bkv < end; ++bkv) {
+      const int64_t b = bkv / Hkv, hkv = bkv % Hkv;
+      load_head(k, b, hkv, Tp, Dp, w.k);
+      load_head(v, b, hkv, Tp, Dp, w.v);
       transpose(w.k, Tp, Dp, w.kt);
-      w.p.reset(Tp, Tp);
-      w.out.reset(Tp, Dp);
-      float* lp = lse.data_ptr<float>() + bh * T;
-      for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
-        dot_tiles(w.q, i0, w.kt, Dp, std::min(Tp, eights(i0 + 4)), scale, w.p);
-        for (int64_t i = i0; i < i0 + 4; ++i) {
-          if (i >= T) {  // a padding row: no probabilities
-            std::fill_n(w.p[i], Tp, 0.0f);
-            continue;
+      for (int64_t h = hkv * (H / Hkv); h < (hkv + 1) * (H / Hkv); ++h) {
+        load_head(q, b, h, Tp, Dp, w.q);
+        w.p.reset(Tp, Tp);
+        w.out.reset(Tp, Dp);
+        float* lp = lse.data_ptr<float>() + (b * H + h) * T;
+        for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
+          dot_tiles(w.q, i0, w.kt, Dp, std::min(Tp, eights(i0 + 4)), scale, w.p);
+          for (int64_t i = i0; i < i0 + 4; ++i) {
+            if (i >= T) {  // a padding row: no probabilities
+              std::fill_n(w.p[i], Tp, 0.0f);
+              continue;
+            }
+            float* row = w.p[i];
+            __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+            int64_t j = 0;
+            for (; j + 8 <= i + 1; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
+            float m = lane_max(top);
+            for (; j <= i; ++j) m = std::max(m, row[j]);
+            const float sum = probabilities(row, i, Tp, m);
+            const __m256 inv = _mm256_set1_ps(1.0f / sum);
+            for (j = 0; j <= i; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(inv, _mm256_loadu_ps(row + j)));
+            lp[i] = m + std::log(sum);
           }
-          float* row = w.p[i];
-          __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-          int64_t j = 0;
-          for (; j + 8 <= i + 1; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(row + j));
-          float m = lane_max(top);
-          for (; j <= i; ++j) m = std::max(m, row[j]);
-          const float sum = probabilities(row, i, Tp, m);
-          const __m256 inv = _mm256_set1_ps(1.0f / sum);
-          for (j = 0; j <= i; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(inv, _mm256_loadu_ps(row + j)));
-          lp[i] = m + std::log(sum);
+          row_tiles<false>(w.p, i0, w.v, 0, std::min(i0 + 4, T), Dp, w.out);
         }
-        row_tiles<false>(w.p, i0, w.v, 0, std::min(i0 + 4, T), Dp, w.out);
+        store_head(w.out, out, b, h);
       }
-      store_head(w.out, out, b, h);
     }
   });
   return {out, lse};
 }
 
+// into += from where add, else into = from (Tp x Dp each)
+void accumulate(Mat& into, const Mat& from, bool add) {
+  if (!add) {
+    into = from;
+    return;
+  }
+  for (size_t i = 0; i < into.data.size(); i += 8)
+    _mm256_storeu_ps(&into.data[i], _mm256_add_ps(_mm256_loadu_ps(&into.data[i]), _mm256_loadu_ps(&from.data[i])));
+}
+
 // Gradients of causal_attention: P = e^(S - lse) again, dP = dO V^T, dS = P (dP - rowsum(dO O)),
-// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO; returned side by side, (B, T, 3 C).
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO (dK and dV summed over the query heads a key/value head
+// serves); returned side by side, (B, T, (H + 2 H_kv) D): c_attn's output layout where H_kv = H.
 at::Tensor causal_attention_backward(
     const at::Tensor& grad_in, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse) {
   check(q, q, "q");
-  check(k, q, "k");
-  check(v, q, "v");
+  check_keys(k, q, "k");
+  check(v, k, "v");
   check(out, q, "out");
   const at::Tensor grad = grad_in.stride(3) == 1 ? grad_in : grad_in.contiguous();
   check(grad, q, "grad");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Tp = eights(T), Dp = eights(D);
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), T = q.size(2), D = q.size(3), Tp = eights(T),
+                Dp = eights(D);
   TORCH_CHECK(lse.is_contiguous() && lse.numel() == B * H * T, "lse must be causal_attention's (B, H, T)");
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  // (B, T, 3, H, D): dq, dk and dv as (B, H, T, D) views of its thirds
-  at::Tensor dqkv = at::empty({B, T, 3, H, D}, q.options());
-  at::Tensor dq = dqkv.select(2, 0).permute({0, 2, 1, 3}), dk = dqkv.select(2, 1).permute({0, 2, 1, 3}),
-             dv = dqkv.select(2, 2).permute({0, 2, 1, 3});
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+  // (B, T, H + 2 H_kv, D): dq, dk and dv as (B, heads, T, D) views of its parts
+  at::Tensor grads = at::empty({B, T, H + 2 * Hkv, D}, q.options());
+  at::Tensor dq = grads.narrow(2, 0, H).permute({0, 2, 1, 3}), dk = grads.narrow(2, H, Hkv).permute({0, 2, 1, 3}),
+             dv = grads.narrow(2, H + Hkv, Hkv).permute({0, 2, 1, 3});
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
+    Mat dk_sum, dv_sum;
     std::vector<float> delta(Tp);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      load_head(q, b, h, Tp, Dp, w.q);
-      load_head(k, b, h, Tp, Dp, w.k);
-      load_head(v, b, h, Tp, Dp, w.v);
-      load_head(out, b, h, Tp, Dp, w.o);
-      load_head(grad, b, h, Tp, Dp, w.g);
+    for (int64_t bkv = begin; bkv < end; ++bkv) {
+      const int64_t b = bkv / Hkv, hkv = bkv % Hkv, first = hkv * (H / Hkv);
+      load_head(k, b, hkv, Tp, Dp, w.k);
+      load_head(v, b, hkv, Tp, Dp, w.v);
       transpose(w.k, Tp, Dp, w.kt);
       transpose(w.v, Tp, Dp, w.vt);
-      w.p.reset(Tp, Tp);
-      w.dp.reset(Tp, Tp);
-      const float* lp = lse.data_ptr<float>() + bh * T;
-      for (int64_t i = 0; i < T; ++i) {
-        float s = 0.0f;
-        for (int64_t d = 0; d < D; ++d) s += w.g[i][d] * w.o[i][d];
-        delta[i] = s;
-      }
-      for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
-        const int64_t j_end = std::min(Tp, eights(i0 + 4));
-        dot_tiles(w.q, i0, w.kt, Dp, j_end, scale, w.p);
-        dot_tiles(w.g, i0, w.vt, Dp, j_end, 1.0f, w.dp);
-        for (int64_t i = i0; i < i0 + 4; ++i) {
-          if (i >= T) {
-            std::fill_n(w.p[i], Tp, 0.0f);
-            std::fill_n(w.dp[i], Tp, 0.0f);
-            continue;
-          }
-          probabilities(w.p[i], i, Tp, lp[i]);
-          // dS, times scale for dQ and dK: 0 after the diagonal, where P is
-          for (int64_t j = 0; j < Tp; ++j) w.dp[i][j] = w.p[i][j] * (w.dp[i][j] - delta[i]) * scale;
+      for (int64_t h = first; h < first + H / Hkv; ++h) {
+        load_head(q, b, h, Tp, Dp, w.q);
+        load_head(out, b, h, Tp, Dp, w.o);
+        load_head(grad, b, h, Tp, Dp, w.g);
+        w.p.reset(Tp, Tp);
+        w.dp.reset(Tp, Tp);
+        const float* lp = lse.data_ptr<float>() + (b * H + h) * T;
+        for (int64_t i = 0; i < T; ++i) {
+          float s = 0.0f;
+          for (int64_t d = 0; d < D; ++d) s += w.g[i][d] * w.o[i][d];
+          delta[i] = s;
         }
+        for (int64_t i0 = 0; i0 < Tp; i0 += 4) {
+          const int64_t j_end = std::min(Tp, eights(i0 + 4));
+          dot_tiles(w.q, i0, w.kt, Dp, j_end, scale, w.p);
+          dot_tiles(w.g, i0, w.vt, Dp, j_end, 1.0f, w.dp);
+          for (int64_t i = i0; i < i0 + 4; ++i) {
+            if (i >= T) {
+              std::fill_n(w.p[i], Tp, 0.0f);
+              std::fill_n(w.dp[i], Tp, 0.0f);
+              continue;
+            }
+            probabilities(w.p[i], i, Tp, lp[i]);
+            // dS, times scale for dQ and dK: 0 after the diagonal, where P is
+            for (int64_t j = 0; j < Tp; ++j) w.dp[i][j] = w.p[i][j] * (w.dp[i][j] - delta[i]) * scale;
+          }
+        }
+        // w.dp now holds scale * dS; dQ = (scale dS) K row tile by row tile
+        w.out.reset(Tp, Dp);
+        for (int64_t i0 = 0; i0 < Tp; i0 += 4) row_tiles<false>(w.dp, i0, w.k, 0, std::min(i0 + 4, T), Dp, w.out);
+        store_head(w.out, dq, b, h);
+        for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.dp, j0, w.q, j0, T, Dp, w.out);
+        accumulate(dk_sum, w.out, h > first);
+        for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.p, j0, w.g, j0, T, Dp, w.out);
+        accumulate(dv_sum, w.out, h > first);
       }
-      // w.dp now holds scale * dS; dQ = (scale dS) K row tile by row tile
-      w.out.reset(Tp, Dp);
-      for (int64_t i0 = 0; i0 < Tp; i0 += 4) row_tiles<false>(w.dp, i0, w.k, 0, std::min(i0 + 4, T), Dp, w.out);
-      store_head(w.out, dq, b, h);
-      for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.dp, j0, w.q, j0, T, Dp, w.out);
-      store_head(w.out, dk, b, h);
-      for (int64_t j0 = 0; j0 < Tp; j0 += 4) row_tiles<true>(w.p, j0, w.g, j0, T, Dp, w.out);
-      store_head(w.out, dv, b, h);
+      store_head(dk_sum, dk, b, hkv);
+      store_head(dv_sum, dv, b, hkv);
     }
   });
-  return dqkv.view({B, T, 3 * H * D});
+  return grads.view({B, T, (H + 2 * Hkv) * D});
 }
 
 }  // namespace
