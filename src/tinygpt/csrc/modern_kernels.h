@@ -152,32 +152,64 @@ void rotary(Heads<T> x, int64_t N, int64_t H, int64_t D, const float* w, float e
   });
 }
 
-// rotary's gradients: dx (N, H, D) contiguous and, with w, w's as shares (as rms_norm_backward's). The turn's
-// gradient is the turn back: dm = dy cos - rotate_half(dy) sin, done into a head's scratch first.
+// The turn back of one head's gradient at i (the turn's gradient, its angle's negative): on the pairs
+// (i, i + D / 2), da = dy_a cos + dy_b sin and db = dy_b cos - dy_a sin
+template <typename T>
+inline void turn_back(const T* g, const float* c, const float* s, int64_t half, int64_t i, V& da, V& db) {
+  const V ga = get(g, half, i), gb = get(g + half, half, i), cv = get(c, half, i), sv = get(s, half, i);
+  da = Vec::fma(gb, sv, Vec::mul(ga, cv));
+  db = Vec::fnma(ga, sv, Vec::mul(gb, cv));
+}
+
+// One head's gradients through the turn and the QK-norm: norm_backward's with the turn back of dy for its
+// upstream gradient, recomputed in the second pass rather than kept (two passes over the head, not three)
+template <typename T>
+inline void turned_norm_backward(const T* g, const T* x, const float* w, float r, const float* c, const float* s,
+                                 int64_t D, T* dx, float* dw) {
+  const int64_t half = D / 2;
+  const V rv = Vec::set(r);
+  V dot = Vec::zero(), da, db;
+  for (int64_t i = 0; i < half; i += W) {
+    turn_back(g, c, s, half, i, da, db);
+    const V xa = Vec::mul(get(x, half, i), rv), xb = Vec::mul(get(x + half, half, i), rv);
+    dot = Vec::fma(Vec::mul(xa, get(w, half, i)), da, Vec::fma(Vec::mul(xb, get(w + half, half, i)), db, dot));
+    put(dw, half, i, Vec::fma(da, xa, get(dw, half, i)));
+    put(dw + half, half, i, Vec::fma(db, xb, get(dw + half, half, i)));
+  }
+  const V mean = Vec::set(Vec::sum(dot) / static_cast<float>(D));
+  for (int64_t i = 0; i < half; i += W) {
+    turn_back(g, c, s, half, i, da, db);
+    const V xa = Vec::mul(get(x, half, i), rv), xb = Vec::mul(get(x + half, half, i), rv);
+    put(dx, half, i, Vec::mul(rv, Vec::fnma(xa, mean, Vec::mul(get(w, half, i), da))));
+    put(dx + half, half, i, Vec::mul(rv, Vec::fnma(xb, mean, Vec::mul(get(w + half, half, i), db))));
+  }
+}
+
+// rotary's gradients: dx (N, H, D) contiguous and, with w, w's as shares (as rms_norm_backward's)
 template <typename T>
 void rotary_backward(Heads<T> g, Heads<T> x, int64_t N, int64_t H, int64_t D, const float* w, const float* rstd,
                      const float* cos, const float* sin, int64_t R, T* dx, float* shares) {
   const int64_t half = D / 2;
   at::parallel_for(0, (N + SHARE_ROWS - 1) / SHARE_ROWS, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> dm(D), minus(D);
     for (int64_t s = begin; s < end; ++s) {
       float* dw = w == nullptr ? nullptr : shares + s * D;
       if (dw != nullptr) std::fill_n(dw, D, 0.0f);
       for (int64_t n = s * SHARE_ROWS; n < std::min(N, (s + 1) * SHARE_ROWS); ++n) {
-        const float* c = cos + (n % R) * D;
-        for (int64_t i = 0; i < D; ++i) minus[i] = -sin[(n % R) * D + i];  // turning back: the angle's negative
+        const float *c = cos + (n % R) * D, *sn = sin + (n % R) * D;
         const T *gn = g.at(n, 0), *xn = x.at(n, 0);
         for (int64_t h = 0; h < H; ++h) {
           const T* gh = gn + h * g.head;
           T* dxh = dx + (n * H + h) * D;
-          auto grad = [&](int64_t at, int64_t i) { return get(gh + at, half, i); };
-          if (dw == nullptr) {
-            turn(grad, c, minus.data(), D, dxh);
+          if (dw != nullptr) {
+            turned_norm_backward(gh, xn + h * x.head, w, rstd[n * H + h], c, sn, D, dxh, dw);
             continue;
           }
-          turn(grad, c, minus.data(), D, dm.data());
-          norm_backward(xn + h * x.head, w, rstd[n * H + h], D,
-                        [&](int64_t i) { return get(dm.data(), D, i); }, dxh, dw);
+          for (int64_t i = 0; i < half; i += W) {
+            V da, db;
+            turn_back(gh, c, sn, half, i, da, db);
+            put(dxh, half, i, da);
+            put(dxh + half, half, i, db);
+          }
         }
       }
     }
