@@ -398,6 +398,27 @@ def test_finetune_settings_are_checked():
         TrainConfig(lr_schedule="linear")
 
 
+@pytest.mark.parametrize("command", ["finetune", "grpo"])
+def test_a_time_budget_replaces_the_default_step_count(command, tmp_path):
+    """`--max-time` alone trains for the time given, as the help says (200 steps unless --max-time is given):
+    the recipe's 200 steps stopped a run of --max-time 60s after 11 s. Both given, the first reached stops."""
+    from tinygpt.cli import build_parser
+    from tinygpt.cli.finetune import tuning_configs
+    from tinygpt.config.grpo import DEFAULT_TRAIN as GRPO_TRAIN
+    from tinygpt.finetune import DEFAULT_TRAIN as FINETUNE_TRAIN
+
+    args = {"finetune": ["finetune", "base", "--data", "d", "--out", str(tmp_path / "r")],
+            "grpo": ["grpo", "base", "--task", "addition", "--out", str(tmp_path / "r")]}[command]
+    recipe = FINETUNE_TRAIN if command == "finetune" else GRPO_TRAIN
+    parse = build_parser().parse_args
+    _, train = tuning_configs(parse(args), False, recipe)
+    assert (train.max_iters, train.max_time) == (200, None)
+    _, train = tuning_configs(parse([*args, "--max-time", "60s"]), False, recipe)
+    assert (train.max_iters, train.max_time) == (None, 60.0)
+    _, train = tuning_configs(parse([*args, "--max-time", "60s", "--max-iters", "50"]), False, recipe)
+    assert (train.max_iters, train.max_time) == (50, 60.0)
+
+
 def test_longer_context_and_merge_with_full_are_refused(world, tmp_path):
     with pytest.raises(ConfigError, match="longer than"):
         tinygpt.finetune(world / "base", world / "data-b", tmp_path / "r", FinetuneConfig(block_size=64), quick())

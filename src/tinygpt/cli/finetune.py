@@ -68,6 +68,8 @@ def tuning_configs(args: argparse.Namespace, resume: bool, defaults: dict[str, A
 
     _, train_over, _ = train_settings(args)
     if not resume:
+        if "max_time" in train_over:  # a time budget is the run's length: the recipe's step count is for none
+            defaults = {k: v for k, v in defaults.items() if k != "max_iters"}
         return finetune_config(args, None), from_mapping(TrainConfig, {**defaults, **train_over})
     folder = RunFolder(args.out)
     saved_train, _ = folder.train_config()
