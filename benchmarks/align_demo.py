@@ -12,10 +12,12 @@ A tiny model learns to add from worked sums; then a checker alone teaches it fur
                   the accuracy and the completions' length against steps
 
 The held-out prompts are never trained on (tinygpt.align.tasks splits the operand pairs once and for all).
-The preference half (DPO with the SFT term, and pure DPO's collapse, on the same base) is one more part,
-added where main() says, once `tinygpt dpo` is on main.
+Then the preference half on the same base: pairs of its own answers (the right one chosen, its own wrong one
+rejected), `tinygpt dpo` with the SFT term (the default) and pure (--sft-weight 0), each with its report and
+plot: the pairs' preference accuracy rises in both, and the held-out greedy accuracy with the SFT term only
+(pure DPO pushes the chosen answers' log-probs down with the rejected ones: its known collapse).
 
-    python benchmarks/align_demo.py [--out runs/align-demo] [--target 0.4] [--grpo-time 60s]
+    python benchmarks/align_demo.py [--out runs/align-demo] [--target 0.4] [--grpo-time 60s] [--dpo-steps 200]
 """
 
 from __future__ import annotations
@@ -97,6 +99,29 @@ def grpo(out: Path, base: Path, budget: str, steps: int | None, eval_size: int) 
             "seconds": report["train_seconds"]}
 
 
+def dpo(out: Path, base: Path, steps: int, eval_size: int) -> dict[str, dict]:
+    """DPO from the base on pairs of its own answers, with the SFT term and without; each run's held-out pair
+    accuracy and greedy accuracy before and after."""
+    from preference import dpo_pairs, write_pairs  # benchmarks/preference.py: the tutorial's pairs
+
+    from tinygpt.checkpoint import load_run
+
+    add = task("addition")
+    model, tok = load_run(base, "cpu")
+    pairs = write_pairs(out / "pairs", dpo_pairs(model, tok, add, add.rows("train", 10 * eval_size, seed=7), 1),
+                        dpo_pairs(model, tok, add, add.rows("held-out", eval_size, seed=7), 2), base)
+    scores, greedy_before = {}, held_out_accuracy(base, eval_size)
+    for name, weight in (("dpo", "1"), ("dpo-pure", "0")):
+        run("dpo", str(base), "--data", str(pairs), "--out", str(out / name), "--sft-weight", weight, "--lr", "3e-4",
+            "--lr-schedule", "constant", "--batch-size", "16", "--max-iters", str(steps),
+            "--eval-interval", str(max(1, steps // 4)), "--quiet")
+        run("plot", str(out / name), "--out", str(out / f"{name}.png"), "--title", f"DPO, sft weight {weight}")
+        report = read_report(out / name)
+        scores[name] = {"pairs": (report["before"]["pairs"]["accuracy"], report["after"]["pairs"]["accuracy"]),
+                        "greedy": (greedy_before, held_out_accuracy(out / name, eval_size))}
+    return scores
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/align-demo")
@@ -104,18 +129,21 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, default=3000, help="pretraining's most steps")
     parser.add_argument("--grpo-time", default="60s", help="GRPO's time budget")
     parser.add_argument("--grpo-steps", type=int, help="GRPO's steps instead of a time budget")
+    parser.add_argument("--dpo-steps", type=int, default=200, help="each DPO run's steps")
     parser.add_argument("--eval-size", type=int, default=200, help="held-out prompts each evaluation answers")
     args = parser.parse_args()
     out = Path(args.out)
     started = time.perf_counter()
     base = pretrain(out, args.target, args.base_steps, args.eval_size)
     scores = grpo(out, base, args.grpo_time, args.grpo_steps, args.eval_size)
-    # ---- the preference half (issue 57) goes here: DPO with the SFT term and pure DPO from the same base,
-    # on pairs of its own answers, each with its report and plot, and a line each in the summary below ----
+    preferred = dpo(out, base, args.dpo_steps, args.eval_size)
     before, after = scores["before"], scores["after"]
     print(f"\nGRPO: held-out greedy accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f} "
           f"({after['accuracy'] - before['accuracy']:+.3f}) in {scores['seconds']:.0f} s of training; "
           f"pass@1 {before['pass@1']:.3f} -> {after['pass@1']:.3f}")
+    for name, label in (("dpo", "DPO with the SFT term"), ("dpo-pure", "pure DPO")):
+        (pb, pa), (gb, ga) = preferred[name]["pairs"], preferred[name]["greedy"]
+        print(f"{label}: held-out pair accuracy {pb:.3f} -> {pa:.3f}, greedy accuracy {gb:.3f} -> {ga:.3f}")
     print(f"the whole demo: {time.perf_counter() - started:.0f} s; runs, reports and {out / 'grpo.png'} in {out}")
 
 
