@@ -305,8 +305,8 @@ class Counting(TrainCallback):
 
 
 def test_another_objective_trains_from_a_base_through_the_one_seam(world, tmp_path, cli):
-    """A Tuning is what another objective's command brings (its name, settings, objective, measure, callbacks):
-    tune() trains FROM with it as finetune() does, records its name and settings, reports its own section of
+    """A Tuning is what another objective's command brings (its name, settings, objective, measure): tune()
+    trains FROM with it as finetune() does, records its name and settings, reports its own section of
     numbers beside the reference text's loss, and only its own command resumes the run."""
     from tinygpt.cli.finetune import format_report
     from tinygpt.finetune import Tuning, tune
@@ -333,11 +333,9 @@ def test_another_objective_trains_from_a_base_through_the_one_seam(world, tmp_pa
         def settings(self):
             return {"knob": 3}
 
-        def callbacks(self, before):
-            return [counter]
-
     cfg = FinetuneConfig(reference=str(world / "a.txt"))
-    result = tune(world / "base", world / "data-b", tmp_path / "toy", Toy(), cfg, quick(max_iters=4))
+    result = tune(world / "base", world / "data-b", tmp_path / "toy", Toy(), cfg, quick(max_iters=4),
+                  callbacks=[counter])
     record = json.loads((tmp_path / "toy" / "train_config.json").read_text())
     assert record["objective"] == "toy" and record["toy"] == {"knob": 3} and counter.steps == 4
     assert record["data"] == str(world / "data-b")  # the DataSet's own path
