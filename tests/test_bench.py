@@ -375,3 +375,16 @@ def test_a_llama_layout_row_measures_against_transformers_llama(monkeypatch):
     assert "decode smollm2 b1: tinygpt fp32 / transformers fp32" in shown
     line = next(x for x in shown.splitlines() if "train smollm2 4x256: tinygpt best / transformers best" in x)
     assert "target" not in line and line.rstrip().endswith("x")
+
+
+def test_a_cpu_that_emulates_bfloat16_measures_no_bfloat16_matmul(monkeypatch):
+    """Its matmul ran at 0.26 GFLOP/s on a Zen 3: 9 minutes of the bench's limits, for a figure no row uses."""
+    from tinygpt.lab.bench import machine as machine_module
+
+    monkeypatch.setattr(plans, "cpu_has_native_bf16", lambda: False)
+    lim = machine_module.limits(SMOKE, torch.device("cpu"))
+    assert "matmul_bfloat16_gflops" not in lim and lim["matmul_float32_gflops"] > 0
+    assert "bfloat16 emulated (not measured)" in machine_module.describe_limits(lim)
+    monkeypatch.setattr(plans, "cpu_has_native_bf16", lambda: True)
+    lim = machine_module.limits(SMOKE, torch.device("cpu"))
+    assert lim["matmul_bfloat16_gflops"] > 0 and "GFLOP/s bfloat16" in machine_module.describe_limits(lim)

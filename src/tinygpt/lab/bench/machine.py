@@ -15,7 +15,7 @@ from ... import kernels
 from ...calc.hardware import gpu_peaks
 from ...device import allow_fast_float32, cpu_flag_set, cpu_has_native_bf16
 from .clock import best_time
-from .plans import Plan
+from .plans import Plan, bf16_native
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -92,11 +92,14 @@ def limits(plan: Plan, device: torch.device) -> dict[str, Any]:
     """Dense matmul GFLOP/s in float32 (TF32 on a GPU, as training sets it) and bfloat16, and memory GB/s:
     a sum over a big tensor (read), on a GPU a device-to-device copy (bytes read and written). On a GPU also
     peak_bf16_gflops and peak_memory_gbs, the limits its MFU and bandwidth use are measured against: the
-    datasheet's where tinygpt.calc.hardware knows the GPU (peak_source names it), else the measured ones."""
+    datasheet's where tinygpt.calc.hardware knows the GPU (peak_source names it), else the measured ones. A CPU
+    that emulates bfloat16 gets no bfloat16 figure: no row trains in it there, and its matmul (0.26 GFLOP/s on a
+    Zen 3) took 9 of a bench's first 10 minutes."""
     out: dict[str, Any] = {}
     n = plan.matmul_n
     allow_fast_float32(device)
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    dtypes = (("float32", torch.float32), ("bfloat16", torch.bfloat16))
+    for name, dtype in dtypes if bf16_native(device) else dtypes[:1]:
         a = torch.randn(n, n, device=device).to(dtype)  # random values: zeros multiply faster than data
         b = torch.randn(n, n, device=device).to(dtype)
         seconds = best_time(lambda: a @ b, plan.repeats, device)
@@ -133,8 +136,10 @@ def peak_bandwidth(lim: dict[str, Any]) -> float:
 
 def describe_limits(lim: dict[str, Any]) -> str:
     """The limits line of a report: measured matmuls and memory, and a GPU's peaks with their source."""
-    line = (f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, {lim['matmul_bfloat16_gflops']:.0f} "
-            f"GFLOP/s bfloat16; memory {lim['memory_read_gbs']:.1f} GB/s")
+    bf16 = lim.get("matmul_bfloat16_gflops")
+    line = (f"limits: matmul {lim['matmul_float32_gflops']:.0f} GFLOP/s float32, "
+            f"{'bfloat16 emulated (not measured)' if bf16 is None else f'{bf16:.0f} GFLOP/s bfloat16'}; "
+            f"memory {lim['memory_read_gbs']:.1f} GB/s")
     if "peak_source" in lim:
         line += (f"; MFU and bandwidth against {lim['peak_bf16_gflops'] / 1e3:.0f} TFLOP/s bf16 and "
                  f"{lim['peak_memory_gbs']:.0f} GB/s ({lim['peak_source']})")
