@@ -415,3 +415,24 @@ def test_resume_asks_for_the_same_rewards_and_never_imports_the_recorded_ones(sf
     r = cli("grpo", *common, "--max-iters", 4, "--resume", "--reward", f"{rewards_module}:fine")
     assert r.returncode == 0, r.stderr
     assert RunFolder(out).weights_step() == 4
+
+
+def test_the_bench_times_a_grpo_step_beside_trls():
+    """`tinygpt bench --only grpo` at its smallest: a `tinygpt grpo` step and a step of TRL's GRPOTrainer on the
+    same model, prompts, group size, prompts a step and completion length, and the ratio against its target."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from tinygpt.lab.bench import SMOKE, render, run
+    from tinygpt.lab.bench.grpo import COMPLETION
+
+    result = run(plan=SMOKE, sections=("grpo",), peers=True, log=lambda line: None, device="cpu")
+    rows = {r["impl"]: r for r in result["grpo"]}
+    assert rows.keys() == {"tinygpt", "trl"}
+    per_step, group, _ = SMOKE.grpo
+    for row in rows.values():
+        assert (row["prompts"], row["group"], row["completion"]) == (per_step, group, COMPLETION)
+        assert row["ms_per_step"] > 0
+    (ratio,) = [r for r in result["ratios"] if r["name"].startswith("grpo step")]
+    assert ratio["ratio"] == pytest.approx(rows["trl"]["ms_per_step"] / rows["tinygpt"]["ms_per_step"])
+    assert ratio["target"] == 1.0 and ratio["met"] == (ratio["ratio"] >= 1.0)
+    assert "TRL GRPOTrainer ms / tinygpt grpo ms" in render(result)

@@ -24,18 +24,23 @@ memory read bandwidth) turn speeds into MFU and bandwidth use.
     dpo          on a CPU, the milliseconds of a `tinygpt dpo` step (the reference's forward, the policy's
                  forward and backward, AdamW) beside a step of TRL's DPOTrainer on the same Qwen2-shaped
                  model, pairs and batch, float32
+    grpo         on a CPU, the milliseconds of a `tinygpt grpo` step (a group of completions a prompt sampled
+                 on tinygpt's decoding, the rewards, the policy's forward and backward, AdamW) beside a step
+                 of TRL's GRPOTrainer on the same model, prompts, reward, group size and completion length
 
 MFU and bandwidth use are against the measured limits on a CPU, and against the datasheet's dense
 bf16 peak and memory bandwidth on a GPU (MFU as PaLM defines it; a GPU it does not know: the measured
 ones). Every report starts with the CPU and the instruction sets that decide which kernels are fast
 (AVX2, AVX-512, AVX-512 BF16, VNNI, AMX), since the same code ranks differently on each.
 
-transformers and llama.cpp (llama-cpp-python) are imported only in `peers`, and TRL only in `dpo`, and only
-when installed (the hf, llama and dev extras); without them the tinygpt rows are measured alone.
+transformers and llama.cpp (llama-cpp-python) are imported only in `peers`, and TRL only in `dpo`, `grpo` and
+`policy`, and only when installed (the hf, llama and dev extras); without them the tinygpt rows are measured
+alone.
 
 A module a part: `plans` (what a run measures), `machine` (the CPU, its flags and limits), `clock`
-(timing), `peers` (transformers and llama.cpp), `training`, `generation` and `dpo` (the rows), `report`
-(the ratios and tables) and `measure` (`run`, the whole of it).
+(timing), `peers` (transformers and llama.cpp), `training`, `generation`, `dpo` and `grpo` (the rows),
+`policy` (the model the DPO and GRPO rows train, and how each side's step is timed), `report` (the ratios and
+tables) and `measure` (`run`, the whole of it).
 """
 
 from .measure import run

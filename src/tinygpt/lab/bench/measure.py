@@ -11,6 +11,7 @@ from typing import Any
 from ...device import resolve_device
 from .dpo import dpo_rows
 from .generation import generation_rows
+from .grpo import grpo_rows
 from .machine import describe_cpu, describe_limits, limits, load_average, machine
 from .peers import llama_available, peers_available
 from .plans import SMOKE, Plan, plan_for
@@ -19,8 +20,9 @@ from .training import training_rows
 
 
 def run(
-    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate", "dpo"), peers: bool = True,
-    log: Callable[[str], None] = print, plan: Plan | None = None, device: str = "auto", smoke: bool = False,
+    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate", "dpo", "grpo"),
+    peers: bool = True, log: Callable[[str], None] = print, plan: Plan | None = None, device: str = "auto",
+    smoke: bool = False,
 ) -> dict[str, Any]:
     """Measure and return everything as one JSON-ready dict (see the module docstring).
 
@@ -29,7 +31,8 @@ def run(
         smoke: every kind of row once at the smallest sizes (SMOKE): that the bench runs, in seconds.
         plan: what to measure, instead of the one plan_for picks.
         device: where to measure (resolve_device's names; "auto" picks cuda where there is one).
-        sections: any of "limits", "train", "generate", "dpo" (a DPO step beside TRL's, on a CPU).
+        sections: any of "limits", "train", "generate", "dpo" and "grpo" (a DPO or a GRPO step beside TRL's, on a
+            CPU).
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
         log: called with a line per measurement, as it is taken.
     """
@@ -56,6 +59,8 @@ def run(
         result["generation"] = generation_rows(plan, device, lim, peers, llama, log)
     if "dpo" in sections and plan.dpo is not None and device.type == "cpu":
         result["dpo"] = dpo_rows(*plan.dpo, want_peers, log)
+    if "grpo" in sections and plan.grpo is not None and device.type == "cpu":
+        result["grpo"] = grpo_rows(*plan.grpo, want_peers, log)
     result["ratios"] = ratios(result)
     result["machine"]["load_average_end"] = load_average()
     result["seconds"] = time.perf_counter() - started

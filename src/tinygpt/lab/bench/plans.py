@@ -54,6 +54,9 @@ class Plan:
     gen_compiled: tuple[tuple[str, int], ...] = ()
     # the DPO row (tinygpt.lab.bench.dpo): (pairs a step, timed steps), beside TRL's DPOTrainer; None: none
     dpo: tuple[int, int] | None = None
+    # the GRPO row (tinygpt.lab.bench.grpo): (prompts a step, completions a prompt, timed steps), beside TRL's
+    # GRPOTrainer; None: none
+    grpo: tuple[int, int, int] | None = None
 
 
 FULL = Plan(
@@ -61,13 +64,14 @@ FULL = Plan(
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4), (SMOLLM, 4, 4)),
     prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2", SMOLLM), gen_batches=(1, 8),
     peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k", SMOLLM), busy=True, repeats_llama=5, dpo=(8, 5),
+    grpo=(8, 8, 5),
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=16, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"), busy=True,
-    dpo=(8, 3),
+    dpo=(8, 3), grpo=(8, 8, 3),
 )
 # A GPU: matrices and a copy big enough to reach its limits (a 4 GiB copy is 70 times an H200's L2);
 # GPT-2 trained at 16 x 1024 with its own vocabulary in bfloat16, eager and compiled; GPT-2 decoded
@@ -86,7 +90,7 @@ GPU_QUICK = dataclasses.replace(GPU, repeats=3, train_modes=(("bfloat16", True),
 SMOKE = Plan(
     matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4,
     new_tokens=3, no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
-    dpo=(2, 1),
+    dpo=(2, 1), grpo=(2, 2, 1),
 )
 
 

@@ -110,6 +110,10 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
     if {"tinygpt", "trl"} <= dpo.keys():  # how many times faster tinygpt's step is than TRL's
         out.append({"name": "dpo step qwen2 4x256: TRL DPOTrainer ms / tinygpt dpo ms",
                     "ratio": dpo["trl"] / dpo["tinygpt"], "target": None, "met": None})
+    grpo = {r["impl"]: r["ms_per_step"] for r in result.get("grpo", [])}
+    if {"tinygpt", "trl"} <= grpo.keys():  # issue 58's goal: at least as fast as TRL (its moonshot: twice)
+        out.append({"name": "grpo step qwen2 4x256: TRL GRPOTrainer ms / tinygpt grpo ms",
+                    "ratio": grpo["trl"] / grpo["tinygpt"], "target": 1.0, "met": grpo["trl"] >= grpo["tinygpt"]})
     return out + _gpu_ratios(result)
 
 
@@ -160,6 +164,10 @@ def render(result: dict[str, Any]) -> str:
         lines += ["", f"{'dpo':<12} {'impl':<17}{'dtype':<10}{'pairs':>6}{'ms a step':>12}"]
         lines += [f"{r['model']:<12} {r['impl']:<17}{r['dtype']:<10}{r['batch']:>6}{r['ms_per_step']:>12,.0f}"
                   for r in result["dpo"]]
+    if result.get("grpo"):
+        lines += ["", f"{'grpo':<12} {'impl':<17}{'dtype':<10}{'prompts x group':>16}{'tokens':>8}{'ms a step':>12}"]
+        lines += [f"{r['model']:<12} {r['impl']:<17}{r['dtype']:<10}{r['prompts']:>11} x {r['group']:<2}"
+                  f"{r['completion']:>8}{r['ms_per_step']:>12,.0f}" for r in result["grpo"]]
     same = [f"{r['format']} batch {r['batch']} {'yes' if r['same_tokens_as_eager'] else 'NO'}"
             for r in result.get("generation", []) if "same_tokens_as_eager" in r]
     if same:
