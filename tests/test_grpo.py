@@ -217,9 +217,13 @@ def test_read_prompts(tmp_path):
     assert [r["answer"] for r in read_prompts(good)] == ["3", "x"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n{"answer": 1}\n{"prompt": ""}\n[1]\n{"prompt": 3}\n{"prompt": [1]}\n')
-    with pytest.raises(DataError, match=r"6 bad lines: line 2: not JSON; line 3: no \"prompt\"; line 4: .*"
+    with pytest.raises(DataError, match=r"6 bad lines: line 2: not JSON \(.*\); line 3: no \"prompt\"; line 4: .*"
                                         r"\(and 1 more\)"):
         read_prompts(bad)
+    latin = tmp_path / "latin.jsonl"  # a line that is not UTF-8 is a bad line, as in chat and preference files
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n{"prompt": "ok"}\n')
+    with pytest.raises(DataError, match=r"1 bad lines: line 1: not UTF-8"):
+        read_prompts(latin)
 
 
 # ---- GRPO runs: a tiny model of the addition task, trained for a moment (what it answers does not matter) ---

@@ -203,6 +203,29 @@ def parse_json(text: str | bytes) -> Any:
         raise ValueError(str(e).split(";")[0].splitlines()[0]) from None
 
 
+def jsonl_records(path: str | os.PathLike) -> Iterator[tuple[int, Any, str]]:
+    """A JSONL file's records: (line number, record, "") for each line that parses, (line number, None, why)
+    for one that is not UTF-8 or not JSON, blank lines skipped. Decoded line by line, so that a line that
+    is not UTF-8 is a bad line like any other; a byte-order mark on the first is dropped.
+
+    Args:
+        path: the file (opening it raises OSError as open does).
+    """
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield n, None, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield n, parse_json(line), ""
+            except ValueError as e:
+                yield n, None, f"not JSON ({e})"
+
+
 def read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
     """Parse a JSON file; a missing, special, oversized or malformed file raises `error` with a one-line message."""
     size = check_regular_file(path, error)

@@ -16,7 +16,6 @@ None per completion. Conversational prompts get conversational completions ([{"r
 from __future__ import annotations
 
 import importlib
-import json
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, DataError, RewardError
+from ..fileio import jsonl_records
 
 BAD_LINES_SHOWN = 5
 
@@ -163,24 +163,16 @@ def read_prompts(path: str | Path) -> list[dict[str, Any]]:
         DataError: the file does not read, holds no row, or has bad lines (the first five listed by number).
     """
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read the prompts ({getattr(e, 'strerror', None) or e})") from None
     rows, bad = [], []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad.append(f"line {number}: not JSON")
-            continue
-        wrong = _row_error(row)
-        if wrong is not None:
-            bad.append(f"line {number}: {wrong}")
-        else:
-            rows.append(row)
+    try:
+        for number, row, why in jsonl_records(path):
+            wrong = why or _row_error(row)
+            if wrong:
+                bad.append(f"line {number}: {wrong}")
+            else:
+                rows.append(row)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the prompts ({e.strerror or e})") from None
     if bad:
         more = f" (and {len(bad) - BAD_LINES_SHOWN} more)" if len(bad) > BAD_LINES_SHOWN else ""
         raise DataError(f"{path}: {len(bad)} bad lines: {'; '.join(bad[:BAD_LINES_SHOWN])}{more}")

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..calc.units import plural
 from ..errors import ChatError, DataError, TokenizerError
-from ..fileio import parse_json, printable_path, temp_folder
+from ..fileio import jsonl_records, printable_path, temp_folder
 from ..tokenizer.base import Tokenizer
 from ..tokenizer.bpe import DEFAULT_BPE_VOCAB, BPETokenizer
 from ..tokenizer.char import CharTokenizer
@@ -44,27 +44,17 @@ class _ChatFile:
     def __iter__(self) -> Iterator[tuple[int, list[dict[str, str]] | None, str]]:
         """(line number, messages, "") for a conversation; (line number, None, why) for a line that is not
         one (not UTF-8, bad JSON, an unknown role, empty content, no assistant turn). Blank lines are skipped."""
-        with open(self.path, "rb") as f:  # decoded line by line: a line that is not UTF-8 is malformed like any other
-            for n, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    yield n, None, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    record = parse_json(line)
-                except ValueError as e:
-                    yield n, None, f"not JSON ({e})"
-                    continue
-                messages = record.get("messages") if isinstance(record, dict) else None
-                try:
-                    check_messages(messages, self.roles)
-                except ChatError as e:
-                    yield n, None, str(e) if messages is not None else 'no "messages" list'
-                    continue
-                yield n, [{"role": m["role"], "content": m["content"]} for m in messages], ""
+        for n, record, why in jsonl_records(self.path):
+            if why:
+                yield n, None, why
+                continue
+            messages = record.get("messages") if isinstance(record, dict) else None
+            try:
+                check_messages(messages, self.roles)
+            except ChatError as e:
+                yield n, None, str(e) if messages is not None else 'no "messages" list'
+                continue
+            yield n, [{"role": m["role"], "content": m["content"]} for m in messages], ""
 
     def contents(self) -> Iterator[str]:
         """Every message's content, in order: what a char or BPE vocabulary is built from."""

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ChatError, DataError, TokenizerError
-from ..fileio import parse_json, printable_path, temp_folder
+from ..fileio import jsonl_records, printable_path, temp_folder
 from ..tokenizer.base import Tokenizer
 from ..tokenizer.chat import check_messages, render_chat, render_chat_prompt
 from .chat import bad_lines, bad_lines_error, move_tail
@@ -163,27 +163,21 @@ class _PairFile:
         self.implicit = False
 
     def __iter__(self) -> Iterator[tuple[int, Pair | None, str]]:
-        with open(self.path, "rb") as f:
-            for n, raw in enumerate(f, start=1):
-                try:
-                    line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    yield n, None, f"not UTF-8 ({e.reason} at byte {e.start} of the line)"
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    record = parse_json(line)
-                    pair, kind = read_pair(record, self.roles)
-                except ValueError as e:  # DataError is one, and so is a JSON line that does not parse
-                    yield n, None, str(e) if isinstance(e, DataError) else f"not JSON ({e})"
-                    continue
-                if self.kind is None:
-                    self.kind, self.first, self.implicit = kind, n, "prompt" not in record
-                elif kind != self.kind:
-                    yield n, None, f"a {kind} pair, where the file's first (line {self.first}) is {self.kind}"
-                    continue
-                yield n, pair, ""
+        for n, record, why in jsonl_records(self.path):
+            if why:
+                yield n, None, why
+                continue
+            try:
+                pair, kind = read_pair(record, self.roles)
+            except ValueError as e:  # DataError is one
+                yield n, None, str(e) if isinstance(e, DataError) else f"not a pair ({e})"
+                continue
+            if self.kind is None:
+                self.kind, self.first, self.implicit = kind, n, "prompt" not in record
+            elif kind != self.kind:
+                yield n, None, f"a {kind} pair, where the file's first (line {self.first}) is {self.kind}"
+                continue
+            yield n, pair, ""
 
 
 def prepare_preference(
