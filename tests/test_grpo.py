@@ -440,3 +440,55 @@ def test_the_bench_times_a_grpo_step_beside_trls():
     assert ratio["ratio"] == pytest.approx(rows["trl"]["ms_per_step"] / rows["tinygpt"]["ms_per_step"])
     assert ratio["target"] == 1.0 and ratio["met"] == (ratio["ratio"] >= 1.0)
     assert "TRL GRPOTrainer ms / tinygpt grpo ms" in render(result)
+
+
+@pytest.fixture(scope="module")
+def reward_model(sft, tmp_path_factory):
+    """The SFT model with a new score for its head, saved as a reward model's run."""
+    from tinygpt.checkpoint import load_run, save
+    from tinygpt.model import score_head
+
+    model, tok = load_run(sft, "cpu")
+    run = tmp_path_factory.mktemp("reward") / "rm"
+    save(score_head(model), run, tok)
+    return run
+
+
+def test_a_reward_model_is_a_reward(sft, reward_model, tmp_path, cli):
+    """--reward RUN scores each prompt and completion as `tinygpt reward score` does (the text its training
+    wrote a pair's side as), in a batch; a GRPO run trains with it beside the task's checker, its metrics under
+    the folder's name as TRL names a reward model, and records it by the name given."""
+    from tinygpt.align.preference_run import reward_score
+    from tinygpt.align.rewards import model_reward, named_reward
+
+    reward = named_reward(str(reward_model))
+    prompts, completions = ["12+30=", "7+5=", "99+99="], ["42\n", "1", "198\n"]
+    values = reward.fn(prompts=prompts, completions=completions, completion_ids=[[1]] * 3)
+    assert values == pytest.approx([reward_score(reward_model, p, c) for p, c in zip(prompts, completions)], abs=1e-5)
+    assert reward.label == "rm" and model_reward(reward_model, 0.5).weight == 0.5
+    out = tmp_path / "run"
+    r = cli("grpo", sft, "--task", "addition", "--reward", reward_model, "--reward-weights", "1,0.5",
+            "--num-generations", 4, "--batch-size", 16, "--eval-size", 8, "--pass-k", 0, "--max-iters", 2,
+            "--eval-interval", 2, "--out", out, "--quiet")
+    assert r.returncode == 0, r.stderr
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("rewards/rm/mean" in s and "rewards/addition/mean" in s for s in steps if "loss" in s)
+    assert json.loads((out / "train_config.json").read_text())["grpo"]["rewards"] == [str(reward_model)]
+
+
+def test_a_reward_model_is_no_policy_and_a_language_model_no_reward(sft, reward_model, tmp_path, cli):
+    """A reward model as FROM (grpo's, and finetune's) and a language model or no folder as --reward: one line
+    each, nothing written."""
+    out = tmp_path / "run"
+    for args, message in [
+        (["grpo", reward_model, "--task", "addition"], f"{reward_model} is a reward model (a score for a text, no "
+                                                       "next token): tinygpt grpo trains a language model"),
+        (["finetune", reward_model, "--data", sft.parent / "data"], "tinygpt finetune trains a language model"),
+        (["grpo", sft, "--task", "addition", "--reward", sft], f"--reward {sft}: a language model, not a reward "
+                                                               "model"),
+        (["grpo", sft, "--task", "addition", "--reward", tmp_path / "nowhere"], "neither a function named "
+                                                                                "module:function"),
+    ]:
+        r = cli(*args, "--out", out, "--max-iters", 2, "--quiet")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, (args, r.stderr)
+        assert not out.exists(), args

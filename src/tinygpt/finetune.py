@@ -282,6 +282,9 @@ def tune(
     with distributed.process_group(resolve_device(tcfg.device), tcfg.dist_timeout) as ctx:
         dataset = load_data(data) if data is not None else None
         base = Base.of(from_, dataset, cfg)
+        if base.config.head == "reward" and tuning.head == "lm":
+            raise ConfigError(f"{from_} is a reward model (a score for a text, no next token): tinygpt {tuning.name} "
+                              f"trains a language model; a reward model scores GRPO's completions (--reward {from_})")
         base_checksum = weights_checksum(base.model)  # hashed once (every weight): a resume checks its base by it
         config = base.config if tuning.head == "lm" else dataclasses.replace(base.config, head=tuning.head,
                                                                               tie_weights=False)

@@ -402,8 +402,8 @@ def _rollout_metrics(rewards: list[Reward], per_function: torch.Tensor, total: t
            "completions/max_length": lengths.max(), "completions/clipped_ratio": rollouts.truncated.float().mean(),
            "completions/mean_terminated_length": ended.mean() if len(ended) else torch.tensor(0.0)}
     for j, reward in enumerate(rewards):
-        out[f"rewards/{reward.name}/mean"] = torch.nanmean(per_function[:, j])
-        out[f"rewards/{reward.name}/std"] = nanstd(per_function[:, j])
+        out[f"rewards/{reward.label}/mean"] = torch.nanmean(per_function[:, j])
+        out[f"rewards/{reward.label}/std"] = nanstd(per_function[:, j])
     return {k: torch.nan_to_num(v.float()) for k, v in out.items()}
 
 

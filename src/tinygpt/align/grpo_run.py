@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.grpo import DEFAULT_TRAIN, GRPOConfig
 from ..config.sampling import SampleConfig
 from ..config.train import TrainConfig
 from ..data.folder import DataSet
+from ..device import resolve_device
 from ..errors import ConfigError
 from ..finetune import Base, FinetuneResult, Tuning, tune
 from ..model import GPT
@@ -36,7 +38,7 @@ from ..tokenizer.chat import render_chat_prompt, stop_ids
 from ..train.callbacks import TrainCallback
 from . import tasks
 from .grpo import GRPO, Plan, Prompts, held_out_scores
-from .rewards import Reward, import_reward, read_prompts, task_reward
+from .rewards import Reward, named_reward, read_prompts, task_reward
 from .rollouts import check_room, sample_groups
 
 TASK_PROMPTS = 10_000  # a task's training prompts, drawn once (with repeats: the rollouts draw from them)
@@ -67,8 +69,8 @@ def grpo(
         finetune_config: what trains (method full or lora, frozen layers, keep) and the report's reference
             text (FinetuneConfig); its block_size and prompts are not GRPO's.
         train_config: the optimization (default: config.grpo.DEFAULT_TRAIN); batch_size counts completions.
-        rewards: the functions config.rewards names, in its order (default: imported from their names,
-            "module:function", here: the caller named them).
+        rewards: the functions config.rewards names, in its order (default: from their names, here: the
+            caller named them; "module:function" imported, a reward model's folder loaded to score).
         resume: continue the run in `out` from its checkpoint; config.rewards must name the rewards the run
             was trained with.
         merge: with lora, also write the adapters folded into the base as a plain run here.
@@ -80,7 +82,8 @@ def grpo(
     elsewhere); parameters, memory and time.
 
     Raises:
-        ConfigError: bad settings, a reward that does not import, other rewards than a resumed run's.
+        ConfigError: bad settings, a reward that does not import (or a language model named as one), FROM a
+            reward model, other rewards than a resumed run's.
         DataError: a prompts file that does not read or has bad lines.
         CheckpointError, TrainingError: as for finetune(); RewardError when a reward function fails.
     """
@@ -88,11 +91,12 @@ def grpo(
     if ft.block_size is not None or ft.prompts:
         raise ConfigError("GRPO's completions are as long as max_completion_length, and its samples are the "
                           "held-out prompts': block_size and prompts are fine-tuning's settings")
-    named = _rewards(config, rewards)
+    train_config = train_config or TrainConfig(**DEFAULT_TRAIN)
+    named = _rewards(config, rewards, resolve_device(train_config.device))
     if resume:
         _check_rewards(RunFolder(out), config)
-    return tune(from_, None, out, GRPOTuning(config, named), ft, train_config or TrainConfig(**DEFAULT_TRAIN),
-                resume=resume, merge=merge, progress=progress, callbacks=callbacks, should_stop=should_stop)
+    return tune(from_, None, out, GRPOTuning(config, named), ft, train_config, resume=resume, merge=merge,
+                progress=progress, callbacks=callbacks, should_stop=should_stop)
 
 
 class GRPOTuning(Tuning):
@@ -142,10 +146,11 @@ class GRPOTuning(Tuning):
         return self.config.to_dict()
 
 
-def _rewards(config: GRPOConfig, given: Sequence[Reward] | None) -> list[Reward]:
-    """The reward functions, the task's first, each with its weight; the named ones imported unless given."""
+def _rewards(config: GRPOConfig, given: Sequence[Reward] | None, device: torch.device) -> list[Reward]:
+    """The reward functions, the task's first, each with its weight; the named ones imported (or a reward model
+    loaded, to score on `device`) unless given."""
     weights = config.weights()
-    named = list(given) if given is not None else [import_reward(name) for name in config.rewards]
+    named = list(given) if given is not None else [named_reward(name, device=device) for name in config.rewards]
     if [r.name for r in named] != list(config.rewards):
         raise ConfigError(f"rewards: {[r.name for r in named]} are not the rewards the config names, "
                           f"{list(config.rewards)}")

@@ -37,7 +37,7 @@ from ..train.callbacks import TrainCallback
 from .dpo import DPO, Reference
 from .pairs import preference_pairs
 from .preferences import measure_pairs
-from .reward import BradleyTerry, scores
+from .reward import BradleyTerry, score_completions
 
 SAMPLES = 2  # validation prompts the DPO report answers before and after, when no --prompt is given
 SAMPLE_TOKENS = 32
@@ -240,8 +240,6 @@ def reward_score(run: str | Path, prompt: str, completion: str, device: str = "c
     model, tokenizer = checkpoint.load_run(run, device)
     if model.config.head != "reward":
         raise ConfigError(f"{run} is a language model, not a reward model: train one with `tinygpt reward train`")
-    ids = encode_named(tokenizer, prompt + completion, "the prompt and completion")[-model.config.block_size:]
-    if not ids:
+    if not prompt + completion:
         raise ConfigError("nothing to score: the prompt and completion are empty")
-    x = torch.tensor([ids], device=model.wte.weight.device)
-    return float(scores(model.eval(), x, torch.tensor([len(ids) - 1]))[0])
+    return float(score_completions(model.eval(), tokenizer, [prompt], [completion])[0])

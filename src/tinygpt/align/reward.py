@@ -1,6 +1,7 @@
 """A reward model's scores and its loss as pure functions, as TRL's RewardTrainer defines them.
 
     scores(model, ids, last)                      each row's score: the reward head's output at its last token
+    score_completions(model, tok, prompts, ...)   each completion to its prompt, written as a pair's side
     reward_loss(chosen, rejected, ...)            Bradley-Terry: -log sigmoid(r_chosen - r_rejected - margin),
                                                   a mean, plus TRL's centering term
     reward_metrics(chosen, rejected)              TRL's logged names: accuracy, margin, min/mean/max_reward
@@ -20,6 +21,8 @@ from ..config.train import TrainConfig
 from ..data.folder import DataSet
 from ..distributed import Dist
 from ..model import GPT
+from ..tokenizer.base import Tokenizer, encode_named
+from ..tokenizer.chat import render_chat
 from ..train.objectives import Batch
 from .pairs import PairObjective
 
@@ -40,6 +43,33 @@ def scores(model: torch.nn.Module, ids: torch.Tensor, last: torch.Tensor) -> tor
     """
     out = model(ids)  # (N, T, 1)
     return out[torch.arange(len(ids), device=out.device), last.to(out.device), 0].float()
+
+
+@torch.no_grad()
+def score_completions(model: GPT, tokenizer: Tokenizer, prompts: list, completions: list) -> torch.Tensor:
+    """A reward model's score of each completion to its prompt, each written as its training wrote a pair's
+    side: a text the prompt and the completion (no end of text), a conversation (a list of messages, the
+    completion the assistant's) rendered with the chat template; its last block_size tokens.
+
+    Args:
+        model: a reward model, in eval mode.
+        tokenizer: its tokenizer.
+        prompts, completions: one of each per score.
+
+    Returns:
+        (N,) float32.
+
+    Raises:
+        ConfigError: text its vocabulary cannot write; ChatError: a conversation its template refuses.
+    """
+    block = model.config.block_size
+    rows = [(render_chat(tokenizer, p + c).ids if isinstance(p, list)
+             else encode_named(tokenizer, p + c, "the prompt and completion"))[-block:]
+            for p, c in zip(prompts, completions)]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    return scores(model, ids.to(model.wte.weight.device), torch.tensor([len(row) - 1 for row in rows]))
 
 
 def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,

@@ -3,6 +3,9 @@
     task_reward(task)           a built-in task's checker (tinygpt.align.tasks): 1 for a right answer, else 0
     import_reward("mod:fn")     a Python function of the user's, imported only because the command line names
                                 it (a run folder records the name and never imports it on its own)
+    model_reward(run)           a reward model's score (`tinygpt reward train`'s run, or a Hugging Face
+                                *ForSequenceClassification folder)
+    named_reward(spec)          whichever of the two a --reward names
     score(rewards, ...)         every function on a batch of completions: (N, F) floats, NaN where one said None
     read_prompts(path)          a JSONL file of TRL's prompt-only rows: "prompt" (a string or a list of
                                 messages) and any other columns, which reach the functions by name
@@ -45,6 +48,12 @@ class Reward:
     name: str
     fn: Callable[..., list]
     weight: float = 1.0
+
+    @property
+    def label(self) -> str:
+        """What the metrics call it (rewards/LABEL/mean): its name, a reward model's folder by its last part, as
+        TRL names one."""
+        return Path(self.name).name or self.name
 
 
 def task_reward(task: Any, weight: float = 1.0) -> Reward:
@@ -94,6 +103,55 @@ def import_reward(spec: str, weight: float = 1.0) -> Reward:
     if not callable(fn):
         raise ConfigError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
     return Reward(spec, fn, weight)
+
+
+def model_reward(run: str | Path, weight: float = 1.0, device: torch.device | str = "cpu") -> Reward:
+    """A reward model's score of each completion to its prompt as a reward (align.reward.score_completions: the
+    texts written as its training wrote a pair's side). Its weights are all that is read of the folder.
+
+    Args:
+        run: a reward model's run folder, or a Hugging Face *ForSequenceClassification folder.
+        weight: its weight.
+        device: where it scores.
+
+    Raises:
+        ConfigError: a language model, not a reward model.
+        CheckpointError: the folder does not load.
+    """
+    from ..checkpoint import load_run
+    from .reward import score_completions
+
+    model, tokenizer = load_run(run, device)
+    if model.config.head != "reward":
+        raise ConfigError(f"--reward {run}: a language model, not a reward model (`tinygpt reward train` makes one; "
+                          "a function is named module:function)")
+    model.eval().requires_grad_(False)
+
+    def reward_model(prompts: list, completions: list, **columns: Any) -> list[float]:
+        return score_completions(model, tokenizer, prompts, completions).tolist()
+
+    return Reward(str(run), reward_model, weight)
+
+
+def named_reward(spec: str, weight: float = 1.0, device: torch.device | str = "cpu") -> Reward:
+    """The reward a --reward names: a Python function ("module:function", imported because the command line
+    names it) or a reward model's folder.
+
+    Args:
+        spec: as the command line gave it.
+        weight: its weight.
+        device: where a reward model scores.
+
+    Raises:
+        ConfigError: neither, or one that does not load (import_reward's and model_reward's errors).
+        CheckpointError: a reward model's folder that does not load.
+    """
+    if is_callable_name(spec):
+        return import_reward(spec, weight)
+    if Path(spec).is_dir():
+        return model_reward(spec, weight, device)
+    raise ConfigError(f"--reward {spec}: neither a function named module:function (rewards:correct) nor a reward "
+                      "model's folder")
 
 
 def _first_line(e: BaseException) -> str:

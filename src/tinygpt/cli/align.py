@@ -50,12 +50,14 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     model, no labels, only a checker. The prompts are a built-in task's (--task addition writes its own and
     keeps a held-out set) or a JSONL file in TRL's prompt-only format (--prompts FILE: a "prompt" string or
     a list of messages, and any other columns, which reach the reward functions by name). The rewards are
-    the task's checker, and any Python function named by --reward module:function with TRL's signature
-    (prompts, completions, **columns -> one float or None per completion), summed with --reward-weights. A
-    --reward runs only because the command line names it: the run records its name, and a resume is given
-    the same --reward again. --loss-type (grpo, dr_grpo, dapo), --scale-rewards, --beta (a KL term to FROM,
-    0 by default as TRL), --epsilon and --num-iterations are TRL's GRPOConfig settings, named as there.
-    --batch-size counts completions (TRL's per_device_train_batch_size).
+    the task's checker, any Python function named by --reward module:function with TRL's signature
+    (prompts, completions, **columns -> one float or None per completion), and any reward model named by
+    --reward RUN (`tinygpt reward train`'s run, or a Hugging Face *ForSequenceClassification folder: its score
+    of each prompt and completion), summed with --reward-weights. A --reward runs only because the command line
+    names it: the run records its name, and a resume is given the same --reward again. FROM is a language
+    model: a reward model there is refused. --loss-type (grpo, dr_grpo, dapo), --scale-rewards, --beta (a KL
+    term to FROM, 0 by default as TRL), --epsilon and --num-iterations are TRL's GRPOConfig settings, named as
+    there. --batch-size counts completions (TRL's per_device_train_batch_size).
 
     Each evaluation answers the held-out prompts greedily (their mean reward; with a task, the accuracy) and
     samples --pass-k answers each (pass@1, pass@k). At the end it prints, and keeps in RUN/finetune_report.json,
@@ -97,9 +99,9 @@ def add_grpo(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--prompts", metavar="FILE", help="TRL's prompt-only JSONL: \"prompt\" and any other columns")
     d.add_argument("--eval-prompts", metavar="FILE", help="held-out prompts (default: the task's, else every tenth "
                    "row of --prompts)")
-    d.add_argument("--reward", action="append", metavar="MODULE:FUNCTION",
+    d.add_argument("--reward", action="append", metavar="MODULE:FUNCTION|RUN",
                    help="a reward function with TRL's signature, imported from MODULE (the current directory "
-                        "first); repeatable")
+                        "first), or a reward model's folder (its score of each prompt and completion); repeatable")
     d.add_argument("--reward-weights", type=Number("float", 0, items=True), metavar="LIST",
                    help="each reward's weight, the task's first (1 each)")
     r = p.add_argument_group("rollouts and the loss (TRL's GRPOConfig)")
