@@ -129,10 +129,11 @@ chat-demo: $(STAMP)
 	rm -rf runs/chat-demo
 	$(BIN)/python benchmarks/chat_demo.py --out runs/chat-demo
 
-# Learning from rewards, from nothing: a 2-layer model pretrained on worked sums until it answers 40% of the
-# held-out prompts, then GRPO for a minute with the task's checker as its only teacher; the report (before and
-# after) and the plot, copied to docs/ for the tutorial. About 2 to 3 minutes on a 2-core CPU. One thread, as
-# fewshot-demo, for the same reason.
+# The course's last stage, from nothing: a 2-layer model pretrained on worked sums until it answers 40% of the
+# held-out prompts; GRPO for a minute with the task's checker as its only teacher; DPO with the SFT term and
+# pure DPO from the same base, on pairs of its own answers. Each run's report and plot (GRPO's copied to docs/
+# for the tutorial "Align a model: rewards"). About 3 minutes on a 2-core CPU. One thread, as fewshot-demo,
+# for the same reason.
 ALIGN := runs/align-demo
 align-demo: export OMP_NUM_THREADS = 1
 align-demo: $(STAMP)
