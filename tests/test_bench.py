@@ -388,3 +388,33 @@ def test_a_cpu_that_emulates_bfloat16_measures_no_bfloat16_matmul(monkeypatch):
     monkeypatch.setattr(plans, "cpu_has_native_bf16", lambda: True)
     lim = machine_module.limits(SMOKE, torch.device("cpu"))
     assert lim["matmul_bfloat16_gflops"] > 0 and "GFLOP/s bfloat16" in machine_module.describe_limits(lim)
+
+
+def test_step_rows_split_each_block_s_step_and_measure_it_against_its_products_limit():
+    """Issue 61: the default block's step (Muon + AdamW) beside GPT-2's (AdamW) at the same size, the profiler's
+    share of it in matrix products, and the same products timed alone (the limit); their ratio is a target."""
+    from tinygpt.lab.bench import step
+
+    lines = []
+    rows = step.step_rows(SMOKE, torch.device("cpu"), lines.append)
+    assert {(r["block"], r["optimizer"], r["dtype"]) for r in rows} == {
+        (b, o, d) for b, o in (("modern", "muon+adamw"), ("gpt2", "adamw")) for d in train_dtypes(torch.device("cpu"))}
+    for r in rows:
+        assert (r["size"], r["batch"], r["seq_len"]) == ("1x32", SMOKE.step_batch, SMOKE.step_context)
+        assert r["step_ms"] > 0 and r["limit_ms"] > 0 and r["gflops"] > 0 and 0 < r["products_share"] < 1
+        assert 0 <= r["optimizer_products_share"] <= r["optimizer_share"] < 1
+        assert (r["optimizer_products_share"] > 0) == (r["block"] == "modern")  # Muon's iteration; AdamW has none
+    assert len(lines) == len(rows) and "outside matrix products" in lines[0]
+    result = {"steps": rows}
+    (ratio,) = ratios(result)
+    assert ratio["name"] == "step 1x32 float32: the default block (Muon + AdamW) / GPT-2's (AdamW)"
+    assert ratio["target"] == 1.2 and ratio["at_most"] and ratio["met"] == (ratio["ratio"] <= 1.2)
+
+
+def test_a_step_s_products_are_timed_again_as_plain_gemms_of_their_shapes():
+    from tinygpt.lab.bench import step
+
+    products = [("aten::mm", [[8, 4], [4, 6]], 2), ("aten::addmm", [[6], [8, 4], [4, 6], [], []], 1),
+                ("aten::baddbmm", [[3, 8, 8], [3, 8, 4], [3, 4, 8], [], []], 1), ("aten::bmm", [[], []], 1)]
+    seconds, flops = step._limit(products, torch.float32, 1, torch.device("cpu"))
+    assert seconds > 0 and flops == 3 * 2 * 8 * 4 * 6 + 3 * 2 * 8 * 4 * 8  # a product without shapes is left out

@@ -19,8 +19,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         --smoke: every kind of row once at the smallest sizes, in seconds: that the bench runs here.
         --device: where to measure (auto: cuda where there is one); a GPU has a plan of its own.
         --json FILE: also write every figure as JSON.
-        --only SECTION: limits, train, generate, dpo or grpo (a `tinygpt dpo` or `tinygpt grpo` step beside
-            TRL's DPOTrainer's or GRPOTrainer's on a CPU; repeatable; default all).
+        --only SECTION: limits, train, step, generate, dpo or grpo (step: the default block's training step
+            against GPT-2's and the matmul limit; dpo, grpo: a `tinygpt dpo` or `tinygpt grpo` step beside TRL's
+            DPOTrainer's or GRPOTrainer's on a CPU; repeatable; default all).
         --no-peers: skip transformers and llama.cpp even when they are installed.
     """
 
@@ -36,7 +37,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_recipes(args)
     if args.data or args.plot:
         raise ConfigError(f"{'--data' if args.data else '--plot'} goes with --recipes")
-    sections = tuple(args.only or ("limits", "train", "generate", "dpo", "grpo"))
+    sections = tuple(args.only or ("limits", "train", "step", "generate", "dpo", "grpo"))
     result = bench.run(quick=args.quick, smoke=args.smoke, device=args.device, sections=sections,
                        peers=not args.no_peers, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(bench.render(result))
@@ -87,8 +88,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="every kind of row once at the smallest sizes, in seconds: checks the bench runs (no figure to read)")
     add_device_flag(p, help="where to measure (auto: cuda where there is one, with the GPU's plan)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
-    p.add_argument("--only", action="append", choices=("limits", "train", "generate", "dpo", "grpo"),
-                   help="measure only this")
+    p.add_argument("--only", action="append", choices=("limits", "train", "step", "generate", "dpo", "grpo"),
+                   help="measure only this (step: the default block's training step against GPT-2's and the matmul "
+                        "limit)")
     p.add_argument("--no-peers", action="store_true", help="skip transformers and llama.cpp")
     from ..lab import recipes
 

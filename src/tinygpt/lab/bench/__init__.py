@@ -13,6 +13,9 @@ memory read bandwidth) turn speeds into MFU and bandwidth use.
     training     tokens/s and MFU of real `tinygpt.train` steps (AdamW, clipping, logging) and of a
                  transformers loop with fused AdamW, float32 and bfloat16 autocast (on a GPU: GPT-2
                  at 16 x 1024 in bfloat16, eager and with --compile)
+    step         a training step of the default block (Muon + AdamW) and of GPT-2's (AdamW) at the same size
+                 (4 x 128 and 6 x 384, batch 32 x 128), the profiler's share of it in matrix products, and the
+                 same products timed alone as plain GEMMs: how far each block's step is from the machine's limit
     generation   prefill tokens/s, time to first token, decode tokens/s at batch 1 and 8 (the new tokens
                  over the whole call's wall clock, a 16-token prompt included, as a user decodes), with and
                  without the KV cache, for each weight format (on a GPU also through torch.compile,
@@ -38,7 +41,7 @@ transformers and llama.cpp (llama-cpp-python) are imported only in `peers`, and 
 alone.
 
 A module a part: `plans` (what a run measures), `machine` (the CPU, its flags and limits), `clock`
-(timing), `peers` (transformers and llama.cpp), `training`, `generation`, `dpo` and `grpo` (the rows),
+(timing), `peers` (transformers and llama.cpp), `training`, `step`, `generation`, `dpo` and `grpo` (the rows),
 `policy` (the model the DPO and GRPO rows train, and how each side's step is timed), `report` (the ratios and
 tables) and `measure` (`run`, the whole of it).
 """

@@ -16,11 +16,12 @@ from .machine import describe_cpu, describe_limits, limits, load_average, machin
 from .peers import llama_available, peers_available
 from .plans import SMOKE, Plan, plan_for
 from .report import ratios
+from .step import step_rows
 from .training import training_rows
 
 
 def run(
-    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "generate", "dpo", "grpo"),
+    *, quick: bool = False, sections: tuple[str, ...] = ("limits", "train", "step", "generate", "dpo", "grpo"),
     peers: bool = True, log: Callable[[str], None] = print, plan: Plan | None = None, device: str = "auto",
     smoke: bool = False,
 ) -> dict[str, Any]:
@@ -31,8 +32,8 @@ def run(
         smoke: every kind of row once at the smallest sizes (SMOKE): that the bench runs, in seconds.
         plan: what to measure, instead of the one plan_for picks.
         device: where to measure (resolve_device's names; "auto" picks cuda where there is one).
-        sections: any of "limits", "train", "generate", "dpo" and "grpo" (a DPO or a GRPO step beside TRL's, on a
-            CPU).
+        sections: any of "limits", "train", "step", "generate", "dpo" and "grpo" (a DPO or a GRPO step beside
+            TRL's, on a CPU).
         peers: measure transformers and llama.cpp beside tinygpt (those installed).
         log: called with a line per measurement, as it is taken.
     """
@@ -55,6 +56,8 @@ def run(
     log(describe_limits(lim))
     if "train" in sections:
         result["training"] = training_rows(plan, device, lim, peers, log)
+    if "step" in sections and plan.step_sizes:
+        result["steps"] = step_rows(plan, device, log)
     if "generate" in sections:
         result["generation"] = generation_rows(plan, device, lim, peers, llama, log)
     if "dpo" in sections and plan.dpo is not None and device.type == "cpu":

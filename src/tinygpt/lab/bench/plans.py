@@ -21,6 +21,8 @@ LLAMA_WIDE = "gpt2-4k"
 SMOLLM = "smollm2"  # SmolLM2-135M's shape (30 x 576, 9 heads, 3 for keys and values, SwiGLU, tied), random weights
 SMOLLM_CONTEXT = 1024  # generation rows of it crop the preset's 8,192 positions (the cache is sized by them)
 TRAIN_CONTEXT = 256  # training rows of the bigger presets run 256-token sequences (gpt2 at 4 x 256)
+# the step rows' sizes (n_layer, n_head, n_embd): the recipe bench's 4 x 128 and the baby model's 6 x 384
+STEP_SIZES = ((4, 4, 128), (6, 6, 384))
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,12 @@ class Plan:
     # the GRPO row (tinygpt.lab.bench.grpo): (prompts a step, completions a prompt, timed steps), beside TRL's
     # GRPOTrainer; None: none
     grpo: tuple[int, int, int] | None = None
+    # (n_layer, n_head, n_embd) of the step rows (the default block against GPT-2's), their batch and context,
+    # and their interleaved rounds
+    step_sizes: tuple[tuple[int, int, int], ...] = ()
+    step_batch: int = 32
+    step_context: int = 128
+    repeats_step: int = 3
 
 
 FULL = Plan(
@@ -64,14 +72,14 @@ FULL = Plan(
     train=(("lesson", 32, 30), ("char", 12, 30), ("baby", 8, 6), ("gpt2", 4, 4), (SMOLLM, 4, 4)),
     prompt=16, new_tokens=64, no_cache_tokens=16, gen_models=("baby", "gpt2", SMOLLM), gen_batches=(1, 8),
     peer_formats=("fp32", "bf16"), llama_models=("baby", "gpt2-4k", SMOLLM), busy=True, repeats_llama=5, dpo=(8, 5),
-    grpo=(8, 8, 5),
+    grpo=(8, 8, 5), step_sizes=STEP_SIZES,
 )
 QUICK = Plan(
     matmul_n=1536, memory_mib=512, repeats=3, repeats_gen=2, repeats_train=2,
     train=(("lesson", 32, 10), ("char", 12, 12), ("baby", 4, 3)),
     prompt=16, new_tokens=24, no_cache_tokens=6, gen_models=("baby", "gpt2"), gen_batches=(1,),
     peer_formats=("fp32",), llama_models=("baby",), formats=("fp32", "bf16", "fp16", "int8"), busy=True,
-    dpo=(8, 3), grpo=(8, 8, 3),
+    dpo=(8, 3), grpo=(8, 8, 3), step_sizes=STEP_SIZES[:1], repeats_step=2,
 )
 # A GPU: matrices and a copy big enough to reach its limits (a 4 GiB copy is 70 times an H200's L2);
 # GPT-2 trained at 16 x 1024 with its own vocabulary in bfloat16, eager and compiled; GPT-2 decoded
@@ -90,7 +98,7 @@ GPU_QUICK = dataclasses.replace(GPU, repeats=3, train_modes=(("bfloat16", True),
 SMOKE = Plan(
     matmul_n=64, memory_mib=4, repeats=1, repeats_gen=1, repeats_train=1, train=(("lesson", 4, 2),), prompt=4,
     new_tokens=3, no_cache_tokens=2, gen_models=("lesson",), gen_batches=(1, 2), peer_formats=("fp32", "bf16"),
-    dpo=(2, 1), grpo=(2, 2, 1),
+    dpo=(2, 1), grpo=(2, 2, 1), step_sizes=((1, 2, 32),), step_batch=2, step_context=16, repeats_step=1,
 )
 
 

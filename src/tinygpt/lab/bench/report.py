@@ -114,7 +114,22 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
     if {"tinygpt", "trl"} <= grpo.keys():  # issue 58's goal: at least as fast as TRL (its moonshot: twice)
         out.append({"name": "grpo step qwen2 4x256: TRL GRPOTrainer ms / tinygpt grpo ms",
                     "ratio": grpo["trl"] / grpo["tinygpt"], "target": 1.0, "met": grpo["trl"] >= grpo["tinygpt"]})
-    return out + _gpu_ratios(result)
+    return out + _step_ratios(result.get("steps", [])) + _gpu_ratios(result)
+
+
+STEP_TARGET = 1.2  # the default block's step at most this many times GPT-2's (issue 61)
+
+
+def _step_ratios(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The default block's step time over GPT-2's, each with its recipe's optimizer, at each size and dtype."""
+    out = []
+    for size, dtype in dict.fromkeys((r["size"], r["dtype"]) for r in steps):
+        ms = {r["block"]: r["step_ms"] for r in steps if (r["size"], r["dtype"]) == (size, dtype)}
+        if {"modern", "gpt2"} <= ms.keys():
+            ratio = ms["modern"] / ms["gpt2"]
+            out.append({"name": f"step {size} {dtype}: the default block (Muon + AdamW) / GPT-2's (AdamW)",
+                        "ratio": ratio, "target": STEP_TARGET, "at_most": True, "met": ratio <= STEP_TARGET})
+    return out
 
 
 def _llama_ratios(decode: list[dict[str, Any]], condition: str = "") -> list[dict[str, Any]]:
@@ -152,6 +167,13 @@ def render(result: dict[str, Any]) -> str:
         for r in result["training"]:
             lines.append(f"{r['model']:<8} {r['impl']:<17}{r['dtype']:<10}{r['batch']:>4}x{r['seq_len']:<5}"
                          f"{r['tokens_per_s']:>11,.0f}{r['mfu']:>7.0%}")
+    if result.get("steps"):
+        lines += ["", f"{'step':<7} {'block':<7}{'optimizer':<11}{'dtype':<9}{'ms':>9}{'outside products':>17}"
+                      f"{'optimizer':>10}{'GFLOP/s':>9}{'limit':>7}{'of limit':>9}"]
+        for r in result["steps"]:
+            lines.append(f"{r['size']:<7} {r['block']:<7}{r['optimizer']:<11}{r['dtype']:<9}{r['step_ms']:>9.1f}"
+                         f"{1 - r['products_share']:>17.0%}{r['optimizer_share']:>10.0%}{r['gflops']:>9.0f}"
+                         f"{r['limit_gflops']:>7.0f}{r['of_limit']:>9.0%}")
     if result.get("generation"):
         lines += ["", f"{'generate':<8} {'impl':<17}{'weights':<8}{'batch':>5} {'cache':<6}{'decode tok/s':>13}"
                       f"{'prefill tok/s':>14}{'TTFT ms':>9}{'bandwidth':>10}"]
@@ -186,6 +208,6 @@ def render(result: dict[str, Any]) -> str:
             target = ""  # a ratio without a target is shown for itself
             if r["target"] is not None:
                 goal = f"{r['target']:.0%}" if percent else f"{r['target']:g}"
-                target = f"target >= {goal}: {'met' if r['met'] else 'NOT met'}"
+                target = f"target {'<=' if r.get('at_most') else '>='} {goal}: {'met' if r['met'] else 'NOT met'}"
             lines.append(f"  {r['name']:<64}{value}  {target}")
     return "\n".join(lines)
