@@ -19,7 +19,7 @@ from .. import checkpoint, distributed
 from ..config.model import GPTConfig
 from ..config.train import DEFAULT_LR, TrainConfig
 from ..data.folder import DataSet
-from ..device import allow_fast_float32, autocast, resolve_dtype
+from ..device import allow_fast_float32, autocast, resolve_dtype, reuse_freed_memory
 from ..errors import CheckpointError, NonFiniteError, TrainingError
 from ..model import GPT
 from ..optim import BudgetSchedule, decay_start, lr_at, lr_scales, make_optimizer, warmup_steps
@@ -151,6 +151,7 @@ class Run:
         self.objective = setup.objective
         self.device, self.dtype = ctx.device, resolve_dtype(cfg.dtype, ctx.device)
         allow_fast_float32(self.device)
+        reuse_freed_memory(self.device)  # a CPU's steps, one like the next, keep their memory
         fsdp = cfg.fsdp and ctx.enabled  # one process has nothing to shard
         if fsdp and self.dtype is torch.float16:
             raise TrainingError("--fsdp trains in float32 or bfloat16: float16 needs loss scaling across the shards")

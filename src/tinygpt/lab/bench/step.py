@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from ...config.fields import from_mapping
 from ...config.model import GPTConfig, with_arch
 from ...config.train import DEFAULT_LR, RECIPE_MODEL, RECIPE_TRAIN, TrainConfig
-from ...device import autocast
+from ...device import autocast, reuse_freed_memory
 from ...model import GPT
 from ...optim import make_optimizer
 from .clock import best_time
@@ -109,6 +109,7 @@ def step_rows(plan: Plan, device: torch.device, log: Callable[[str], None]) -> l
         log: called with each row's line.
     """
     rows = []
+    reuse_freed_memory(device)  # as a training run's steps do
     g = torch.Generator().manual_seed(0)
     batch = torch.randint(0, CHAR_VOCAB, (plan.step_batch, plan.step_context + 1), generator=g).to(device)
     for n_layer, n_head, n_embd in plan.step_sizes:
