@@ -406,9 +406,16 @@ def test_step_rows_split_each_block_s_step_and_measure_it_against_its_products_l
         assert (r["optimizer_products_share"] > 0) == (r["block"] == "modern")  # Muon's iteration; AdamW has none
     assert len(lines) == len(rows) and "outside matrix products" in lines[0]
     result = {"steps": rows}
-    (ratio,) = ratios(result)
+    ratio, passes, floor = ratios(result)
     assert ratio["name"] == "step 1x32 float32: the default block (Muon + AdamW) / GPT-2's (AdamW)"
     assert ratio["target"] == 1.2 and ratio["at_most"] and ratio["met"] == (ratio["ratio"] <= 1.2)
+    # the forward and backward passes alone, and what the ratio would be were the steps their products alone
+    modern, gpt2 = (next(r for r in rows if r["block"] == b) for b in ("modern", "gpt2"))
+    assert passes["name"] == "step 1x32 float32: their forward and backward alone" and passes["target"] is None
+    assert passes["ratio"] == pytest.approx(modern["step_ms"] * (1 - modern["optimizer_share"])
+                                            / (gpt2["step_ms"] * (1 - gpt2["optimizer_share"])))
+    assert floor["name"] == "step 1x32 float32: their products' FLOPs (the optimizer's too)" and floor["target"] is None
+    assert floor["ratio"] == modern["gflop"] / gpt2["gflop"] and modern["gflop"] > gpt2["gflop"]  # Muon's iteration
 
 
 def test_a_step_s_products_are_timed_again_as_plain_gemms_of_their_shapes():

@@ -10,7 +10,8 @@ each dtype worth measuring here, measured against the machine's own matmul limit
                  the time the step would take if it were its products alone at the machine's speed for them;
                  the step's GFLOP/s and the limit's, and the step's share of it (limit time / step time)
 
-The ratio of the two blocks' steps, at each size and dtype, is one of the run's ratios."""
+The ratio of the two blocks' steps, at each size and dtype, is one of the run's ratios (a target), beside the
+ratio of their forward and backward passes alone and of their products' floating-point operations."""
 
 from __future__ import annotations
 
@@ -146,6 +147,6 @@ def _row(block: str, size: tuple[int, int, int], plan: Plan, dtype: str, step_s:
             "optimizer": "muon+adamw" if BLOCKS[block][1].get("optimizer") == "muon" else "adamw", "dtype": dtype,
             "batch": plan.step_batch, "seq_len": plan.step_context, "step_ms": step_s * 1e3,
             "products_share": (forward_backward[1] + update[1]) / wall, "optimizer_share": update[0] / wall,
-            "optimizer_products_share": update[1] / wall, "gflops": flops / step_s / 1e9,
+            "optimizer_products_share": update[1] / wall, "gflop": flops / 1e9, "gflops": flops / step_s / 1e9,
             "limit_ms": limit_s * 1e3, "limit_gflops": flops / limit_s / 1e9 if limit_s else 0.0,
             "of_limit": limit_s / step_s}
