@@ -232,6 +232,24 @@ def test_twenty_steps_of_the_default_recipe_on_the_kernels_are_pytorch_s(monkeyp
         torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-4, msg=name)
 
 
+def test_twenty_steps_of_the_default_recipe_with_muon_on_the_gram_side_are_x_side_s(monkeypatch):
+    from tinygpt import optim
+
+    calls = []
+    monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: False)  # Muon's float32 iteration, tinygpt's
+    monkeypatch.setattr(optim, "gram_side_iteration",
+                        lambda *a, f=optim.gram_side_iteration: calls.append(a[0].shape) or f(*a))
+    gram_losses, gram = modern_run(20, True, monkeypatch)
+    assert calls and all(c > 1.5 * r for _, r, c in calls)  # SwiGLU's gate, up and down projections (48 x 128)
+    monkeypatch.setattr(optim, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(optim, "gram_side_iteration", optim.x_side_iteration)
+    x_losses, x = modern_run(20, True, monkeypatch)
+    assert gram_losses[-1] < gram_losses[0] - 0.2  # it trains
+    torch.testing.assert_close(torch.tensor(gram_losses), torch.tensor(x_losses), atol=2e-5, rtol=2e-5)
+    for (name, p), q in zip(gram.named_parameters(), x.parameters()):
+        torch.testing.assert_close(p, q, atol=2e-5, rtol=2e-4, msg=name)
+
+
 @needs_kernels
 def test_checking_the_kernels_draws_nothing_from_torch_s_generator():
     # the first call comes in a run's first forward pass, after its seed: its dropout masks must not move
