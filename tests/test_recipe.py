@@ -430,8 +430,9 @@ def test_muon_s_float32_iteration_is_the_exact_one_and_near_torch_s_bfloat16():
 
 def test_muon_s_wide_matrices_iterate_on_their_gram_side_to_the_same_values_in_fewer_operations():
     """A matrix over 1.5 times as wide as tall (SwiGLU's, issue 61) iterates on its Gram side: the float64
-    iteration's values within 5e-6 on matrices whose singular values span 1 to 1e-5, in 4 r^2 c + 28 r^3
-    floating-point operations for Muon's five steps (X's side's 20 r^2 c + 10 r^3); a square one as before."""
+    iteration's values within 5e-6 on matrices whose singular values span 1 to 1e-5, in 8 r^2 c + 28 r^3
+    floating-point operations for Muon's five steps (X made twice; X's side's 20 r^2 c + 10 r^3); a square one
+    as before."""
     from torch.utils.flop_counter import FlopCounterMode
 
     g = torch.Generator().manual_seed(0)

@@ -200,8 +200,8 @@ def orthogonalized(matrices: list[torch.Tensor], coefficients: tuple[float, floa
     for (rows, columns), indices in by_shape.items():
         x = torch.stack([wide[i] for i in indices])  # (n, rows, columns)
         x = x / x.flatten(1).norm(dim=1).clamp(min=eps)[:, None, None]
-        # s steps of a matrix's cost 4 r^2 c + 2 r^3 floating-point operations each on X's side, together
-        # 4 r^2 c + (8 s - 6) r^3 on the Gram side: fewer for s > 1 where c > 1.5 r
+        # s steps of an r x c matrix cost s (4 r^2 c + 2 r^3) floating-point operations on X's side and
+        # 4 r^2 c + (8 s - 6) r^3 on the Gram side between two makings of X: fewer for s > 1 where c > 1.5 r
         gram_side = 2 * columns > 3 * rows and steps > 1
         x = (gram_side_iteration if gram_side else x_side_iteration)(x, coefficients, steps)
         for i, m in zip(indices, x):
