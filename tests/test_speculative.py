@@ -47,6 +47,7 @@ def always(monkeypatch):
     """Speculate from the first step and never step aside: the schedule's timing out of the way."""
     monkeypatch.setattr(speculative, "PLAIN_PROBES", 0)
     monkeypatch.setattr(speculative, "TRIAL_ROUNDS", 10**9)
+    monkeypatch.setattr(speculative, "EMPTY_ROUNDS", 10**9)
 
 
 def _figures(model, idx, n, **kw):
@@ -258,10 +259,15 @@ def test_speculation_steps_aside_where_it_loses_and_tries_again_later():
         assert spec.budget(100) == 0
         spec.plain(0.010)
     assert spec.budget(100) > 0  # tried again, for fewer rounds
-    for _ in range(speculative.RETRY_ROUNDS):
-        spec.settle(1, 0, 0.014)
+    spec.settle(1, 0, 0.014)  # nothing stood in the three rounds before the pause, nor now: one round decides
     assert spec.pause == 4 * speculative.FIRST_PAUSE  # lost again: four times as long
-    assert spec.stats.plain == 2 + speculative.FIRST_PAUSE and spec.stats.rounds == 7 + speculative.RETRY_ROUNDS
+    assert spec.stats.plain == 2 + speculative.FIRST_PAUSE and spec.stats.rounds == 8
+    for _ in range(4 * speculative.FIRST_PAUSE):
+        spec.plain(0.010)
+    spec.settle(2, 1, 0.030)  # a proposal stood: the retry takes its rounds, slower than plain steps
+    assert spec.pause == 0 and spec.budget(100) > 0
+    spec.settle(2, 0, 0.030)
+    assert spec.pause == 16 * speculative.FIRST_PAUSE
 
 
 def test_a_round_slowed_by_another_program_does_not_set_speculation_aside():
@@ -271,6 +277,32 @@ def test_a_round_slowed_by_another_program_does_not_set_speculation_aside():
     for seconds in (0.012, 0.300, 0.012, 0.012):  # and a round
         spec.settle(4, 4, seconds)
     assert spec.pause == 0 and spec.budget(100) > 0
+
+
+def _contrary(model: GPT) -> GPT:
+    """A draft of the model's own weights whose every proposal is the token after the model's choice (its head's
+    rows turned by one): nothing it proposes ever stands."""
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.lm_head.parameters():
+            p.copy_(p.roll(1, dims=0))
+    return draft
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_a_draft_that_is_never_right_costs_three_short_rounds_in_160_tokens(fmt, monkeypatch):
+    # what the schedule spends finding out: two rounds of one proposal, 32 plain tokens, a retry of one round, and
+    # 128 plain tokens before the next (where four rounds, some of two proposals, and a retry of two were spent)
+    target = quantize(_gpt(1, 32, 0, block=256), fmt)
+    draft = quantize(_contrary(_gpt(1, 32, 0, block=256)), fmt)
+    rows = []
+    real = speculative.verify
+    monkeypatch.setattr(speculative, "verify", lambda model, r, *a: rows.append(r.shape[1]) or real(model, r, *a))
+    idx = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0))
+    out, stats = _figures(target, idx, 160, greedy=True, draft=draft)
+    assert torch.equal(out, generate(target, idx, 160, greedy=True))
+    assert stats.accepted == 0 and stats.rounds == 3 and stats.drafted == 3 and rows == [2, 2, 2]
+    assert stats.plain == 160 - 3 - 1  # the prompt's pass gives the first token
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
@@ -430,7 +462,7 @@ def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():
     spec = speculative.Speculator(speculative.DraftModel(_gpt(1, 32, 1), V, 48), most=8)
     spec.plain(0.020)
     spec.plain(0.020)
-    for _ in range(speculative.TRIAL_ROUNDS):
+    for _ in range(speculative.EMPTY_ROUNDS):
         spec.settle(spec.k, 0, 0.012, drafting=0.001)
     assert spec.pause == speculative.FIRST_PAUSE
 
@@ -504,7 +536,9 @@ GROUNDED = '{"name": "ab", "tags": ["ab", "cd"]} ab-12 cd-34 the cat sat: '
 
 @pytest.mark.parametrize("source", ["near draft", "prompt lookup"])
 @pytest.mark.parametrize("constraint", list(CONSTRAINTS))
-def test_a_constrained_reply_speculates_and_is_the_plain_constrained_reply(constraint, source, always):
+def test_a_constrained_reply_speculates_and_is_the_plain_constrained_reply(constraint, source, always, monkeypatch):
+    # a first round of two proposals: the short choices' reply then has one the grammar refuses
+    monkeypatch.setattr(speculative, "START_TOKENS", 2)
     tok = tiny_tokenizer()
     target = _gpt(2, 64, 0, vocab=len(CHARS), block=256)
     kw = dict(draft=_near(target, 0.3, 1)) if source == "near draft" else dict(prompt_lookup=2)

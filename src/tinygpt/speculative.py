@@ -28,9 +28,10 @@ which no query reads before the next tokens overwrite them.
 A `Speculator` is one sequence's speculation: its drafter, the tokens it proposes (k, up to the most it
 was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
-tokens cost more than plain steps would: for 32 tokens the first time, four times as many each time it
-loses again. `generate_stream` (the library, `tinygpt sample` and `chat`) and the server's scheduler both decode
-through `speculate`.
+tokens cost more than plain steps would, or at once where two rounds in a row kept none of their proposals
+(a retry then ends after one such round): for 32 tokens the first time, four times as many each time it
+loses again. While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library,
+`tinygpt sample` and `chat`) and the server's scheduler both decode through `speculate`.
 
 A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
 which is given each verified position's logits with the proposals before it: the mask there is the one the
@@ -63,12 +64,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (transformers' lookup: 10)
 # proposals of the first round: a draft that misses wastes little finding out (verifying 5 rows of an int8 model
-# costs 2.2 of its steps on the Zen 3), and one that hits gets its k from the next round on
-START_TOKENS = 2
+# costs 2.2 of its steps on the Zen 3, 2 rows about 1.3), and one that hits gets its k from the next round on
+START_TOKENS = 1
 FIRST_PAUSE = 32  # plain tokens after speculation first loses; four times as many each time it loses again
 LONGEST_PAUSE = 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
 RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
+# rounds in a row of which no proposal stood that end a trial there (the retry after them: its first round): such a
+# round gives the one token a plain step gives, for a verification of two rows or more and the draft's steps
+EMPTY_ROUNDS = 2
 PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
@@ -409,6 +413,7 @@ class Speculator:
         self.pause = 0  # plain tokens to go before speculating again
         self.next_pause = FIRST_PAUSE
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
+        self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
 
     def budget(self, room: int) -> int:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
@@ -432,6 +437,7 @@ class Speculator:
         self.stats.accepted += accepted
         self.stood = DECAY * self.stood + accepted
         self.fell = DECAY * self.fell + (accepted < drafted)
+        self.empty = 0 if accepted else self.empty + 1
         if not self.steps:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
             self.k = self.most
             return
@@ -444,10 +450,13 @@ class Speculator:
         self.k, expected = self._best_k()
         self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
-        if len(self.trial) < rounds:
+        # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
+        # a draft that never agrees costs the first trial two short rounds and a retry one
+        nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
+        if len(self.trial) < rounds and not nothing:
             return
         # slower than plain steps, as timed or as the acceptance and costs expect: set it aside
-        if statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0:
+        if nothing or statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
