@@ -1,3 +1,5 @@
+import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -69,6 +71,41 @@ def test_resume_is_bitwise_equal(char_data, tmp_path, stop_at):
         assert torch.equal(a[k], b[k]), k
     metrics = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(m)["step"] for m in metrics if "loss" in json.loads(m)] == list(range(1, 21))
+
+
+def _kl_from(teacher, student, x: torch.Tensor) -> float:
+    """The mean KL divergence from the teacher's next-token distributions on x (B, T) to the student's."""
+    with torch.no_grad():
+        logp = [torch.log_softmax(m.eval()(x), dim=-1) for m in (teacher, student)]
+    return torch.nn.functional.kl_div(logp[1], logp[0], log_target=True, reduction="sum").item() / x.numel()
+
+
+def test_distill_learns_the_teacher_s_distributions_where_the_text_s_tokens_do_not(char_data, tmp_path):
+    from conftest import make_text
+
+    from tinygpt import GPT
+    from tinygpt.train import Start
+    from tinygpt.train.objectives import Distill
+
+    torch.manual_seed(0)  # a teacher of random weights: its distributions are nothing like the text's
+    teacher = GPT(dataclasses.replace(MODEL, init="torch", tie_weights=False, dropout=0.0))
+    small = dataclasses.replace(MODEL, n_layer=1, n_embd=16, dropout=0.0)
+    start = Start(small, lambda: GPT(small), load, DEFAULT_LR, objective=functools.partial(Distill, teacher=teacher))
+    torch.manual_seed(0)
+    train(char_data, tmp_path / "distilled", start, cfg(max_iters=60, eval_interval=60, lr=3e-3), progress=False)
+    torch.manual_seed(0)
+    train(char_data, tmp_path / "text", small, cfg(max_iters=60, eval_interval=60, lr=3e-3), progress=False)
+    ids = tinygpt.load_tokenizer(char_data).encode(make_text(40, seed=1))
+    x = torch.tensor(ids[: 16 * (len(ids) // 16)]).view(-1, 16)  # text neither saw, in windows of block_size
+    kl = {name: _kl_from(teacher, load(tmp_path / name), x) for name in ("distilled", "text")}
+    untrained = _kl_from(teacher, GPT(small), x)
+    assert kl["distilled"] < 0.5 * untrained and kl["distilled"] < 0.25 * kl["text"], (kl, untrained)
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())  # never trained
+    narrow = GPT(dataclasses.replace(MODEL, vocab_size=8))
+    refused = Start(small, lambda: GPT(small), load, DEFAULT_LR, objective=functools.partial(Distill, teacher=narrow))
+    with pytest.raises(TrainingError, match="the teacher reads 8 ids"):
+        train(char_data, tmp_path / "refused", refused, cfg(max_iters=2), progress=False)
+    assert not (tmp_path / "refused").exists()
 
 
 def test_nonfinite_loss_stops_before_the_update(char_data, tmp_path, monkeypatch):

@@ -3,8 +3,9 @@
 - `loop`: train(), the loop itself, read in one sitting.
 - `run`: the run as it trains (Run: the model, its optimizer, a phase a method), its settings checked
   before anything is written, and Start, a model built elsewhere (fine-tuning).
-- `objectives`: what a step optimises (Objective): NextToken on text, Masked on chat data (SFT). A new
-  training method (preference pairs, a reward model, rollouts) is a new objective there.
+- `objectives`: what a step optimises (Objective): NextToken on text, Masked on chat data (SFT), Distill (a
+  teacher's distributions on text). A new training method (preference pairs, a reward model, rollouts) is a
+  new objective there.
 - `state`: what a checkpoint keeps beside the weights, and how a resume puts it back.
 - `evaluation`: a model scored on held-out text for the commands and reports (evaluate, evaluate_chat).
 - `pacing`: a time budget's pace, and SIGINT/SIGTERM.

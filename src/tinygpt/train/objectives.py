@@ -1,10 +1,12 @@
 """What a training step optimises: an objective, which the one loop calls for each micro-batch and each
-evaluation, and the two of them today.
+evaluation, and the three of them today.
 
     NextToken   running text: every next token's loss, on windows of the train split drawn at random
                 offsets or in order (TrainConfig.data_order)
     Masked      chat data (supervised fine-tuning): the next-token loss of the assistant's tokens only (the
                 loss mask), on packed rows of whole conversations, each seeing only itself
+    Distill     running text, a teacher's distributions at every position learned (KL divergence): a draft
+                for speculative decoding, from its target
 
 The loop owns the model, the optimizer, the processes, the precision, the schedule, the checkpoints and
 the stop; an objective owns its data and what a step learns from it:
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..config.train import TrainConfig
 from ..data.batches import Batches, Stream, data_order, share
@@ -236,6 +239,47 @@ class NextToken(Objective):
             raise TrainingError(f"{run.path} trained with --data-order {saved['order']}: resume it with that order")
         if self.stream is not None:
             self.stream.restore(saved, run.state_file)
+
+
+class Distill(NextToken):
+    """A teacher's next-token distributions, learned: on NextToken's windows, the KL divergence from the
+    teacher's distribution at every position to the model's (soft targets at temperature 1: Hinton et al.,
+    2015), where the next-token loss learns from the one token the text has there. What a draft for
+    speculative decoding wants, whose proposals stand where it chooses what its target would: distilled from
+    the target, it agrees with it more than one trained on the text for the same time (DistillSpec, Zhou et
+    al., 2024; benchmarks/speculative.py measures both). A step pays for the teacher's forward pass, under
+    no_grad. Its evaluation is NextToken's, the loss on the text.
+
+    Args:
+        dataset, cfg, window, ctx: as Objective takes them.
+        teacher: the model whose distributions are learned, on the run's device; never trained (eval mode,
+            no gradients), and its head covering the data's vocabulary.
+
+    Raises:
+        TrainingError: chat data, or a teacher whose vocabulary or context is smaller than the data's and
+            the window.
+    """
+
+    def __init__(self, dataset: DataSet, cfg: TrainConfig, window: int, ctx: Dist, teacher: GPT) -> None:
+        if dataset.is_chat:
+            raise TrainingError(f"{dataset.path} is chat data: a teacher is distilled on running text")
+        super().__init__(dataset, cfg, window, ctx)
+        vocab, tcfg = int(dataset.meta["vocab_size"]), teacher.config
+        if tcfg.vocab_size < vocab or tcfg.block_size < window:
+            raise TrainingError(f"the teacher reads {tcfg.vocab_size:,} ids in {tcfg.block_size} positions; the data "
+                                f"has {vocab:,} and a window {window}")
+        self.teacher = teacher.eval().requires_grad_(False)
+
+    def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x = batch.inputs[0].to(self.ctx.device)
+        with torch.no_grad():
+            teacher = self.teacher(x).float()
+        student = model(x).float()
+        # the ids both heads have (the data's, at least): a head padded past the vocabulary keeps its padding
+        width = min(teacher.shape[-1], student.shape[-1])
+        kl = F.kl_div(F.log_softmax(student[..., :width], dim=-1), F.log_softmax(teacher[..., :width], dim=-1),
+                      log_target=True, reduction="sum") / x.numel()
+        return kl, {}
 
 
 class Masked(NextToken):
