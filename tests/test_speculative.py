@@ -44,10 +44,12 @@ def _near(model: GPT, scale: float, seed: int) -> GPT:
 
 @pytest.fixture
 def always(monkeypatch):
-    """Speculate from the first step and never step aside: the schedule's timing out of the way."""
+    """Speculate from the first step and never step aside, a draft reading the whole text (no glance while the
+    rounds have not shown that speculation pays): the schedule out of the way."""
     monkeypatch.setattr(speculative, "PLAIN_PROBES", 0)
     monkeypatch.setattr(speculative, "TRIAL_ROUNDS", 10**9)
     monkeypatch.setattr(speculative, "EMPTY_ROUNDS", 10**9)
+    monkeypatch.setattr(speculative, "GLANCE", 10**9)
 
 
 def _figures(model, idx, n, **kw):
@@ -292,17 +294,21 @@ def _contrary(model: GPT) -> GPT:
 @pytest.mark.parametrize("fmt", ["fp32", "int8"])
 def test_a_draft_that_is_never_right_costs_three_short_rounds_in_160_tokens(fmt, monkeypatch):
     # what the schedule spends finding out: two rounds of one proposal, 32 plain tokens, a retry of one round, and
-    # 128 plain tokens before the next (where four rounds, some of two proposals, and a retry of two were spent)
+    # 128 plain tokens before the next (where four rounds, some of two proposals, and a retry of two were spent);
+    # the draft reads the last GLANCE tokens of the 80-token prompt and of the pause, not all of them
     target = quantize(_gpt(1, 32, 0, block=256), fmt)
     draft = quantize(_contrary(_gpt(1, 32, 0, block=256)), fmt)
-    rows = []
-    real = speculative.verify
+    rows, read = [], []
+    real, catch_up = speculative.verify, speculative.DraftModel._catch_up
     monkeypatch.setattr(speculative, "verify", lambda model, r, *a: rows.append(r.shape[1]) or real(model, r, *a))
-    idx = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(speculative.DraftModel, "_catch_up",
+                        lambda self, tokens: read.append(len(tokens) - self.filled) or catch_up(self, tokens))
+    idx = torch.randint(0, V, (1, 80), generator=torch.Generator().manual_seed(0))
     out, stats = _figures(target, idx, 160, greedy=True, draft=draft)
     assert torch.equal(out, generate(target, idx, 160, greedy=True))
     assert stats.accepted == 0 and stats.rounds == 3 and stats.drafted == 3 and rows == [2, 2, 2]
     assert stats.plain == 160 - 3 - 1  # the prompt's pass gives the first token
+    assert sum(read) <= 2 * speculative.GLANCE + 1, read  # two glances and the round between: 15 + 1, 1, 15 + 1
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():

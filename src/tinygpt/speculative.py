@@ -74,6 +74,7 @@ RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 # round gives the one token a plain step gives, for a verification of two rows or more and the draft's steps
 EMPTY_ROUNDS = 2
 PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
+GLANCE = 16  # tokens a draft reads of the text before speculation pays (DraftModel): one call into its DecodePlan
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
 # (logits (R, V) at R consecutive positions, the proposals drafted (m,) with m >= R - 1) -> the logits a token is
@@ -219,7 +220,7 @@ class PromptLookup:
             found.append(text[at + i] if at + i < len(text) else found[at + i - len(text)])
         return torch.tensor(found, dtype=torch.long, device=tokens.device)
 
-    def prepare(self, tokens: torch.Tensor) -> None:
+    def prepare(self, tokens: torch.Tensor, whole: bool = True) -> None:
         """Nothing to read ahead: the look-up indexes the text as it proposes."""
 
     def rollback(self, length: int) -> None:
@@ -231,6 +232,12 @@ class DraftModel:
     greedy decoding, else drawn from its logits shaped as the target's are (its distribution q), with the
     random numbers of each proposal's position (Draws).
 
+    Until speculation pays (a trial's rounds, the first or a retry's after a pause), the draft glances: it reads
+    the text's last GLANCE tokens from its own position 0 (as training reads a window cut from running text),
+    not the whole prompt nor the tokens of a pause: reading them costs a draft of a thirteenth of an int8
+    target's size 3 ms for an 87-token prompt, 6 of that target's steps, and a never-right draft's trial
+    nothing else worth counting. Once speculation pays, the draft reads the whole text again, from the start.
+
     Args:
         draft: the draft model (a tinygpt GPT; eval mode while it proposes).
         vocab_size: the target's head (its logits' width): the draft's are cut or padded to it.
@@ -241,12 +248,14 @@ class DraftModel:
         self.model, self.vocab_size = draft, vocab_size
         self.max_len = min(max_len, draft.config.block_size)
         self.cache: KVCache | None = None
-        self.filled = 0  # the draft's cache holds the sequence's first `filled` tokens
+        self.start = 0  # the sequence's position of the token in the cache's first position (a glance's start)
+        self.filled = 0  # the cache holds the sequence's tokens from `start` to `filled`
 
     def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
         """Up to k proposals after tokens (T,): the argmax of each position's logits, or with `draws` (sampling)
         the draw its random numbers make."""
-        k = min(k, self.max_len - len(tokens))  # the draft sees its own context and no further
+        at = len(tokens) - self.start  # the last token's position in the draft's cache
+        k = min(k, self.max_len - at)  # the draft sees its own context and no further
         if k < 1:
             return tokens.new_empty(0)
         if self.cache is None:
@@ -256,30 +265,43 @@ class DraftModel:
             drafted = []
             for i in range(k):
                 if i:
-                    logits = _forward(self.model, drafted[-1].view(1, 1), self.cache, len(tokens) + i - 1)
+                    logits = _forward(self.model, drafted[-1].view(1, 1), self.cache, at + i - 1)
                 shaped = shape(self._widen(logits.float()), torch.cat(drafted) if drafted else tokens.new_empty(0))
                 drafted.append(shaped.argmax(dim=-1) if draws is None else choose_with(shaped, draws.row(i)))
         self.filled = len(tokens) + k - 1  # the last proposal was never read
         return torch.cat(drafted)
 
-    def prepare(self, tokens: torch.Tensor) -> None:
-        """Read the prompt, tokens (T,) but the last, into an empty cache: before the first round's clock starts,
-        since it is the prompt's cost, paid once, and no round's (a 400-token prompt to a 1.5M draft: 5-10 steps of
-        a 19M target)."""
-        if self.cache is not None or not 1 < len(tokens) <= self.max_len:
+    def prepare(self, tokens: torch.Tensor, whole: bool = True) -> None:
+        """Read what tokens (T,) hold beyond the last round's tokens, all but the last, before the round's clock
+        starts (a prompt's or a pause's cost is no round's): where speculation pays (`whole`), the text from its
+        start, else (a trial) its last GLANCE tokens where more than those are unread."""
+        gap = len(tokens) - self.filled
+        if whole:
+            start = 0
+        elif gap > GLANCE or len(tokens) - self.start >= self.max_len:  # a pause's tokens, or no room left
+            start = max(0, len(tokens) - GLANCE)
+        else:
+            start = self.start
+        if self.cache is None:
+            self.cache = KVCache.for_model(self.model, 1, self.max_len)
+        if start != self.start:
+            self.start = self.filled = start
+        elif gap <= GLANCE:  # a round's own few tokens: the round reads them with its first proposal's
             return
-        self.cache = KVCache.for_model(self.model, 1, self.max_len)
+        if not 1 < len(tokens) - self.start <= self.max_len:
+            return
         with _evaluating(self.model):
             self._catch_up(tokens[:-1])
         self.filled = len(tokens) - 1
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's logits (1, V_draft) after tokens (T,), reading the ones its cache lacks: a round's token
-        or two in one call on its decode kernels, a prompt (more than fastpath.PROMPT_ROWS) through its forward."""
+        and the proposals that stood, or the text a glance or the whole text reads."""
         new = tokens[self.filled :].unsqueeze(0)
+        at = self.filled - self.start
         if new.shape[1] <= fastpath.PROMPT_ROWS:
-            return _forward(self.model, new, self.cache, self.filled)[-1:]
-        positions = torch.arange(self.filled, len(tokens), device=tokens.device)
+            return _forward(self.model, new, self.cache, at)[-1:]
+        positions = torch.arange(at, at + new.shape[1], device=tokens.device)
         return self.model(new, self.cache, positions, last_only=True)[:, -1]
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
@@ -415,6 +437,11 @@ class Speculator:
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
         self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
 
+    @property
+    def paying(self) -> bool:
+        """Whether the rounds since speculation (re)started have shown that it pays: its trial is over."""
+        return len(self.trial) >= (TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS)
+
     def budget(self, room: int) -> int:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
         may still add less one, and the positions its cache has left less one)."""
@@ -509,7 +536,7 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     Returns:
         The Round, or None where the drafter proposed nothing (take a plain step).
     """
-    spec.drafter.prepare(tokens)
+    spec.drafter.prepare(tokens, whole=spec.paying)
     start = time.perf_counter()
     draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
     drafted = spec.drafter.propose(tokens, k, shape, draws)
