@@ -50,6 +50,7 @@ def always(monkeypatch):
     monkeypatch.setattr(speculative, "TRIAL_ROUNDS", 10**9)
     monkeypatch.setattr(speculative, "EMPTY_ROUNDS", 10**9)
     monkeypatch.setattr(speculative, "GLANCE", 10**9)
+    monkeypatch.setattr(speculative, "PLAIN_EVERY", 10**9)
 
 
 def _figures(model, idx, n, **kw):
@@ -270,6 +271,23 @@ def test_speculation_steps_aside_where_it_loses_and_tries_again_later():
     assert spec.pause == 0 and spec.budget(100) > 0
     spec.settle(2, 0, 0.030)
     assert spec.pause == 16 * speculative.FIRST_PAUSE
+
+
+def test_rounds_are_weighed_against_plain_steps_timed_as_they_go():
+    # the first plain steps after the prompt's pass are slow (10 ms here, where a step costs 4): rounds of nine
+    # tokens in 50 ms look like paying against them, and lose against the steps timed among the rounds
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    spec.plain(0.010)
+    spec.plain(0.010)
+    for _ in range(speculative.PLAIN_EVERY):
+        assert spec.budget(100) > 0
+        spec.settle(8, 8, 0.050)
+    assert spec.pause == 0 and spec.budget(100) == 0  # a plain step is due: timed among the rounds
+    spec.plain(0.004)
+    for _ in range(speculative.TRIAL_ROUNDS):  # the latest rounds' median turns: 9 tokens in 50 ms lose to 4 ms steps
+        if spec.budget(100):
+            spec.settle(8, 8, 0.050)
+    assert spec.pause == speculative.FIRST_PAUSE
 
 
 def test_a_round_slowed_by_another_program_does_not_set_speculation_aside():

@@ -74,6 +74,9 @@ RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 # round gives the one token a plain step gives, for a verification of two rows or more and the draft's steps
 EMPTY_ROUNDS = 2
 PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
+# rounds between two timed plain steps: the steps that weigh a round's time are then the latest, on the threads the
+# rounds run on, and not the first few after the prompt's pass (an int8 step 0.5-1.0 ms there, 0.37-0.44 after)
+PLAIN_EVERY = 8
 GLANCE = 16  # tokens a draft reads of the text before speculation pays (DraftModel): one call into its DecodePlan
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
@@ -425,8 +428,9 @@ class Speculator:
         self.drafter, self.most = drafter, most
         self.k = min(START_TOKENS, most)
         self.stats = SpeculationStats()
-        # the latest measures, of which the median counts: on a machine shared with other work a round or a step
-        # now and then takes several times its time, and a mean would set speculation aside for it
+        # the latest measures, of which the median counts (of the plain steps, the fastest): on a machine shared
+        # with other work a round or a step now and then takes several times its time, and a mean would set
+        # speculation aside for it
         self.steps: deque[float] = deque(maxlen=5)  # plain steps' seconds
         self.stood, self.fell = 1.0, 1.0  # proposals that stood and rounds where one fell, weighted: a = 1/2 at first
         self.draft_costs: deque[float] = deque(maxlen=5)  # a draft step's time, in plain steps (d)
@@ -436,6 +440,7 @@ class Speculator:
         self.next_pause = FIRST_PAUSE
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
         self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
+        self.rounds_since = 0  # rounds since the latest timed plain step
 
     @property
     def paying(self) -> bool:
@@ -445,7 +450,7 @@ class Speculator:
     def budget(self, room: int) -> int:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
         may still add less one, and the positions its cache has left less one)."""
-        if self.pause or self.stats.plain < PLAIN_PROBES:
+        if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY:
             return 0
         return max(0, min(self.k, room))
 
@@ -455,11 +460,13 @@ class Speculator:
         self.pause = max(0, self.pause - 1)
         if seconds is not None:
             self.steps.append(seconds)
+            self.rounds_since = 0
 
     def settle(self, drafted: int, accepted: int, seconds: float, drafting: float = 0.0) -> None:
         """A round proposed `drafted` tokens, of which `accepted` stood, in `seconds` (`drafting` of them the
         drafter's): choose the next k, and whether to go on."""
         self.stats.rounds += 1
+        self.rounds_since += 1
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.stood = DECAY * self.stood + accepted
@@ -468,10 +475,11 @@ class Speculator:
         if not self.steps:  # nothing to weigh the time by (PLAIN_PROBES = 0): as many as it may
             self.k = self.most
             return
-        # a verification reads what a step reads and more: where the plain steps timed slower (the first ones run
-        # on one thread while ThreadChoice looks), a verification bounds what a step costs now
+        # the fastest of the latest plain steps: a step the machine held up is slower, none is faster than a step
+        # costs; and a verification reads what a step reads and more: where the plain steps timed slower (the
+        # first ones run on one thread while ThreadChoice looks), a verification bounds what a step costs now
         self.verifies.append(seconds - drafting)
-        step = min(statistics.median(self.steps), min(self.verifies))
+        step = min(min(self.steps), min(self.verifies))
         self.draft_costs.append(drafting / drafted / step)
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
         self.k, expected = self._best_k()
