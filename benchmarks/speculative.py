@@ -1,14 +1,18 @@
 """Speculative decoding against plain decoding at batch 1 (issue 60): tokens per second with and without it,
-the share of proposed tokens that stood, per weight format, on a target and a draft trained here.
+the share of proposed tokens that stood, per weight format, on a target and drafts trained here.
 
-Both learn the same text for the same minutes: the first --chars characters of the python-stdlib corpus (this
-interpreter's standard library, read in place, in file order; character tokens). The target is 5 x 384 (9.1M
-parameters: 36.0 MB of float32 Linear weights, more than the 32 MiB last-level cache of the 2-core AMD EPYC Zen 3
-this was written on), the draft 3 x 128, 13 times smaller. The cases, each plain and speculative:
+Each model learns the same text for the same minutes: the first --chars characters of the python-stdlib corpus
+(this interpreter's standard library, read in place, in file order; character tokens). The target is 5 x 384
+(9.1M parameters: 36.0 MB of float32 Linear weights, more than the 32 MiB last-level cache of the 2-core AMD EPYC
+Zen 3 this was written on), the drafts 3 x 128, 13 times smaller: one trained on the text as the target was, one
+distilled from the target (the KL divergence from the target's next-token distributions to its own, at every
+position of the same text: train.objectives.Distill; the target's forward pass is part of its minutes). The
+cases, each plain and speculative:
 
   code, prompt lookup   greedy; the prompt is the start of a standard-library file the models never saw, which
                         they continue: input-grounded text, where the reply repeats its input (--prompt-lookup 3)
-  code, trained draft   the same prompt, the trained draft proposing
+  code, trained draft   the same prompt, the draft trained on the text proposing
+  code, distilled draft   the same, the draft distilled from the target proposing
   code, int4 copy as draft   the same, the float32 target itself in int4 proposing (a sixth of its bytes)
   text, random draft    greedy, from an English sentence, a draft of the draft's shape with random weights
                         proposing: next to nothing stands, what speculating costs where it cannot pay
@@ -17,10 +21,11 @@ this was written on), the draft 3 x 128, 13 times smaller. The cases, each plain
 
 Each case runs plain and speculative one after the other in each of --rounds interleaved rounds; the table
 gives each one's best round and the median of the rounds' ratios. The whole generate call is timed (the
-prompt's pass included, and a draft's reading of it), on the threads generate chooses. The runs and the data stay in --work, so a
-second run measures without training again (delete it to retrain).
+prompt's pass included, and a draft's reading of it), on the threads generate chooses. The runs and the data
+stay in --work, so a second run measures without training again (delete it to retrain).
 
-    .venv/bin/python benchmarks/speculative.py [--minutes 10] [--rounds 5] [--new-tokens 160] [--json FILE]
+    .venv/bin/python benchmarks/speculative.py [--minutes 10] [--rounds 5] [--new-tokens 160] [--cases ...]
+        [--formats ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -47,6 +53,10 @@ TARGET = dict(n_layer=5, n_head=6, n_embd=384, block_size=384)
 DRAFT = dict(n_layer=3, n_head=2, n_embd=128, block_size=384)
 TEXT = "The history of the city begins in the year when the first traders came up the river, and"
 LOOKUP = 3
+# --cases' names for them
+CASES = {"code, prompt lookup": "lookup", "code, trained draft": "draft", "code, distilled draft": "distilled",
+         "code, int4 copy as draft": "int4-draft", "text, random draft": "random",
+         "text, prompt lookup, sampled": "sampled"}
 PROMPT = 200  # characters of the code prompt: with --new-tokens, within the models' 384 positions (no sliding)
 
 
@@ -93,6 +103,26 @@ def trained(work: Path, data: Path, name: str, shape: dict, minutes: float, log)
     return tinygpt.load(run).eval()
 
 
+def distilled(work: Path, data: Path, name: str, shape: dict, minutes: float, teacher: tinygpt.GPT,
+              log) -> tinygpt.GPT:
+    """The run work/name, the draft's shape trained for `minutes` on data to give the teacher's next-token
+    distributions (train.objectives.Distill) unless it is there already."""
+    from tinygpt.config import DEFAULT_LR
+    from tinygpt.train import Start
+    from tinygpt.train.objectives import Distill
+
+    run = work / name
+    if not (run / "config.json").exists():
+        cfg = tinygpt.GPTConfig(vocab_size=teacher.config.vocab_size, **shape)
+        log(f"distilling {name} ({count_params(cfg).total:,} parameters) from the target for {minutes:g} minutes")
+        start = Start(cfg, lambda: tinygpt.GPT(cfg), tinygpt.load, DEFAULT_LR,
+                      objective=functools.partial(Distill, teacher=teacher))
+        result = tinygpt.train(data, run, start, tinygpt.TrainConfig(max_time=60 * minutes, batch_size=4, warmup=10,
+                                                                       eval_interval=10**6, eval_iters=4))
+        log(f"  {result.step:,} steps, {result.tokens:,} tokens, KL divergence from the target {result.train_loss:.3f}")
+    return tinygpt.load(run).eval()
+
+
 def timed(model, idx: torch.Tensor, n: int, sampling: dict, speculation: dict) -> tuple[float, object]:
     """Seconds for one generate call of n new tokens, and its speculation figures (None without)."""
     seen = []
@@ -102,21 +132,25 @@ def timed(model, idx: torch.Tensor, n: int, sampling: dict, speculation: dict) -
     return time.perf_counter() - start, seen[0] if seen else None
 
 
-def measure(base, draft, noise, tokenizer, prompt: str, fmt: str, args, log) -> list[dict]:
-    """Every case of one weight format, plain and speculative one after the other in each of the interleaved
-    rounds: the best round's tokens/s of each, and the median of the rounds' ratios (the two calls of a round
-    ran within a second of each other, so a busy spell of the machine falls on both)."""
-    target, draft, noise = (tinygpt.quantize(copy.deepcopy(m), fmt) for m in (base, draft, noise))
+def measure(base, drafts: dict, tokenizer, prompt: str, fmt: str, args, log) -> list[dict]:
+    """Every case of one weight format (those --cases names), plain and speculative one after the other in each
+    of the interleaved rounds: the best round's tokens/s of each, and the median of the rounds' ratios (the two
+    calls of a round ran within a second of each other, so a busy spell of the machine falls on both)."""
+    target = tinygpt.quantize(copy.deepcopy(base), fmt)
+    draft, distilled, noise = (tinygpt.quantize(copy.deepcopy(drafts[m]), fmt) if drafts[m] is not None else None
+                               for m in ("draft", "distilled", "noise"))
     code, text = (torch.tensor([tokenizer.encode(p)]) for p in (prompt, TEXT))
     greedy, sampled = dict(greedy=True), dict(temperature=0.8, generator=None)
     cases = {
         "code, prompt lookup": (code, greedy, dict(prompt_lookup=LOOKUP)),
         "code, trained draft": (code, greedy, dict(draft=draft)),
+        "code, distilled draft": (code, greedy, dict(draft=distilled)),
     }
     if fmt == "fp32":  # the target itself in 4 bits, a sixth of its bytes (in the other formats it fits the L3)
         cases["code, int4 copy as draft"] = (code, greedy, dict(draft=tinygpt.quantize(copy.deepcopy(base), "int4")))
     cases.update({"text, random draft": (text, greedy, dict(draft=noise)),
                   "text, prompt lookup, sampled": (text, sampled, dict(prompt_lookup=LOOKUP))})
+    cases = {case: v for case, v in cases.items() if CASES[case] in args.cases.split(",")}
     runs: dict[str, list[tuple[float, float, object]]] = {case: [] for case in cases}
     for _ in range(args.rounds):
         for case, (idx, sampling, speculation) in cases.items():
@@ -143,7 +177,8 @@ def measure(base, draft, noise, tokenizer, prompt: str, fmt: str, args, log) -> 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| format | case | plain, tokens/s | speculative, tokens/s | ratio (median) | accepted | tokens per target step |",
+    lines = ["| format | case | plain, tokens/s | speculative, tokens/s | ratio (median) | accepted | "
+             "tokens per target step |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         rate = r["speculation_acceptance_rate"]
@@ -160,8 +195,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--new-tokens", type=int, default=160, help="tokens each generate call adds (160)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="weight formats to measure (all)")
+    parser.add_argument("--cases", default=",".join(CASES.values()),
+                        help=f"cases to measure, by name (all: {','.join(CASES.values())})")
     parser.add_argument("--work", default=os.path.expanduser("~/.cache/tinygpt/speculative-bench"),
-                        help="where the data and the two runs are kept between runs")
+                        help="where the data and the runs are kept between runs")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = parser.parse_args()
 
@@ -175,6 +212,8 @@ def main() -> None:
         tinygpt.prepare([str(text)], data, tokenizer="char")
     target = trained(work, data, "target", TARGET, args.minutes, log)
     draft = trained(work, data, "draft", DRAFT, args.minutes, log)
+    distilled_draft = distilled(work, data, "distilled", DRAFT, args.minutes, target, log) \
+        if "distilled" in args.cases.split(",") else None
     torch.manual_seed(0)
     # the draft's shape with random weights, its head untied (a tied one would propose the last token again,
     # which a looping text accepts): a draft that is almost never right
@@ -187,7 +226,8 @@ def main() -> None:
         f"{count_params(draft.config).total:,}")
     rows = []
     for fmt in args.formats.split(","):
-        rows += measure(target, draft, noise, tokenizer, prompt, fmt, args, log)
+        drafts = dict(draft=draft, distilled=distilled_draft, noise=noise)
+        rows += measure(target, drafts, tokenizer, prompt, fmt, args, log)
     log(f"load at the end {load_average()}")
     print(table(rows))
     if args.json:
