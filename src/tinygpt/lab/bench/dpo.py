@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .policy import random_policy, run_step_seconds, trl_available, trl_step_seconds, words
+from .policy import implementations, random_policy, run_step_seconds, trl_step_seconds, trl_timing, words
 
 PAIRS = 64
 
@@ -53,10 +53,7 @@ def dpo_trl(hf: Path, rows: list[dict[str, str]], out: Path, batch: int, steps: 
     policy = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(hf, split_special_tokens=False)
-    args = trl.DPOConfig(output_dir=str(out), beta=0.1, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                         per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=1e-6,
-                         lr_scheduler_type="constant", logging_steps=10**6, disable_dropout=True, seed=0,
-                         disable_tqdm=True)
+    args = trl.DPOConfig(beta=0.1, per_device_train_batch_size=batch, **trl_timing(out, warmup + steps))
     trainer = trl.DPOTrainer(model=policy, ref_model=reference, args=args, processing_class=tok,
                              train_dataset=datasets.Dataset.from_list(rows))
     return trl_step_seconds(trainer, warmup)
@@ -76,10 +73,7 @@ def dpo_rows(batch: int, steps: int, peers: bool, log) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         base, pairs, train_rows = _world(root)
-        impls = ["tinygpt", *(["trl"] if peers and trl_available() else [])]
-        if peers and len(impls) == 1:
-            log("dpo: TRL is not installed (the dev extra): measuring tinygpt's DPO step alone")
-        for impl in impls:
+        for impl in implementations("dpo", peers, log):
             seconds = (dpo_tinygpt(base, pairs, root / "run", batch, steps, warmup) if impl == "tinygpt"
                        else dpo_trl(root / "hf", train_rows, root / "trl", batch, steps, warmup))
             rows.append({"model": "qwen2 4x256", "impl": impl, "dtype": "float32", "batch": batch, "ms_per_step":

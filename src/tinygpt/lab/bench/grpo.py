@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .policy import random_policy, run_step_seconds, trl_available, trl_step_seconds, words
+from .policy import implementations, random_policy, run_step_seconds, trl_step_seconds, trl_timing, words
 
 PROMPTS = 64  # prompt rows, of 12-20 words
 COMPLETION = 32  # a completion's most tokens, on both sides (a random policy rarely ends one sooner)
@@ -60,11 +60,8 @@ def grpo_trl(hf: Path, rows: list[dict[str, str]], out: Path, per_step: int, gro
 
     policy = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(hf, split_special_tokens=False)
-    args = trl.GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, report_to=[], save_strategy="no",
-                          per_device_train_batch_size=per_step * group, num_generations=group,
-                          max_completion_length=COMPLETION, max_steps=warmup + steps, learning_rate=1e-6,
-                          lr_scheduler_type="constant", logging_steps=10**6, disable_dropout=True, seed=0,
-                          disable_tqdm=True)
+    args = trl.GRPOConfig(per_device_train_batch_size=per_step * group, num_generations=group,
+                          max_completion_length=COMPLETION, **trl_timing(out, warmup + steps))
     trainer = trl.GRPOTrainer(model=policy, reward_funcs=variety, args=args, processing_class=tok,
                               train_dataset=datasets.Dataset.from_list(rows))
     return trl_step_seconds(trainer, warmup)
@@ -87,10 +84,7 @@ def grpo_rows(per_step: int, group: int, steps: int, peers: bool, log) -> list[d
         base, hf, rng = random_policy(root)
         prompts = [{"prompt": words(rng, rng.randint(12, 20)).strip()} for _ in range(PROMPTS)]
         (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prompts))
-        impls = ["tinygpt", *(["trl"] if peers and trl_available() else [])]
-        if peers and len(impls) == 1:
-            log("grpo: TRL is not installed (the dev extra): measuring tinygpt's GRPO step alone")
-        for impl in impls:
+        for impl in implementations("grpo", peers, log):
             seconds = (grpo_tinygpt(base, root / "prompts.jsonl", root / "run", per_step, group, steps, warmup)
                        if impl == "tinygpt" else grpo_trl(hf, prompts, root / "trl", per_step, group, steps, warmup))
             rows.append({"model": "qwen2 4x256", "impl": impl, "dtype": "float32", "prompts": per_step, "group": group,

@@ -22,14 +22,37 @@ POLICY_MODEL = dict(vocab_size=512, block_size=256, n_layer=4, n_head=4, n_kv_he
 WORDS = "the a sky sea grass cat mat is was blue green red sat on in what colour and of to".split()
 
 
-def trl_available() -> bool:
-    """Whether TRL (and the datasets it reads) import."""
+def implementations(row: str, peers: bool, log) -> list[str]:
+    """Who a row times: tinygpt, and TRL beside it where `peers` asks and TRL (with the datasets it reads) imports;
+    where it does not, a line says so.
+
+    Args:
+        row: the row's name (dpo, grpo).
+        peers: measure TRL beside tinygpt.
+        log: called with the line.
+    """
+    if not peers:
+        return ["tinygpt"]
     try:
         import datasets  # noqa: F401
         import trl  # noqa: F401
     except ImportError:
-        return False
-    return True
+        log(f"{row}: TRL is not installed (the dev extra): measuring tinygpt's {row.upper()} step alone")
+        return ["tinygpt"]
+    return ["tinygpt", "trl"]
+
+
+def trl_timing(out: Path, steps: int) -> dict[str, Any]:
+    """The settings of a TRL trainer's config that the rows time it with: on the CPU in float32, `steps` steps at a
+    constant tiny rate, no dropout, nothing logged, saved or drawn.
+
+    Args:
+        out: its output folder.
+        steps: max_steps, the untimed ones included.
+    """
+    return dict(output_dir=str(out), use_cpu=True, bf16=False, report_to=[], save_strategy="no", max_steps=steps,
+                learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=10**6, disable_dropout=True, seed=0,
+                disable_tqdm=True)
 
 
 def random_policy(root: Path) -> tuple[Path, Path, random.Random]:
