@@ -89,37 +89,31 @@ def corpus(work: Path, chars: int) -> tuple[Path, str]:
     return path, prompt
 
 
-def trained(work: Path, data: Path, name: str, shape: dict, minutes: float, log) -> tinygpt.GPT:
-    """The run work/name, trained for `minutes` on data unless it is there already."""
-    run = work / name
-    if not (run / "config.json").exists():
-        cfg = tinygpt.GPTConfig(vocab_size=tinygpt.load_tokenizer(data).vocab_size, **shape)
-        log(f"training {name} ({count_params(cfg).total:,} parameters) for {minutes:g} minutes")
-        # a short warmup and small batches: minutes on two cores are a few hundred steps
-        result = tinygpt.train(data, run, cfg, tinygpt.TrainConfig(max_time=60 * minutes, batch_size=4, warmup=10,
-                                                                     eval_interval=10**6, eval_iters=4))
-        val = f"{result.val_loss:.3f}" if result.val_loss is not None else "not evaluated"
-        log(f"  {result.step:,} steps, {result.tokens:,} tokens, val loss {val}")
-    return tinygpt.load(run).eval()
-
-
-def distilled(work: Path, data: Path, name: str, shape: dict, minutes: float, teacher: tinygpt.GPT,
-              log) -> tinygpt.GPT:
-    """The run work/name, the draft's shape trained for `minutes` on data to give the teacher's next-token
-    distributions (train.objectives.Distill) unless it is there already."""
+def trained(work: Path, data: Path, name: str, shape: dict, minutes: float, log,
+            teacher: tinygpt.GPT | None = None) -> tinygpt.GPT:
+    """The run work/name, trained for `minutes` on data unless it is there already: on the text's next tokens, or
+    with a teacher to give its next-token distributions (train.objectives.Distill)."""
     from tinygpt.config import DEFAULT_LR
     from tinygpt.train import Start
     from tinygpt.train.objectives import Distill
 
     run = work / name
     if not (run / "config.json").exists():
-        cfg = tinygpt.GPTConfig(vocab_size=teacher.config.vocab_size, **shape)
-        log(f"distilling {name} ({count_params(cfg).total:,} parameters) from the target for {minutes:g} minutes")
-        start = Start(cfg, lambda: tinygpt.GPT(cfg), tinygpt.load, DEFAULT_LR,
-                      objective=functools.partial(Distill, teacher=teacher))
+        vocab = teacher.config.vocab_size if teacher is not None else tinygpt.load_tokenizer(data).vocab_size
+        cfg = tinygpt.GPTConfig(vocab_size=vocab, **shape)
+        how = "training" if teacher is None else "distilling"
+        log(f"{how} {name} ({count_params(cfg).total:,} parameters) for {minutes:g} minutes")
+        start = cfg if teacher is None else Start(cfg, lambda: tinygpt.GPT(cfg), tinygpt.load, DEFAULT_LR,
+                                                  objective=functools.partial(Distill, teacher=teacher))
+        # a short warmup and small batches: minutes on two cores are a few hundred steps
         result = tinygpt.train(data, run, start, tinygpt.TrainConfig(max_time=60 * minutes, batch_size=4, warmup=10,
                                                                        eval_interval=10**6, eval_iters=4))
-        log(f"  {result.step:,} steps, {result.tokens:,} tokens, KL divergence from the target {result.train_loss:.3f}")
+        if teacher is not None:
+            log(f"  {result.step:,} steps, {result.tokens:,} tokens, KL divergence from the target "
+                f"{result.train_loss:.3f}")
+        else:
+            val = f"{result.val_loss:.3f}" if result.val_loss is not None else "not evaluated"
+            log(f"  {result.step:,} steps, {result.tokens:,} tokens, val loss {val}")
     return tinygpt.load(run).eval()
 
 
@@ -212,7 +206,7 @@ def main() -> None:
         tinygpt.prepare([str(text)], data, tokenizer="char")
     target = trained(work, data, "target", TARGET, args.minutes, log)
     draft = trained(work, data, "draft", DRAFT, args.minutes, log)
-    distilled_draft = distilled(work, data, "distilled", DRAFT, args.minutes, target, log) \
+    distilled_draft = trained(work, data, "distilled", DRAFT, args.minutes, log, teacher=target) \
         if "distilled" in args.cases.split(",") else None
     torch.manual_seed(0)
     # the draft's shape with random weights, its head untied (a tied one would propose the last token again,
