@@ -29,7 +29,7 @@ A `Speculator` is one sequence's speculation: its drafter, the tokens it propose
 was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
 tokens cost more than plain steps would, or at once where two rounds in a row kept none of their proposals
-(a retry then ends after one such round): for 32 tokens the first time, four times as many each time it
+(a retry then ends after one such round): for 8 tokens the first time, four times as many each time it
 loses again. While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library,
 `tinygpt sample` and `chat`) and the server's scheduler both decode through `speculate`.
 
@@ -66,7 +66,10 @@ DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (tr
 # proposals of the first round: a draft that misses wastes little finding out (verifying 5 rows of an int8 model
 # costs 2.2 of its steps on the Zen 3, 2 rows about 1.3), and one that hits gets its k from the next round on
 START_TOKENS = 1
-FIRST_PAUSE = 32  # plain tokens after speculation first loses; four times as many each time it loses again
+# plain tokens after speculation first loses; four times as many each time it loses again. Short, since a draft that
+# pays over a text may miss at a hard spot of it (the first tokens after a prompt cut mid-line): a retry after 8
+# tokens costs a never-right draft one round, and a 32-token pause a 160-token reply a fifth of its speculation
+FIRST_PAUSE = 8
 LONGEST_PAUSE = 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
 RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
@@ -483,6 +486,11 @@ class Speculator:
         self.draft_costs.append(drafting / drafted / step)
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
         self.k, expected = self._best_k()
+        if accepted == drafted:
+            # every proposal stood: at least twice as many next time (transformers' assisted generation adds 2). The
+            # costs measured at small k overstate a row's (a round's fixed share is charged to its few proposals),
+            # and where nothing falls more proposals per verification always give more tokens for the time
+            self.k = max(self.k, min(self.most, 2 * drafted))
         self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
         # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
@@ -490,11 +498,14 @@ class Speculator:
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
         if len(self.trial) < rounds and not nothing:
             return
+        # every proposal stood and k grows: the rounds so far were short ones, whose verification's fixed share
+        # weighs most, and the next is longer; they say nothing yet of what speculation gives
+        growing = accepted == drafted and self.k > drafted
         # slower than plain steps, as timed or as the acceptance and costs expect: set it aside
-        if nothing or statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0:
+        if not growing and (nothing or statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0):
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
-        elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
+        elif len(self.trial) >= rounds:  # it pays: a later loss pauses it briefly again
             self.next_pause = FIRST_PAUSE
 
     def _best_k(self) -> tuple[int, float]:
