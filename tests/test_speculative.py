@@ -515,10 +515,31 @@ def test_the_server_s_seeded_sampled_completions_are_its_own_with_speculation(al
     assert got == want
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int4"])
+def test_once_it_pays_a_small_draft_reads_the_whole_text_and_one_of_the_targets_size_goes_on_from_its_glance(fmt):
+    # reading the text again costs a draft of the target's parameters (the target in fewer bits) what the target's
+    # prompt pass cost; a draft of an eighth of them or fewer, an eighth of it
+    target = _gpt(4, 64, 0, block=256)
+    tokens = torch.randint(0, V, (120,), generator=torch.Generator().manual_seed(0))
+    for draft, rereads in ((_gpt(1, 32, 1, block=256), True), (quantize(copy.deepcopy(target), fmt), False)):
+        drafter = speculative.DraftModel(draft, target, V, 256)
+        read = []
+        catch_up = drafter._catch_up
+        drafter._catch_up = lambda t: read.append(len(t) - drafter.filled) or catch_up(t)
+        drafter.prepare(tokens[:80], whole=False)  # a trial: the last GLANCE tokens
+        assert read == [speculative.GLANCE - 1]
+        drafter.propose(tokens[:80], 2, lambda logits, drafted: logits, None)
+        drafter.rollback(82)
+        drafter.prepare(tokens[:82], whole=True)  # it pays
+        assert read[2:] == ([81] if rereads else []), read
+        assert drafter.rereads is rereads
+
+
 def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():
     # the first plain steps run on one thread while ThreadChoice looks, the rounds on two: 20 ms against the
     # 11 ms a two-row verification takes; nothing stands, so no round can pay, and it is set aside
-    spec = speculative.Speculator(speculative.DraftModel(_gpt(1, 32, 1), V, 48), most=8)
+    model = _gpt(1, 32, 1)
+    spec = speculative.Speculator(speculative.DraftModel(model, model, V, 48), most=8)
     spec.plain(0.020)
     spec.plain(0.020)
     for _ in range(speculative.EMPTY_ROUNDS):
