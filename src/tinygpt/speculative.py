@@ -76,10 +76,14 @@ RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 # rounds in a row of which no proposal stood that end a trial there (the retry after them: its first round): such a
 # round gives the one token a plain step gives, for a verification of two rows or more and the draft's steps
 EMPTY_ROUNDS = 2
-PLAIN_PROBES = 2  # plain steps timed before the first round: what a round is weighed against
-# rounds between two timed plain steps: the steps that weigh a round's time are then the latest, on the threads the
-# rounds run on, and not the first few after the prompt's pass (an int8 step 0.5-1.0 ms there, 0.37-0.44 after)
+# plain steps timed before the first round, of which the fastest is what a round is weighed against: the first 4-5
+# after a prompt's pass are slower than the rest (the 5 x 384 int8 target of benchmarks/speculative.py on the Zen
+# 3: 0.7-0.9 ms, 0.8-1.3 for the first, then 0.47-0.55), and two of them made rounds that lost look like paying
+PLAIN_PROBES = 6
+# rounds between two timings of plain steps: the steps that weigh a round's time are then the latest, on the threads
+# the rounds run on. Each timing is of PLAIN_RUN plain steps in a row, since the first after a round is slower too
 PLAIN_EVERY = 8
+PLAIN_RUN = 2
 GLANCE = 16  # tokens a draft reads of the text before speculation pays (DraftModel): one call into its DecodePlan
 WHOLE_SHARE = 1 / 8  # a draft of at most this share of the target's parameters reads the whole text once it pays
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
@@ -301,8 +305,10 @@ class DraftModel:
             self.cache = KVCache.for_model(self.model, 1, self.max_len)
         if start != self.start:
             self.start = self.filled = start
-        elif gap <= GLANCE:  # a round's own few tokens: the round reads them with its first proposal's
+        elif gap <= 1:  # the last token only: the round reads it with its first proposal
             return
+        # else the tokens of plain steps since the draft's last read (a pause's, or the timing's), read before the
+        # round's clock: in it they made a retry's one-proposal round of the target's int4 copy look 2x as slow
         if not 1 < len(tokens) - self.start <= self.max_len:
             return
         with _evaluating(self.model):
@@ -452,7 +458,8 @@ class Speculator:
         self.next_pause = FIRST_PAUSE
         self.trial: list[float] = []  # each round's gain since speculation (re)started: plain steps' time / its own
         self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
-        self.rounds_since = 0  # rounds since the latest timed plain step
+        self.rounds_since = 0  # rounds since the latest timing of plain steps
+        self.timed = 0  # plain steps timed since the latest round
 
     @property
     def paying(self) -> bool:
@@ -463,7 +470,7 @@ class Speculator:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
         may still add less one, and the positions its cache has left less one)."""
         if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY:
-            return 0
+            return 0  # aside, or plain steps to time
         return max(0, min(self.k, room))
 
     def plain(self, seconds: float | None) -> None:
@@ -472,13 +479,16 @@ class Speculator:
         self.pause = max(0, self.pause - 1)
         if seconds is not None:
             self.steps.append(seconds)
-            self.rounds_since = 0
+            self.timed += 1
+            if self.timed >= PLAIN_RUN:
+                self.rounds_since = 0
 
     def settle(self, drafted: int, accepted: int, seconds: float, drafting: float = 0.0) -> None:
         """A round proposed `drafted` tokens, of which `accepted` stood, in `seconds` (`drafting` of them the
         drafter's): choose the next k, and whether to go on."""
         self.stats.rounds += 1
         self.rounds_since += 1
+        self.timed = 0
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.stood = DECAY * self.stood + accepted
@@ -494,32 +504,32 @@ class Speculator:
         step = min(min(self.steps), min(self.verifies))
         self.draft_costs.append(drafting / drafted / step)
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
-        self.k, expected = self._best_k()
-        if accepted == drafted:
-            # every proposal stood: at least twice as many next time (transformers' assisted generation adds 2). The
-            # costs measured at small k overstate a row's (a round's fixed share is charged to its few proposals),
-            # and where nothing falls more proposals per verification always give more tokens for the time
+        self.k = self._best_k()
+        gain = step * (accepted + 1) / max(seconds, 1e-9)  # plain steps' time for its tokens, over its own
+        self.trial.append(gain)
+        if accepted == drafted and gain >= 1.0:
+            # every proposal stood and the round paid: at least twice as many next time (transformers' assisted
+            # generation adds 2). The costs measured at small k overstate a row's where the weights stream from
+            # memory (a round's fixed share is charged to its few proposals), and the next round measures the
+            # longer k; where a round of rows that all stood did not pay (the int8 kernels' rows cost 0.6 of a
+            # step each), k stays the costs' choice
             self.k = max(self.k, min(self.most, 2 * drafted))
-        self.trial.append(step * (accepted + 1) / max(seconds, 1e-9))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
         # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
         # a draft that never agrees costs the first trial two short rounds and a retry one
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
         if len(self.trial) < rounds and not nothing:
             return
-        # every proposal stood and k grows: the rounds so far were short ones, whose verification's fixed share
-        # weighs most, and the next is longer; they say nothing yet of what speculation gives
-        growing = accepted == drafted and self.k > drafted
-        # slower than plain steps, as timed or as the acceptance and costs expect: set it aside
-        if not growing and (nothing or statistics.median(self.trial[-rounds:]) < 1.0 or expected < 1.0):
+        # slower than plain steps, as timed: set it aside. The clock, not what the costs expect of the best k: those
+        # measured at small k overstate a row's, and they set aside the target's int4 copy whose rounds paid 1.3x
+        if nothing or statistics.median(self.trial[-rounds:]) < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
-        elif len(self.trial) >= rounds:  # it pays: a later loss pauses it briefly again
+        elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
             self.next_pause = FIRST_PAUSE
 
-    def _best_k(self) -> tuple[int, float]:
-        """The k of the most tokens per time, (1 + a + ... + a^k) / (1 + k (d + c)), and that many (a plain step
-        gives 1)."""
+    def _best_k(self) -> int:
+        """The k of the most tokens per time, (1 + a + ... + a^k) / (1 + k (d + c)) (a plain step gives 1)."""
         a = self.stood / (self.stood + self.fell)
         cost = statistics.median(self.draft_costs) + statistics.median(self.row_costs)
         best, best_value, tokens, term = 1, 0.0, 1.0, 1.0
@@ -529,7 +539,7 @@ class Speculator:
             value = tokens / (1 + k * cost)
             if value > best_value:
                 best, best_value = k, value
-        return best, best_value
+        return best
 
 
 @dataclass
