@@ -268,6 +268,7 @@ class DraftModel:
         self.cache: KVCache | None = None
         self.start = 0  # the sequence's position of the token in the cache's first position (a glance's start)
         self.filled = 0  # the cache holds the sequence's tokens from `start` to `filled`
+        self.whole = False  # it read the whole text (once speculation paid), and reads on from there
 
     def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
         """Up to k proposals after tokens (T,): the argmax of each position's logits, or with `draws` (sampling)
@@ -296,16 +297,19 @@ class DraftModel:
         are unread."""
         gap = len(tokens) - self.filled
         if whole and self.rereads:
-            start = 0
-        elif gap > GLANCE or len(tokens) - self.start >= self.max_len:  # a pause's tokens, or no room left
-            start = max(0, len(tokens) - GLANCE)
+            start, self.whole = 0, True
+        # a pause's tokens, unless the draft read the text from its start (it then reads them: a retry keeps the
+        # whole text, where the glance and another read of it once the retry paid cost a bf16 target's trained
+        # draft, paused and retried often, 0.84x); or no room left
+        elif (gap > GLANCE and not self.whole) or len(tokens) - self.start >= self.max_len:
+            start, self.whole = max(0, len(tokens) - GLANCE), False
         else:
             start = self.start
         if self.cache is None:
             self.cache = KVCache.for_model(self.model, 1, self.max_len)
         if start != self.start:
             self.start = self.filled = start
-        elif gap <= 1:  # the last token only: the round reads it with its first proposal
+        elif gap <= 2:  # the last round's last proposal and token after it: the round reads them with its first
             return
         # else the tokens of plain steps since the draft's last read (a pause's, or the timing's), read before the
         # round's clock: in it they made a retry's one-proposal round of the target's int4 copy look 2x as slow
