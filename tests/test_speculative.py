@@ -543,6 +543,13 @@ def test_once_it_pays_a_small_draft_reads_the_whole_text_and_one_of_the_targets_
         drafter.prepare(tokens[:82], whole=True)  # it pays
         assert read[2:] == ([81] if rereads else []), read
         assert drafter.rereads is rereads
+    # a text longer than the draft's context: it glances at its end whether or not it pays
+    drafter = speculative.DraftModel(_gpt(1, 32, 1, block=64), target, V, 256)
+    read = []
+    catch_up = drafter._catch_up
+    drafter._catch_up = lambda t: read.append((drafter.start, len(t) - drafter.filled)) or catch_up(t)
+    drafter.prepare(tokens[:100], whole=True)
+    assert read == [(100 - speculative.GLANCE, speculative.GLANCE - 1)]
 
 
 def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():

@@ -293,10 +293,10 @@ class DraftModel:
     def prepare(self, tokens: torch.Tensor, whole: bool = True) -> None:
         """Read what tokens (T,) hold beyond the last round's tokens, all but the last, before the round's clock
         starts (a prompt's or a pause's cost is no round's): where speculation pays (`whole`) and the draft is
-        small enough to read it again, the text from its start, else its last GLANCE tokens where more than those
-        are unread."""
+        small enough to read it again, the text from its start where its context holds it, else its last GLANCE
+        tokens where more than those are unread."""
         gap = len(tokens) - self.filled
-        if whole and self.rereads:
+        if whole and self.rereads and len(tokens) < self.max_len:
             start, self.whole = 0, True
         # a pause's tokens, unless the draft read the text from its start (it then reads them: a retry keeps the
         # whole text, where the glance and another read of it once the retry paid cost a bf16 target's trained
