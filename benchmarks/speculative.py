@@ -3,12 +3,12 @@ the share of proposed tokens that stood, per weight format, on a target and draf
 
 Each model learns the same text for the same minutes, with `tinygpt train`'s default recipe (the modern block,
 Muon, warmup-stable-decay): the first --chars characters of the python-stdlib corpus (this interpreter's standard
-library, read in place, in file order; character tokens). The target is 5 x 384 (9.1M parameters: 36.4 MB of
+library, read in place, in file order; character tokens). The target is 5 x 384 (9.1M parameters: 35.9 MB of
 float32 Linear weights, more than the 32 MiB last-level cache of the 2-core AMD EPYC Zen 3 this was written on),
 the drafts 3 x 128, 12.5 times smaller: one trained on the text as the target was, one distilled from the target
 (the KL divergence from the target's next-token distributions to its own, at every position of the same text:
-train.objectives.Distill; the target's forward pass is part of its minutes). The
-cases, each plain and speculative:
+train.objectives.Distill; the target's forward pass is part of its minutes). The cases, each plain and
+speculative:
 
   code, prompt lookup   greedy; the prompt is the start of a standard-library file the models never saw, which
                         they continue: input-grounded text, where the reply repeats its input (--prompt-lookup 3)
@@ -23,10 +23,11 @@ cases, each plain and speculative:
                         proposals from the text
 
 Each case runs plain and speculative one after the other in each of --rounds interleaved rounds (plain first in
-every other round), on the threads generate chooses; the table gives the medians. The ratio is of decoding's time, from the first new token (which
-the prompt's pass gives, the same in both) to the last, as llama.cpp's speculative example reports its speed: a
-draft's reading of the prompt falls in it. The whole calls' ratio, the prompt's pass included, is beside it. The
-runs and the data stay in --work, so a second run measures without training again (delete it to retrain).
+every other round), on the threads generate chooses; the table gives the medians. The ratio is of decoding's
+time, from the first new token (which the prompt's pass gives, the same in both) to the last, as llama.cpp's
+speculative example reports its speed: a draft's reading of the prompt falls in it. The whole calls' ratio, the
+prompt's pass included, is beside it. The runs and the data stay in --work, so a second run measures without
+training again (delete it to retrain).
 
     .venv/bin/python benchmarks/speculative.py [--minutes 10] [--rounds 15] [--new-tokens 160] [--cases ...]
         [--formats ...] [--json FILE]
@@ -61,8 +62,7 @@ LOOKUP = 3
 # --cases' names for them
 CASES = {"code, prompt lookup": "lookup", "code, trained draft": "draft", "code, distilled draft": "distilled",
          "code, distilled draft, sampled": "distilled-sampled", "code, int4 copy as draft": "int4-draft",
-         "text, random draft": "random",
-         "text, prompt lookup, sampled": "sampled"}
+         "text, random draft": "random", "text, prompt lookup, sampled": "sampled"}
 PROMPT = 200  # characters of the code prompt: with --new-tokens, within the models' 384 positions (no sliding)
 
 
@@ -162,7 +162,7 @@ def measure(base, drafts: dict, tokenizer, prompt: str, fmt: str, args, log) -> 
         cases["code, int4 copy as draft"] = (code, greedy, dict(draft=tinygpt.quantize(copy.deepcopy(base), "int4")))
     cases.update({"text, random draft": (text, greedy, dict(draft=noise)),
                   "text, prompt lookup, sampled": (text, sampled, dict(prompt_lookup=LOOKUP))})
-    cases = {case: v for case, v in cases.items() if CASES[case] in args.cases.split(",")}
+    cases = {case: v for case, v in cases.items() if CASES[case] in args.cases}
     runs: dict[str, list[tuple[tuple, tuple]]] = {case: [] for case in cases}
     for r in range(args.rounds):
         for case, (idx, sampling, speculation) in cases.items():
@@ -171,7 +171,7 @@ def measure(base, drafts: dict, tokenizer, prompt: str, fmt: str, args, log) -> 
                 if "generator" in sampling:
                     sampling = dict(sampling, generator=torch.Generator().manual_seed(0))
                 settings = speculation if how == "speculative" else {}
-                timed(target, idx[:, :8], 2, sampling, settings)  # warm up: the plans, the threads' verdict, allocations
+                timed(target, idx[:, :8], 2, sampling, settings)  # warm up: plans, the threads' verdict, allocations
                 pair[how] = timed(target, idx, args.new_tokens, sampling, settings)
             runs[case].append((pair["plain"], pair["speculative"]))
     rows = []
@@ -188,9 +188,9 @@ def measure(base, drafts: dict, tokenizer, prompt: str, fmt: str, args, log) -> 
                      "whole_call_ratio": statistics.median(whole),
                      **{f"speculation_{k}": v for k, v in stats.to_dict().items()}})
         r = rows[-1]
-        quartiles = statistics.quantiles(decoding, n=4) if len(decoding) > 1 else decoding * 3
+        low, _, high = statistics.quantiles(decoding, n=4) if len(decoding) > 1 else decoding * 3
         log(f"{fmt:5s} {case:28s} plain {r['plain_tokens_per_s']:7.1f} tokens/s  speculative "
-            f"{r['speculative_tokens_per_s']:7.1f}  {r['ratio']:.2f}x (quartiles {quartiles[0]:.2f}-{quartiles[2]:.2f}; "
+            f"{r['speculative_tokens_per_s']:7.1f}  {r['ratio']:.2f}x (quartiles {low:.2f}-{high:.2f}; "
             f"whole calls {r['whole_call_ratio']:.2f}x)  {stats.describe()}")
     return rows
 
@@ -220,6 +220,7 @@ def main() -> None:
                         help="where the data and the runs are kept between runs")
     parser.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     args = parser.parse_args()
+    args.cases = set(args.cases.split(","))
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -232,7 +233,7 @@ def main() -> None:
     target = trained(work, data, "target", TARGET, args.minutes, log)
     draft = trained(work, data, "draft", DRAFT, args.minutes, log)
     distilled_draft = trained(work, data, "distilled", DRAFT, args.minutes, log, teacher=target) \
-        if {"distilled", "distilled-sampled"} & set(args.cases.split(",")) else None
+        if {"distilled", "distilled-sampled"} & args.cases else None
     torch.manual_seed(0)
     # the draft's shape with random weights, its head untied (a tied one would propose the last token again,
     # which a looping text accepts): a draft that is almost never right
@@ -244,8 +245,8 @@ def main() -> None:
         f"load {info['load_average']}; target {count_params(target.config).total:,} parameters "
         f"({weight_bytes(target) / 1e6:.1f} MB of float32 Linear weights), draft {count_params(draft.config).total:,}")
     rows = []
+    drafts = dict(draft=draft, distilled=distilled_draft, noise=noise)
     for fmt in args.formats.split(","):
-        drafts = dict(draft=draft, distilled=distilled_draft, noise=noise)
         rows += measure(target, drafts, tokenizer, prompt, fmt, args, log)
     log(f"load at the end {load_average()}")
     print(table(rows))

@@ -357,8 +357,8 @@ def _contrary(model: GPT) -> GPT:
 def test_a_draft_that_is_never_right_costs_four_short_rounds_in_160_tokens(fmt, monkeypatch):
     # what the schedule spends finding out: two rounds of one proposal, 8 plain tokens, a retry of one round, 32
     # plain tokens, another, and 128 plain tokens before the next (where four rounds, some of two proposals, and a
-    # retry of two were spent); the draft reads the last GLANCE tokens of the 80-token prompt and of the pauses,
-    # not all of them
+    # retry of two were spent); the draft reads the last GLANCE tokens of the 80-token prompt and of the 32-token
+    # pause, not all of them
     target = quantize(_gpt(1, 32, 0, block=256), fmt)
     draft = quantize(_contrary(_gpt(1, 32, 0, block=256)), fmt)
     rows, read = [], []
@@ -371,7 +371,9 @@ def test_a_draft_that_is_never_right_costs_four_short_rounds_in_160_tokens(fmt, 
     assert torch.equal(out, generate(target, idx, 160, greedy=True))
     assert stats.accepted == 0 and stats.rounds == 4 and stats.drafted == 4 and rows == [2, 2, 2, 2]
     assert stats.plain == 160 - 4 - 1  # the prompt's pass gives the first token
-    assert sum(read) <= 3 * speculative.GLANCE + 1, read  # three glances and the round between: 15 + 1, 1, 15 + 1, 15 + 1
+    # a glance at the prompt and the trial's two rounds (15 + 1, 1), the 8-token pause's tokens and the retry (8 + 1),
+    # a glance after the 32-token pause and the retry (15 + 1)
+    assert sum(read) <= 3 * speculative.GLANCE + 1, read
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
