@@ -8,6 +8,8 @@ rows are one-row steps bit for bit: test_generate.py."""
 
 import concurrent.futures
 import copy
+import statistics
+import time
 
 import httpx
 import pytest
@@ -51,6 +53,7 @@ def always(monkeypatch):
     monkeypatch.setattr(speculative, "EMPTY_ROUNDS", 10**9)
     monkeypatch.setattr(speculative, "GLANCE", 10**9)
     monkeypatch.setattr(speculative, "PLAIN_EVERY", 10**9)
+    monkeypatch.setattr(speculative, "STAKE", 10**9)  # the ledger: its figures are microseconds here, and vary
 
 
 def _figures(model, idx, n, **kw):
@@ -354,11 +357,12 @@ def _contrary(model: GPT) -> GPT:
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int8"])
-def test_a_draft_that_is_never_right_costs_four_short_rounds_in_160_tokens(fmt, monkeypatch):
+def test_a_draft_that_is_never_right_costs_at_most_four_short_rounds_in_160_tokens(fmt, monkeypatch):
     # what the schedule spends finding out: two rounds of one proposal, 8 plain tokens, a retry of one round, 32
     # plain tokens, another, and 128 plain tokens before the next (where four rounds, some of two proposals, and a
-    # retry of two were spent); the draft reads the last GLANCE tokens of the 80-token prompt and of the 32-token
-    # pause, not all of them
+    # retry of two were spent), or fewer where the ledger has lost what the reply may (this draft is the target's
+    # size: its glance costs what the target's steps do); the draft reads the last GLANCE tokens of the 80-token
+    # prompt and of the 32-token pause, not all of them
     target = quantize(_gpt(1, 32, 0, block=256), fmt)
     draft = quantize(_contrary(_gpt(1, 32, 0, block=256)), fmt)
     rows, read = [], []
@@ -369,8 +373,9 @@ def test_a_draft_that_is_never_right_costs_four_short_rounds_in_160_tokens(fmt, 
     idx = torch.randint(0, V, (1, 80), generator=torch.Generator().manual_seed(0))
     out, stats = _figures(target, idx, 160, greedy=True, draft=draft)
     assert torch.equal(out, generate(target, idx, 160, greedy=True))
-    assert stats.accepted == 0 and stats.rounds == 4 and stats.drafted == 4 and rows == [2, 2, 2, 2]
-    assert stats.plain == 160 - 4 - 1  # the prompt's pass gives the first token
+    assert stats.accepted == 0 and 1 <= stats.rounds <= 4 and stats.drafted == stats.rounds
+    assert rows == [2] * stats.rounds
+    assert stats.plain == 160 - stats.rounds - 1  # the prompt's pass gives the first token
     # a glance at the prompt and the trial's two rounds (15 + 1, 1), the 8-token pause's tokens and the retry (8 + 1),
     # a glance after the 32-token pause and the retry (15 + 1)
     assert sum(read) <= 3 * speculative.GLANCE + 1, read
@@ -528,9 +533,10 @@ def test_the_server_s_seeded_sampled_completions_are_its_own_with_speculation(al
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "int4"])
-def test_once_it_pays_a_small_draft_reads_the_whole_text_and_one_of_the_targets_size_goes_on_from_its_glance(fmt):
+def test_a_small_draft_reads_the_whole_text_once_the_reply_can_afford_it(fmt):
     # reading the text again costs a draft of the target's parameters (the target in fewer bits) what the target's
-    # prompt pass cost; a draft of an eighth of them or fewer, an eighth of it
+    # prompt pass cost; a draft of an eighth of them or fewer, an eighth of it, which the reply must afford (what
+    # speculation saved and may still lose: Speculator.headroom): the read's cost is estimated by the glance's time
     target = _gpt(4, 64, 0, block=256)
     tokens = torch.randint(0, V, (120,), generator=torch.Generator().manual_seed(0))
     for draft, rereads in ((_gpt(1, 32, 1, block=256), True), (quantize(copy.deepcopy(target), fmt), False)):
@@ -538,20 +544,62 @@ def test_once_it_pays_a_small_draft_reads_the_whole_text_and_one_of_the_targets_
         read = []
         catch_up = drafter._catch_up
         drafter._catch_up = lambda t: read.append(len(t) - drafter.filled) or catch_up(t)
-        drafter.prepare(tokens[:80], whole=False)  # a trial: the last GLANCE tokens
-        assert read == [speculative.GLANCE - 1]
+        drafter.prepare(tokens[:80], 0.0)  # a trial: the last GLANCE tokens
+        assert read == [speculative.GLANCE - 1] and drafter.rate > 0
         drafter.propose(tokens[:80], 2, lambda logits, drafted: logits, None)
         drafter.rollback(82)
-        drafter.prepare(tokens[:82], whole=True)  # it pays
+        drafter.prepare(tokens[:82], drafter.rate * 81)  # it pays, but cannot afford reading 82 tokens
+        assert read[2:] == []
+        drafter.prepare(tokens[:82], drafter.rate * 83)  # it has
         assert read[2:] == ([81] if rereads else []), read
         assert drafter.rereads is rereads
-    # a text longer than the draft's context: it glances at its end whether or not it pays
+    # a text longer than the draft's context: it glances at its end whatever it saved
     drafter = speculative.DraftModel(_gpt(1, 32, 1, block=64), target, V, 256)
     read = []
     catch_up = drafter._catch_up
     drafter._catch_up = lambda t: read.append((drafter.start, len(t) - drafter.filled)) or catch_up(t)
-    drafter.prepare(tokens[:100], whole=True)
+    drafter.prepare(tokens[:100], 1.0)
     assert read == [(100 - speculative.GLANCE, speculative.GLANCE - 1)]
+
+
+def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_than_it_may():
+    # three rounds in four give 2 tokens in 1.85 steps' time, the fourth 1 token in 3 (a round of one proposal whose
+    # draft step and verified row cost a step each): the latest rounds' median pays, the reply loses 1.55 steps every
+    # four rounds; after the STAKE and the LOSS_SHARE of the reply's time, speculation is set aside
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    _probe(spec, 0.010)
+    for i in range(200):
+        if spec.pause:
+            break
+        spec.settle(1, int(i % 4 != 3), 0.0185 if i % 4 != 3 else 0.030)
+        assert spec.pause or statistics.median(spec.trial[-speculative.TRIAL_ROUNDS:]) >= 1.0
+    assert spec.pause == speculative.FIRST_PAUSE, spec.saved
+    tokens = spec.stats.plain + spec.stats.rounds + spec.stats.accepted
+    assert spec.saved < -(speculative.STAKE + speculative.LOSS_SHARE * tokens) * 0.010
+    assert spec.saved > -(speculative.STAKE + speculative.LOSS_SHARE * tokens) * 0.010 - 0.020  # at once
+    for _ in range(speculative.FIRST_PAUSE):
+        spec.plain(0.010)
+    assert spec.pause == 0 and spec.headroom < 0 and spec.budget(100) == 0  # the reply cannot afford a retry yet
+    while spec.headroom < 0:
+        spec.plain(0.010)
+    assert spec.budget(100) > 0  # it has grown enough to
+
+
+def test_the_draft_s_reading_counts_against_speculation(monkeypatch):
+    from tinygpt.kv_cache import KVCache
+
+    model = _gpt(1, 32, 1)
+    spec = speculative.Speculator(speculative.DraftModel(_gpt(1, 32, 2), model, V, 48), most=2)
+    _probe(spec, 0.001)
+    prepare = speculative.DraftModel.prepare
+    monkeypatch.setattr(speculative.DraftModel, "prepare",
+                        lambda self, tokens, spend=0.0: time.sleep(0.05) or prepare(self, tokens, spend))
+    tokens = torch.randint(0, V, (20,), generator=torch.Generator().manual_seed(0))
+    cache = KVCache.for_model(model, 1, 48)
+    with torch.no_grad():
+        model(tokens[None, :-1], cache, torch.arange(19))
+    speculative.speculate(model, spec, tokens, cache, 19, 1, lambda logits, drafted: logits, True, None)
+    assert spec.stats.rounds == 1 and spec.saved < -0.05 + 0.003  # the read, less at most 3 steps a round saves
 
 
 def test_plain_steps_timed_slow_do_not_hide_a_draft_that_is_never_right():

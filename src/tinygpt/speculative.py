@@ -28,10 +28,13 @@ which no query reads before the next tokens overwrite them.
 A `Speculator` is one sequence's speculation: its drafter, the tokens it proposes (k, up to the most it
 was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
-tokens cost more than plain steps would, or at once where two rounds in a row kept none of their proposals
-(a retry then ends after one such round): for 8 tokens the first time, four times as many each time it
-loses again. While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library,
-`tinygpt sample` and `chat`) and the server's scheduler both decode through `speculate`.
+tokens cost more than plain steps would, at once where two rounds in a row kept none of their proposals
+(a retry then ends after one such round), and at once where its ledger (the plain steps' time of the rounds'
+tokens less the rounds' time and the draft's reading) shows the reply slower than without it by more than
+four steps and 3% of its time (it tries again once the reply is long enough to afford it): for 8 tokens
+the first time, four times as many each time it loses again. While it is aside a draft reads nothing; a
+retry catches it up. `generate_stream` (the library, `tinygpt sample` and `chat`) and the server's
+scheduler both decode through `speculate`.
 
 A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
 which is given each verified position's logits with the proposals before it: the mask there is the one the
@@ -86,6 +89,12 @@ PLAIN_EVERY = 8
 PLAIN_RUN = 2
 GLANCE = 16  # tokens a draft reads of the text before speculation pays (DraftModel): one call into its DecodePlan
 WHOLE_SHARE = 1 / 8  # a draft of at most this share of the target's parameters reads the whole text once it pays
+# the most tokens a draft reads in 16-row calls into its DecodePlan, not one forward pass, whose fixed cost is most of a
+# short read's (benchmarks/speculative.py's 3 x 128 draft, Zen 3: 34 tokens 4.1 ms in one pass, 1.9 in 16-row calls)
+CHUNKED_READ = 4 * fastpath.PROMPT_ROWS
+# what a reply may lose to speculation by its ledger (Speculator.headroom): STAKE plain steps (a first trial: a glance,
+# 2.4 target steps for the float32 target's int4 copy, and a round or two) and LOSS_SHARE of its tokens' steps
+STAKE, LOSS_SHARE = 4, 0.03
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
 # (logits (R, V) at R consecutive positions, the proposals drafted (m,) with m >= R - 1) -> the logits a token is
@@ -156,6 +165,9 @@ def vocabulary_mismatch(tokenizer, draft_tokenizer) -> str | None:
 
 
 _warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafts already warned about, by target
+# draft -> seconds a token of its latest read in one forward pass took (more than CHUNKED_READ tokens): what reading a
+# whole text costs it, where a glance's time a token overstates it 1.3-1.6x (the forward's fixed cost is spread wider)
+_long_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -231,7 +243,7 @@ class PromptLookup:
             found.append(text[at + i] if at + i < len(text) else found[at + i - len(text)])
         return torch.tensor(found, dtype=torch.long, device=tokens.device)
 
-    def prepare(self, tokens: torch.Tensor, whole: bool = True) -> None:
+    def prepare(self, tokens: torch.Tensor, spend: float = 0.0) -> None:
         """Nothing to read ahead: the look-up indexes the text as it proposes."""
 
     def rollback(self, length: int) -> None:
@@ -247,12 +259,13 @@ class DraftModel:
     the text's last GLANCE tokens from its own position 0 (as training reads a window cut from running text),
     not the whole prompt nor the tokens of a pause: reading them costs a draft of a thirteenth of an int8
     target's size 3 ms for an 87-token prompt, 6 of that target's steps, and a never-right draft's trial
-    nothing else worth counting. Once speculation pays, a draft of at most a WHOLE_SHARE of the target's parameters
-    reads the whole text again, from the start (its proposals then see what the target sees: on
-    benchmarks/speculative.py's code prompt 98% of a distilled draft's stood against 89% from its glance); a larger
-    one, such as the target itself in fewer bits, goes on from its glance, since a read of the text costs it what
-    the target's prompt pass cost (the same arithmetic: the float32 target's int4 copy gave 1.13x with it, 1.33x
-    without).
+    nothing else worth counting. Once speculation pays and the reply can afford it (Speculator.headroom, against
+    the time of the draft's latest long read, else its glance's), a draft of at most a WHOLE_SHARE of the
+    target's parameters reads the whole text again, from the start (its proposals then see what the target sees:
+    on benchmarks/speculative.py's code prompt 98% of a distilled draft's stood against 89% from its glance; the
+    read costs its 3 x 128 draft 8 ms for 277 tokens, 10 bf16 target steps); a larger one, such as the target in
+    fewer bits, goes on from its glance, since a read of the text costs it what the target's prompt pass cost
+    (the float32 target's int4 copy gave 1.13x with it, 1.33x without).
 
     Args:
         draft: the draft model (a tinygpt GPT; eval mode while it proposes).
@@ -269,6 +282,8 @@ class DraftModel:
         self.start = 0  # the sequence's position of the token in the cache's first position (a glance's start)
         self.filled = 0  # the cache holds the sequence's tokens from `start` to `filled`
         self.whole = False  # it read the whole text (once speculation paid), and reads on from there
+        self.rate: float | None = None  # seconds a token of its latest read of GLANCE - 1 tokens or more took
+        # (in calls into its DecodePlan; longer reads: _long_reads)
 
     def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
         """Up to k proposals after tokens (T,): the argmax of each position's logits, or with `draws` (sampling)
@@ -290,13 +305,15 @@ class DraftModel:
         self.filled = len(tokens) + k - 1  # the last proposal was never read
         return torch.cat(drafted)
 
-    def prepare(self, tokens: torch.Tensor, whole: bool = True) -> None:
+    def prepare(self, tokens: torch.Tensor, spend: float = 0.0) -> None:
         """Read what tokens (T,) hold beyond the last round's tokens, all but the last, before the round's clock
-        starts (a prompt's or a pause's cost is no round's): where speculation pays (`whole`) and the draft is
-        small enough to read it again, the text from its start where its context holds it, else its last GLANCE
-        tokens where more than those are unread."""
+        starts (a prompt's or a pause's cost is no round's): the text from its start where the draft is small
+        enough to read it again, its context holds it and the read costs no more than `spend` seconds (what the
+        reply can afford: Speculator.headroom), else its last GLANCE tokens where more than those are unread."""
         gap = len(tokens) - self.filled
-        if whole and self.rereads and len(tokens) < self.max_len:
+        fits = len(tokens) < self.max_len
+        rate = _long_reads.get(self.model, self.rate)
+        if self.rereads and fits and rate is not None and rate * len(tokens) <= spend:
             start, self.whole = 0, True
         # a pause's tokens, unless the draft read the text from its start (it then reads them: a retry keeps the
         # whole text, where the glance and another read of it once the retry paid cost a bf16 target's trained
@@ -315,19 +332,26 @@ class DraftModel:
         # round's clock: in it they made a retry's one-proposal round of the target's int4 copy look 2x as slow
         if not 1 < len(tokens) - self.start <= self.max_len:
             return
+        read, begin = len(tokens) - 1 - self.filled, time.perf_counter()
         with _evaluating(self.model):
             self._catch_up(tokens[:-1])
         self.filled = len(tokens) - 1
+        if read > CHUNKED_READ:
+            _long_reads[self.model] = (time.perf_counter() - begin) / read
+        elif read >= GLANCE - 1:
+            self.rate = (time.perf_counter() - begin) / read
 
     def _catch_up(self, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's logits (1, V_draft) after tokens (T,), reading the ones its cache lacks: a round's token
         and the proposals that stood, or the text a glance or the whole text reads."""
         new = tokens[self.filled :].unsqueeze(0)
         at = self.filled - self.start
-        if new.shape[1] <= fastpath.PROMPT_ROWS:
-            return _forward(self.model, new, self.cache, at)[-1:]
-        positions = torch.arange(at, at + new.shape[1], device=tokens.device)
-        return self.model(new, self.cache, positions, last_only=True)[:, -1]
+        if new.shape[1] > CHUNKED_READ:
+            positions = torch.arange(at, at + new.shape[1], device=tokens.device)
+            return self.model(new, self.cache, positions, last_only=True)[:, -1]
+        for i in range(0, new.shape[1], fastpath.PROMPT_ROWS):
+            logits = _forward(self.model, new[:, i : i + fastpath.PROMPT_ROWS], self.cache, at + i)
+        return logits[-1:]
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits (1, V_draft) over the target's head: ids only one of them has are never proposed."""
@@ -438,8 +462,8 @@ class Speculator:
     k + 1 rows, d and 1 + c k plain steps' time, so that k maximises (1 + a + ... + a^k) / (1 + k (d + c)). On a
     CPU a verification row is not free once the weights are no longer the bottleneck (the README's Zen 3: 5
     rows of a 100 MB float32 model cost 1.35 steps, 9 rows 2.2), so a high acceptance alone does not make a
-    long round pay. Rounds whose measured time per token loses to a plain step's are set aside (the module's
-    docstring).
+    long round pay. Rounds whose measured time per token loses to a plain step's are set aside, and so is
+    speculation that has lost more than it may over the reply by its ledger, `saved` (the module's docstring).
 
     Args:
         drafter: a DraftModel or a PromptLookup of this sequence's own.
@@ -464,6 +488,10 @@ class Speculator:
         self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
         self.rounds_since = 0  # rounds since the latest timing of plain steps
         self.timed = 0  # plain steps timed since the latest round
+        # seconds speculation saved so far, by the clock: what its rounds' tokens would have cost in plain steps less
+        # their time and the drafter's reading outside them (DraftModel.prepare)
+        self.saved = 0.0
+        self.step: float | None = None  # what a plain step costs, as the latest round weighed it
 
     @property
     def paying(self) -> bool:
@@ -473,8 +501,8 @@ class Speculator:
     def budget(self, room: int) -> int:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
         may still add less one, and the positions its cache has left less one)."""
-        if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY:
-            return 0  # aside, or plain steps to time
+        if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY or self.headroom < 0:
+            return 0  # aside, plain steps to time, or the reply has lost what it may (until it grows to afford more)
         return max(0, min(self.k, room))
 
     def plain(self, seconds: float | None) -> None:
@@ -510,6 +538,9 @@ class Speculator:
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
         self.k = self._best_k()
         gain = step * (accepted + 1) / max(seconds, 1e-9)  # plain steps' time for its tokens, over its own
+        # a round costs at most a draft step and a verified row a proposal beyond the step a plain token costs: more
+        # is the machine's doing (another program), which the ledger does not hold against speculation
+        self.saved += step * (accepted + 1) - min(seconds, step * (1 + 2 * drafted))
         self.trial.append(gain)
         if accepted == drafted and gain >= 1.0:
             # every proposal stood and the round paid: at least twice as many next time (transformers' assisted
@@ -522,15 +553,28 @@ class Speculator:
         # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
         # a draft that never agrees costs the first trial two short rounds and a retry one
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
-        if len(self.trial) < rounds and not nothing:
+        # the reply has lost more than it may to speculation: rounds whose median pays can lose all the same, where
+        # those that lose lose more than the others gain, and the draft's reading counts too
+        self.step = step
+        spent = self.headroom < 0
+        if len(self.trial) < rounds and not (nothing or spent):
             return
         # slower than plain steps, as timed: set it aside. The clock, not what the costs expect of the best k: those
         # measured at small k overstate a row's, and they set aside the target's int4 copy whose rounds paid 1.3x
-        if nothing or statistics.median(self.trial[-rounds:]) < 1.0:
+        if nothing or spent or statistics.median(self.trial[-rounds:]) < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
             self.trial = []
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
             self.next_pause = FIRST_PAUSE
+
+    @property
+    def headroom(self) -> float:
+        """Seconds speculation may still spend on this reply, by the ledger: what it saved, and what the reply may
+        lose to it (STAKE plain steps and LOSS_SHARE of its tokens' steps)."""
+        if self.step is None:
+            return 0.0
+        tokens = self.stats.plain + self.stats.rounds + self.stats.accepted
+        return self.saved + (STAKE + LOSS_SHARE * tokens) * self.step
 
     def _best_k(self) -> int:
         """The k of the most tokens per time, (1 + a + ... + a^k) / (1 + k (d + c)) (a plain step gives 1)."""
@@ -578,8 +622,10 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     Returns:
         The Round, or None where the drafter proposed nothing (take a plain step).
     """
-    spec.drafter.prepare(tokens, whole=spec.paying)
+    begin = time.perf_counter()
+    spec.drafter.prepare(tokens, spec.headroom if spec.paying else 0.0)
     start = time.perf_counter()
+    spec.saved -= start - begin
     draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
     drafted = spec.drafter.propose(tokens, k, shape, draws)
     if not drafted.numel():
