@@ -311,9 +311,8 @@ class DraftModel:
         enough to read it again, its context holds it and the read costs no more than `spend` seconds (what the
         reply can afford: Speculator.headroom), else its last GLANCE tokens where more than those are unread."""
         gap = len(tokens) - self.filled
-        fits = len(tokens) < self.max_len
         rate = _long_reads.get(self.model, self.rate)
-        if self.rereads and fits and rate is not None and rate * len(tokens) <= spend:
+        if self.rereads and len(tokens) < self.max_len and rate is not None and rate * len(tokens) <= spend:
             start, self.whole = 0, True
         # a pause's tokens, unless the draft read the text from its start (it then reads them: a retry keeps the
         # whole text, where the glance and another read of it once the retry paid cost a bf16 target's trained
