@@ -19,6 +19,7 @@ from server_util import CHARS, NAME, running, tiny_tokenizer
 from tinygpt import GPT, ConfigError, GPTConfig, generate, quantize, speculative
 from tinygpt.config import SampleConfig
 from tinygpt.interop.quantize import FORMATS
+from tinygpt.kv_cache import KVCache
 from tinygpt.sampling import choose, choose_with, noise, process_logits
 from tinygpt.server import create_app
 from tinygpt.tokenizer import CharTokenizer
@@ -586,8 +587,6 @@ def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_tha
 
 
 def test_the_draft_s_reading_counts_against_speculation(monkeypatch):
-    from tinygpt.kv_cache import KVCache
-
     model = _gpt(1, 32, 1)
     spec = speculative.Speculator(speculative.DraftModel(_gpt(1, 32, 2), model, V, 48), most=2)
     _probe(spec, 0.001)
