@@ -29,12 +29,11 @@ A `Speculator` is one sequence's speculation: its drafter, the tokens it propose
 was given: the number that gives the most tokens for the time by the acceptance and the costs it measured)
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
 tokens cost more than plain steps would, at once where two rounds in a row kept none of their proposals
-(a retry then ends after one such round), and at once where its ledger (the plain steps' time of the rounds'
-tokens less the rounds' time and the draft's reading) shows the reply slower than without it by more than
-four steps and 3% of its time (it tries again once the reply is long enough to afford it): for 8 tokens
-the first time, four times as many each time it loses again. While it is aside a draft reads nothing; a
-retry catches it up. `generate_stream` (the library, `tinygpt sample` and `chat`) and the server's
-scheduler both decode through `speculate`.
+(a retry then ends after one such round), and at once where its ledger, the draft's reading counted, shows
+the reply slower than without it by more than 4 steps and 3% of its time (a retry then waits until the
+reply can afford it): for 8 tokens the first time, four times as many each time it loses again. While it
+is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library, `tinygpt sample`
+and `chat`) and the server's scheduler both decode through `speculate`.
 
 A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
 which is given each verified position's logits with the proposals before it: the mask there is the one the
@@ -69,9 +68,8 @@ DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (tr
 # proposals of the first round: a draft that misses wastes little finding out (verifying 5 rows of an int8 model
 # costs 2.2 of its steps on the Zen 3, 2 rows about 1.3), and one that hits gets its k from the next round on
 START_TOKENS = 1
-# plain tokens after speculation first loses; four times as many each time it loses again. Short, since a draft that
-# pays over a text may miss at a hard spot of it (the first tokens after a prompt cut mid-line): a retry after 8
-# tokens costs a never-right draft one round, and a 32-token pause a 160-token reply a fifth of its speculation
+# plain tokens after speculation first loses, four times as many each time it loses again: short, since a draft that
+# pays may miss at a hard spot (the first tokens after a prompt cut mid-line); a retry costs a never-right draft a round
 FIRST_PAUSE = 8
 LONGEST_PAUSE = 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
@@ -92,8 +90,8 @@ WHOLE_SHARE = 1 / 8  # a draft of at most this share of the target's parameters 
 # the most tokens a draft reads in 16-row calls into its DecodePlan, not one forward pass, whose fixed cost is most of a
 # short read's (benchmarks/speculative.py's 3 x 128 draft, Zen 3: 34 tokens 4.1 ms in one pass, 1.9 in 16-row calls)
 CHUNKED_READ = 4 * fastpath.PROMPT_ROWS
-# what a reply may lose to speculation by its ledger (Speculator.headroom): STAKE plain steps (a first trial: a glance,
-# 2.4 target steps for the float32 target's int4 copy, and a round or two) and LOSS_SHARE of its tokens' steps
+# what a reply may lose to speculation (Speculator.headroom): STAKE plain steps (a first trial: a glance, 2.4 steps for
+# the float32 target's int4 copy, and a round or two) and LOSS_SHARE of its tokens' steps
 STAKE, LOSS_SHARE = 4, 0.03
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
@@ -165,8 +163,7 @@ def vocabulary_mismatch(tokenizer, draft_tokenizer) -> str | None:
 
 
 _warned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # drafts already warned about, by target
-# draft -> seconds a token of its latest read in one forward pass took (more than CHUNKED_READ tokens): what reading a
-# whole text costs it, where a glance's time a token overstates it 1.3-1.6x (the forward's fixed cost is spread wider)
+# draft -> seconds a token of its latest read in one forward pass: a whole text's price (a glance's is 1.3-1.6x it)
 _long_reads: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -282,8 +279,7 @@ class DraftModel:
         self.start = 0  # the sequence's position of the token in the cache's first position (a glance's start)
         self.filled = 0  # the cache holds the sequence's tokens from `start` to `filled`
         self.whole = False  # it read the whole text (once speculation paid), and reads on from there
-        self.rate: float | None = None  # seconds a token of its latest read of GLANCE - 1 tokens or more took
-        # (in calls into its DecodePlan; longer reads: _long_reads)
+        self.rate: float | None = None  # seconds a token of its latest glance-sized read (longer: _long_reads)
 
     def propose(self, tokens: torch.Tensor, k: int, shape: Shape, draws: Draws | None) -> torch.Tensor:
         """Up to k proposals after tokens (T,): the argmax of each position's logits, or with `draws` (sampling)
@@ -487,9 +483,7 @@ class Speculator:
         self.empty = 0  # the latest rounds in a row of which no proposal stood, pauses between them or not
         self.rounds_since = 0  # rounds since the latest timing of plain steps
         self.timed = 0  # plain steps timed since the latest round
-        # seconds speculation saved so far, by the clock: what its rounds' tokens would have cost in plain steps less
-        # their time and the drafter's reading outside them (DraftModel.prepare)
-        self.saved = 0.0
+        self.saved = 0.0  # the ledger: plain steps' time of the rounds' tokens, less the rounds' and the reading's
         self.step: float | None = None  # what a plain step costs, as the latest round weighed it
 
     @property
@@ -537,8 +531,7 @@ class Speculator:
         self.row_costs.append(max(0.0, (seconds - drafting) / step - 1) / drafted)
         self.k = self._best_k()
         gain = step * (accepted + 1) / max(seconds, 1e-9)  # plain steps' time for its tokens, over its own
-        # a round costs at most a draft step and a verified row a proposal beyond the step a plain token costs: more
-        # is the machine's doing (another program), which the ledger does not hold against speculation
+        # a round costs at most a draft step and a verified row a proposal beyond a step: more is another program's
         self.saved += step * (accepted + 1) - min(seconds, step * (1 + 2 * drafted))
         self.trial.append(gain)
         if accepted == drafted and gain >= 1.0:
@@ -552,8 +545,7 @@ class Speculator:
         # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
         # a draft that never agrees costs the first trial two short rounds and a retry one
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
-        # the reply has lost more than it may to speculation: rounds whose median pays can lose all the same, where
-        # those that lose lose more than the others gain, and the draft's reading counts too
+        # the reply lost more than it may: rounds whose median pays lose where the losses outweigh the gains
         self.step = step
         spent = self.headroom < 0
         if len(self.trial) < rounds and not (nothing or spent):
@@ -624,7 +616,7 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     begin = time.perf_counter()
     spec.drafter.prepare(tokens, spec.headroom if spec.paying else 0.0)
     start = time.perf_counter()
-    spec.saved -= start - begin
+    spec.saved -= start - begin  # the draft's reading, outside the round's clock
     draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
     drafted = spec.drafter.propose(tokens, k, shape, draws)
     if not drafted.numel():
