@@ -182,10 +182,15 @@ class SpeculationStats:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
+    def tokens(self) -> int:
+        """Tokens given (a round gives what stood and one more, a plain step one), the prompt's aside."""
+        return self.accepted + self.rounds + self.plain
+
+    @property
     def tokens_per_step(self) -> float | None:
-        """Tokens per target call (a round gives what stood and one more, a plain step one), the prompt's aside."""
+        """Tokens per target call, the prompt's aside."""
         steps = self.rounds + self.plain
-        return (self.accepted + steps) / steps if steps else None
+        return self.tokens / steps if steps else None
 
     def add(self, other: SpeculationStats) -> None:
         """Count another sequence's figures in these."""
@@ -564,8 +569,7 @@ class Speculator:
         lose to it (STAKE plain steps and LOSS_SHARE of its tokens' steps)."""
         if self.step is None:
             return 0.0
-        tokens = self.stats.plain + self.stats.rounds + self.stats.accepted
-        return self.saved + (STAKE + LOSS_SHARE * tokens) * self.step
+        return self.saved + (STAKE + LOSS_SHARE * self.stats.tokens) * self.step
 
     def _best_k(self) -> int:
         """The k of the most tokens per time, (1 + a + ... + a^k) / (1 + k (d + c)) (a plain step gives 1)."""
