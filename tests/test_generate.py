@@ -385,6 +385,26 @@ def test_a_short_prompt_runs_in_one_call_and_a_longer_one_through_the_model():
         assert forwards == ([] if one_call else [shape])
 
 
+def test_a_short_continuation_of_a_cached_text_runs_in_one_call():
+    # a prompt cache's continuation, or a draft's reading (tinygpt.speculative): the rows after the cache's, at
+    # their positions, seeing what it holds; their last row's logits those of the whole text's forward
+    if not _whole_step_in_one_call(None):
+        pytest.skip("tinygpt's kernels cannot be built here")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=29, block_size=40, n_layer=2, n_head=2, n_embd=16, init="torch",
+                          arch="llama", qk_norm=True)).eval()
+    idx = torch.randint(0, 29, (1, 30))
+    cache = KVCache.for_model(model, 1)
+    forwards = []
+    with torch.inference_mode():
+        prefill(model, idx[:, :21], cache)
+        hook = model.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))
+        logits = prefill(model, idx[:, 21:], cache, start=21)
+        hook.remove()
+        torch.testing.assert_close(logits, model(idx)[:, -1], rtol=1e-5, atol=1e-5)
+    assert forwards == []
+
+
 def test_a_model_in_training_mode_generates_without_dropout_and_keeps_its_mode():
     # a freshly built GPT is in training mode: with dropout its greedy text changed from call to
     # call and the cache and the reference disagreed

@@ -580,9 +580,25 @@ def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_tha
     for _ in range(speculative.FIRST_PAUSE):
         spec.plain(0.010)
     assert spec.pause == 0 and spec.headroom < 0 and spec.budget(100) == 0  # the reply cannot afford a retry yet
-    while spec.headroom < 0:
+
+
+def test_a_retry_waits_until_the_reply_may_lose_what_the_trial_before_it_lost():
+    # plain steps of 10 ms; the first trial's two rounds keep nothing and take 30 ms each: 40 ms lost, within the
+    # STAKE. After the pause the reply has lost no more than it may, but a retry like that trial would lose more
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    _probe(spec, 0.010)
+    for _ in range(speculative.EMPTY_ROUNDS):
+        assert spec.budget(100) > 0
+        spec.settle(1, 0, 0.030)
+    assert spec.pause == speculative.FIRST_PAUSE and spec.ante == pytest.approx(0.040)
+    for _ in range(speculative.FIRST_PAUSE):
         spec.plain(0.010)
-    assert spec.budget(100) > 0  # it has grown enough to
+    assert spec.pause == 0 and 0 <= spec.headroom < spec.ante and spec.budget(100) == 0
+    while spec.headroom < spec.ante:
+        spec.plain(0.010)
+    assert spec.budget(100) > 0  # the reply has grown enough: a retry, whose trial goes on once it began
+    spec.settle(1, 1, 0.025)
+    assert spec.headroom < spec.ante and spec.budget(100) > 0
 
 
 def test_the_draft_s_reading_counts_against_speculation(monkeypatch):

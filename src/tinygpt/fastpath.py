@@ -104,15 +104,17 @@ def step(model, token: torch.Tensor, kv_cache: KVCache, pos: int | torch.Tensor)
 PROMPT_ROWS = quantize.FLOAT_KERNEL_ROWS
 
 
-def prompt(model, idx: torch.Tensor, kv_cache: KVCache) -> torch.Tensor | None:
-    """The logits (B, V) after a short prompt idx (B, T) at positions 0 .. T - 1, its keys and values
-    written to the cache, in one call into the model's DecodePlan; None where that does not apply (more
-    than PROMPT_ROWS rows, no plan for this model), and the model's forward is to run it."""
+def prompt(model, idx: torch.Tensor, kv_cache: KVCache, start: int = 0) -> torch.Tensor | None:
+    """The logits (B, V) after a short prompt idx (B, T) at positions start .. start + T - 1 (its last
+    position's only), its keys and values written to the cache, in one call into the model's DecodePlan;
+    None where that does not apply (more than PROMPT_ROWS rows, no plan for this model), and the model's
+    forward is to run it. From a start past 0 it continues the text the cache holds (a prompt cache's
+    prefix, or a draft's reading: tinygpt.speculative)."""
     if not (idx.dim() == 2 and idx.numel() <= PROMPT_ROWS and kv_cache.k.dtype is torch.float32
-            and applies(model, idx[:, 0], kv_cache, idx.shape[1] - 1)):
+            and applies(model, idx[:, 0], kv_cache, start + idx.shape[1] - 1)):
         return None
     plan = _plan(model)
-    return None if plan is None else plan.step(idx, 0, kv_cache.k, kv_cache.v)
+    return None if plan is None else plan.step(idx, start, kv_cache.k, kv_cache.v)
 
 
 def verify(model, tokens: torch.Tensor, kv_cache: KVCache, start: int) -> torch.Tensor | None:

@@ -36,10 +36,10 @@ from .tokenizer.base import Tokenizer
 def prefill(model, idx: torch.Tensor, kv_cache: KVCache, start: int = 0) -> torch.Tensor:
     """Run the prompt idx (B, T) at positions start..start+T-1, filling the cache. Returns the last logits (B, V).
 
-    A short prompt from position 0 on a CPU takes `fastpath.prompt`, one call for the whole forward pass;
-    `start` > 0 continues a cache whose first positions hold the prompt's beginning (a prompt cache's).
+    A short prompt on a CPU takes `fastpath.prompt`, one call for the whole forward pass; `start` > 0
+    continues a cache whose first positions hold the prompt's beginning (a prompt cache's).
     """
-    logits = fastpath.prompt(model, idx, kv_cache) if start == 0 else None
+    logits = fastpath.prompt(model, idx, kv_cache, start)
     if logits is not None:
         return logits
     positions = torch.arange(start, start + idx.shape[1], device=idx.device)

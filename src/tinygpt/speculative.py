@@ -30,9 +30,9 @@ was given: the number that gives the most tokens for the time by the acceptance 
 and whether to speculate at all. It times its rounds against plain steps and steps aside where a round's
 tokens cost more than plain steps would, at once where two rounds in a row kept none of their proposals
 (a retry then ends after one such round), and at once where its ledger, the draft's reading counted, shows
-the reply slower than without it by more than 4 steps and 3% of its time (a retry then waits until the
-reply can afford it): for 8 tokens the first time, four times as many each time it loses again. While it
-is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library, `tinygpt sample`
+the reply slower than without it by more than 4 steps and 1% of its time: for 8 tokens the first time, four
+times as many each time it loses again, and a retry waits until the reply may lose what the trial before it
+lost. While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library, `tinygpt sample`
 and `chat`) and the server's scheduler both decode through `speculate`.
 
 A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
@@ -70,8 +70,7 @@ DEFAULT_TOKENS = 8  # proposals a round makes at most, unless told otherwise (tr
 START_TOKENS = 1
 # plain tokens after speculation first loses, four times as many each time it loses again: short, since a draft that
 # pays may miss at a hard spot (the first tokens after a prompt cut mid-line); a retry costs a never-right draft a round
-FIRST_PAUSE = 8
-LONGEST_PAUSE = 1024
+FIRST_PAUSE, LONGEST_PAUSE = 8, 1024
 TRIAL_ROUNDS = 4  # rounds that decide whether speculation pays at the start
 RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 # rounds in a row of which no proposal stood that end a trial there (the retry after them: its first round): such a
@@ -90,9 +89,10 @@ WHOLE_SHARE = 1 / 8  # a draft of at most this share of the target's parameters 
 # the most tokens a draft reads in 16-row calls into its DecodePlan, not one forward pass, whose fixed cost is most of a
 # short read's (benchmarks/speculative.py's 3 x 128 draft, Zen 3: 34 tokens 4.1 ms in one pass, 1.9 in 16-row calls)
 CHUNKED_READ = 4 * fastpath.PROMPT_ROWS
-# what a reply may lose to speculation (Speculator.headroom): STAKE plain steps (a first trial: a glance, 2.4 steps for
-# the float32 target's int4 copy, and a round or two) and LOSS_SHARE of its tokens' steps
-STAKE, LOSS_SHARE = 4, 0.03
+# what a reply may lose to speculation (Speculator.headroom): STAKE plain steps (a first trial: a glance and a round or
+# two, 3.6 steps for benchmarks/speculative.py's int4 target with a never-right draft on the Zen 3) and LOSS_SHARE of
+# its tokens' steps, which pays for retries: a retry waits until the reply can afford to lose what the latest lost
+STAKE, LOSS_SHARE = 4, 0.01
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
 # (logits (R, V) at R consecutive positions, the proposals drafted (m,) with m >= R - 1) -> the logits a token is
@@ -349,9 +349,11 @@ class DraftModel:
         if new.shape[1] > CHUNKED_READ:
             positions = torch.arange(at, at + new.shape[1], device=tokens.device)
             return self.model(new, self.cache, positions, last_only=True)[:, -1]
-        for i in range(0, new.shape[1], fastpath.PROMPT_ROWS):
-            logits = _forward(self.model, new[:, i : i + fastpath.PROMPT_ROWS], self.cache, at + i)
-        return logits[-1:]
+        for i in range(0, new.shape[1], fastpath.PROMPT_ROWS):  # the last row's logits only, as a prompt's
+            rows = new[:, i : i + fastpath.PROMPT_ROWS]
+            logits = fastpath.prompt(self.model, rows, self.cache, at + i)
+            logits = _forward(self.model, rows, self.cache, at + i)[-1:] if logits is None else logits
+        return logits
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits (1, V_draft) over the target's head: ids only one of them has are never proposed."""
@@ -489,6 +491,8 @@ class Speculator:
         self.rounds_since = 0  # rounds since the latest timing of plain steps
         self.timed = 0  # plain steps timed since the latest round
         self.saved = 0.0  # the ledger: plain steps' time of the rounds' tokens, less the rounds' and the reading's
+        self.opened = 0.0  # the ledger when the latest trial began
+        self.ante = 0.0  # what the latest trial set aside lost: a retry waits until the reply may lose as much again
         self.step: float | None = None  # what a plain step costs, as the latest round weighed it
 
     @property
@@ -499,8 +503,9 @@ class Speculator:
     def budget(self, room: int) -> int:
         """How many tokens to propose now (0: take a plain step), with room for `room` (the tokens the caller
         may still add less one, and the positions its cache has left less one)."""
-        if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY or self.headroom < 0:
-            return 0  # aside, plain steps to time, or the reply has lost what it may (until it grows to afford more)
+        if self.pause or self.stats.plain < PLAIN_PROBES or self.rounds_since >= PLAIN_EVERY \
+                or self.headroom < (0.0 if self.trial else self.ante):
+            return 0  # aside, plain steps to time, or the reply cannot afford another trial (until it grows to)
         return max(0, min(self.k, room))
 
     def plain(self, seconds: float | None) -> None:
@@ -559,9 +564,9 @@ class Speculator:
         # measured at small k overstate a row's, and they set aside the target's int4 copy whose rounds paid 1.3x
         if nothing or spent or statistics.median(self.trial[-rounds:]) < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
-            self.trial = []
+            self.trial, self.ante = [], max(0.0, self.opened - self.saved)
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
-            self.next_pause = FIRST_PAUSE
+            self.next_pause, self.ante = FIRST_PAUSE, 0.0
 
     @property
     def headroom(self) -> float:
@@ -620,6 +625,8 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     begin = time.perf_counter()
     spec.drafter.prepare(tokens, spec.headroom if spec.paying else 0.0)
     start = time.perf_counter()
+    if not spec.trial:  # a trial opens here
+        spec.opened = spec.saved
     spec.saved -= start - begin  # the draft's reading, outside the round's clock
     draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
     drafted = spec.drafter.propose(tokens, k, shape, draws)
