@@ -243,7 +243,7 @@ class PromptLookup:
             # an occurrence that ends near the text's end continues as the text went on from it: the
             # proposals repeat with the same period (a run of one token proposes more of it)
             found.append(text[at + i] if at + i < len(text) else found[at + i - len(text)])
-        return torch.tensor(found, dtype=torch.long, device=tokens.device)
+        return torch.tensor(found, dtype=torch.long, device=tokens.device) if found else tokens.new_empty(0)
 
     def prepare(self, tokens: torch.Tensor, spend: float = 0.0) -> None:
         """Nothing to read ahead: the look-up indexes the text as it proposes."""
@@ -369,9 +369,8 @@ class DraftModel:
 
 @contextmanager
 def _evaluating(model):
-    """The model in eval mode (no dropout) for the block, then in the mode it was in. A model already in eval
-    mode is left alone: setting the mode walks every module, 0.3 ms a round for a 3-layer draft whose step
-    takes 0.15."""
+    """The model in eval mode (no dropout) for the block, then in the mode it was in; one in eval mode is left
+    alone (setting the mode walks every module: 0.3 ms a round for a 3-layer draft whose step takes 0.15)."""
     if not model.training:
         yield
         return
@@ -417,13 +416,15 @@ class Draws:
     def __init__(self, generator: torch.Generator | None, width: int, device: torch.device) -> None:
         self.generator, self.width, self.device = generator, width, device
         self.drawn: list[torch.Tensor] = []
-        self.states = [generator.get_state()] if generator is not None else None  # the generator's, after each
+        self.states: list[torch.Tensor] = []  # the generator's before the first draw, then after each
 
     def row(self, i: int) -> torch.Tensor:
         """Position i's random numbers (1, V), drawing those of the positions up to it not drawn yet."""
         while len(self.drawn) <= i:
+            if self.generator is not None and not self.states:
+                self.states.append(self.generator.get_state())
             self.drawn.append(noise(self.width, self.generator, self.device))
-            if self.states is not None:
+            if self.generator is not None:
                 self.states.append(self.generator.get_state())
         return self.drawn[i]
 
@@ -433,7 +434,7 @@ class Draws:
 
     def keep(self, n: int) -> None:
         """The first n positions were decided: the generator goes on from there (their plain steps' draws)."""
-        if self.states is not None:
+        if self.states:  # else nothing was drawn: the generator is where it was
             self.generator.set_state(self.states[n])
 
 
@@ -552,8 +553,7 @@ class Speculator:
             # step each), k stays the costs' choice
             self.k = max(self.k, min(self.most, 2 * drafted))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
-        # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS), and
-        # a draft that never agrees costs the first trial two short rounds and a retry one
+        # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS)
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
         # the reply lost more than it may: rounds whose median pays lose where the losses outweigh the gains
         self.step = step
