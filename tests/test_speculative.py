@@ -582,7 +582,7 @@ def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_tha
     assert spec.pause == 0 and spec.headroom < 0 and spec.budget(100) == 0  # the reply cannot afford a retry yet
 
 
-def test_a_retry_waits_until_the_reply_may_lose_what_the_trial_before_it_lost():
+def test_a_retry_after_a_trial_that_kept_nothing_waits_until_the_reply_may_lose_as_much_again():
     # plain steps of 10 ms; the first trial's two rounds keep nothing and take 30 ms each: 40 ms lost, within the
     # STAKE. After the pause the reply has lost no more than it may, but a retry like that trial would lose more
     spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
@@ -599,6 +599,15 @@ def test_a_retry_waits_until_the_reply_may_lose_what_the_trial_before_it_lost():
     assert spec.budget(100) > 0  # the reply has grown enough: a retry, whose trial goes on once it began
     spec.settle(1, 1, 0.025)
     assert spec.headroom < spec.ante and spec.budget(100) > 0
+    # a trial whose proposals stood but paid too little says less: its retry comes within the allowance
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    _probe(spec, 0.010)
+    for _ in range(speculative.TRIAL_ROUNDS):
+        spec.settle(2, 1, 0.0275)  # 2 tokens for 2.75 steps' time: 30 ms lost in four rounds
+    assert spec.pause == speculative.FIRST_PAUSE and spec.ante == 0 and spec.saved < 0
+    for _ in range(speculative.FIRST_PAUSE):
+        spec.plain(0.010)
+    assert 0 <= spec.headroom < 0.030 and spec.budget(100) > 0
 
 
 def test_the_draft_s_reading_counts_against_speculation(monkeypatch):

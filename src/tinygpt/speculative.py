@@ -31,9 +31,9 @@ and whether to speculate at all. It times its rounds against plain steps and ste
 tokens cost more than plain steps would, at once where two rounds in a row kept none of their proposals
 (a retry then ends after one such round), and at once where its ledger, the draft's reading counted, shows
 the reply slower than without it by more than 4 steps and 1% of its time: for 8 tokens the first time, four
-times as many each time it loses again, and a retry waits until the reply may lose what the trial before it
-lost. While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library, `tinygpt sample`
-and `chat`) and the server's scheduler both decode through `speculate`.
+times as many each time it loses again (after a trial that kept nothing, until the reply may lose as much
+again). While it is aside a draft reads nothing; a retry catches it up. `generate_stream` (the library,
+`tinygpt sample` and `chat`) and the server's scheduler both decode through `speculate`.
 
 A constraint on the tokens (a grammar's mask: structured output, tool calls) is in the caller's `shape`,
 which is given each verified position's logits with the proposals before it: the mask there is the one the
@@ -493,7 +493,7 @@ class Speculator:
         self.timed = 0  # plain steps timed since the latest round
         self.saved = 0.0  # the ledger: plain steps' time of the rounds' tokens, less the rounds' and the reading's
         self.opened = 0.0  # the ledger when the latest trial began
-        self.ante = 0.0  # what the latest trial set aside lost: a retry waits until the reply may lose as much again
+        self.ante = 0.0  # what the latest trial lost where nothing of it stood
         self.step: float | None = None  # what a plain step costs, as the latest round weighed it
 
     @property
@@ -553,20 +553,20 @@ class Speculator:
             # step each), k stays the costs' choice
             self.k = max(self.k, min(self.most, 2 * drafted))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
-        # nothing stood in the trial's rounds, whatever the clock said: they cannot have paid (EMPTY_ROUNDS)
-        nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS
-        # the reply lost more than it may: rounds whose median pays lose where the losses outweigh the gains
+        nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS  # they cannot have paid, whatever the clock
         self.step = step
-        spent = self.headroom < 0
+        spent = self.headroom < 0  # lost more than it may: rounds whose median pays lose where losses outweigh gains
         if len(self.trial) < rounds and not (nothing or spent):
             return
         # slower than plain steps, as timed: set it aside. The clock, not what the costs expect of the best k: those
         # measured at small k overstate a row's, and they set aside the target's int4 copy whose rounds paid 1.3x
         if nothing or spent or statistics.median(self.trial[-rounds:]) < 1.0:
             self.pause, self.next_pause = self.next_pause, min(4 * self.next_pause, LONGEST_PAUSE)
-            self.trial, self.ante = [], max(0.0, self.opened - self.saved)
+            # a trial of which nothing stood says the draft is wrong here: a retry waits until the reply may lose
+            # as much again; one whose proposals stood but paid too little retries within the allowance
+            self.trial, self.ante = [], max(0.0, self.opened - self.saved) if nothing else 0.0
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
-            self.next_pause, self.ante = FIRST_PAUSE, 0.0
+            self.next_pause = FIRST_PAUSE
 
     @property
     def headroom(self) -> float:
