@@ -237,6 +237,13 @@ def _probe(spec, seconds: float) -> None:
         spec.plain(seconds)
 
 
+def _lookup(seconds: float) -> speculative.Speculator:
+    """A prompt lookup's Speculator (up to 8 proposals) past the plain steps it times first, each `seconds`."""
+    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
+    _probe(spec, seconds)
+    return spec
+
+
 def test_k_follows_the_measured_acceptance_and_costs():
     spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
     assert spec.budget(100) == 0  # plain steps first: what a round is weighed against
@@ -258,8 +265,7 @@ def test_k_follows_the_measured_acceptance_and_costs():
 def test_k_doubles_while_every_proposal_stands():
     # a verification's time is mostly fixed here (15 ms whatever its rows, a step 10): charged to one proposal it
     # reads as half a step a row, where k = 1 looks best; every proposal standing doubles k all the same
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     ks = []
     for _ in range(4):
         ks.append(spec.k)
@@ -270,8 +276,7 @@ def test_k_doubles_while_every_proposal_stands():
 def test_k_does_not_grow_where_rounds_whose_proposals_all_stood_did_not_pay():
     # int8 weights: a verified row costs 0.6 of a step, so a round of one proposal that stood (2 tokens) takes 2.5
     # steps; a longer round costs more, not less, and k stays at the costs' choice until the trial sets it aside
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for _ in range(speculative.TRIAL_ROUNDS):
         assert spec.k == 1 and spec.pause == 0
         spec.settle(1, 1, 0.025)
@@ -282,8 +287,7 @@ def test_a_retry_whose_rounds_pay_by_the_clock_goes_on():
     # benchmarks/speculative.py's float32 target with its int4 copy as draft (a draft step 0.4 of a target step): a
     # hard spot after the prompt, then a retry whose rounds give 2 tokens in 2.8 ms and 3 in 3.5 ms against 1.6 ms
     # steps. The costs measured at one proposal expected no k to pay and set it aside for 32 tokens
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.00162)
+    spec = _lookup(0.00162)
     spec.settle(1, 0, 0.00288, drafting=0.00060)
     spec.settle(1, 0, 0.00269, drafting=0.00055)
     assert spec.pause == speculative.FIRST_PAUSE
@@ -295,8 +299,7 @@ def test_a_retry_whose_rounds_pay_by_the_clock_goes_on():
 
 
 def test_speculation_steps_aside_where_it_loses_and_tries_again_later():
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for _ in range(4):
         spec.settle(4, 4, 0.011)  # five tokens for about a step's time: it pays, it goes on
     for _ in range(2):
@@ -322,8 +325,7 @@ def test_speculation_steps_aside_where_it_loses_and_tries_again_later():
 def test_rounds_are_weighed_against_plain_steps_timed_as_they_go():
     # the first plain steps after the prompt's pass are slow (10 ms here, where a step costs 4): rounds of nine
     # tokens in 50 ms look like paying against them, and lose against the steps timed among the rounds
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for _ in range(speculative.PLAIN_EVERY):
         assert spec.budget(100) > 0
         spec.settle(8, 8, 0.050)
@@ -567,8 +569,7 @@ def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_tha
     # three rounds in four give 2 tokens in 1.85 steps' time, the fourth 1 token in 3 (a round of one proposal whose
     # draft step and verified row cost a step each): the latest rounds' median pays, the reply loses 1.55 steps every
     # four rounds; after the STAKE and the LOSS_SHARE of the reply's time, speculation is set aside
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for i in range(200):
         if spec.pause:
             break
@@ -585,8 +586,7 @@ def test_rounds_whose_median_pays_are_set_aside_once_the_reply_has_lost_more_tha
 def test_a_retry_after_a_trial_that_kept_nothing_waits_until_the_reply_may_lose_as_much_again():
     # plain steps of 10 ms; the first trial's two rounds keep nothing and take 30 ms each: 40 ms lost, within the
     # STAKE. After the pause the reply has lost no more than it may, but a retry like that trial would lose more
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for _ in range(speculative.EMPTY_ROUNDS):
         assert spec.budget(100) > 0
         spec.settle(1, 0, 0.030)
@@ -600,8 +600,7 @@ def test_a_retry_after_a_trial_that_kept_nothing_waits_until_the_reply_may_lose_
     spec.settle(1, 1, 0.025)
     assert spec.headroom < spec.ante and spec.budget(100) > 0
     # a trial whose proposals stood but paid too little says less: its retry comes within the allowance
-    spec = speculative.Speculator(speculative.PromptLookup(2), most=8)
-    _probe(spec, 0.010)
+    spec = _lookup(0.010)
     for _ in range(speculative.TRIAL_ROUNDS):
         spec.settle(2, 1, 0.0275)  # 2 tokens for 2.75 steps' time: 30 ms lost in four rounds
     assert spec.pause == speculative.FIRST_PAUSE and spec.ante == 0 and spec.saved < 0
