@@ -91,7 +91,7 @@ WHOLE_SHARE = 1 / 8  # a draft of at most this share of the target's parameters 
 CHUNKED_READ = 4 * fastpath.PROMPT_ROWS
 # what a reply may lose to speculation (Speculator.headroom): STAKE plain steps (a first trial: a glance and a round or
 # two, 3.6 steps for benchmarks/speculative.py's int4 target with a never-right draft on the Zen 3) and LOSS_SHARE of
-# its tokens' steps, which pays for retries: a retry waits until the reply can afford to lose what the latest lost
+# its tokens' steps, which pays for retries (one after a trial that kept nothing, once it may lose as much again)
 STAKE, LOSS_SHARE = 4, 0.01
 DECAY = 0.8  # how much an earlier round's proposals still count in the acceptance, per round since
 
