@@ -76,9 +76,8 @@ RETRY_ROUNDS = 2  # and after a pause: fewer, since it lost before
 # rounds in a row of which no proposal stood that end a trial there (the retry after them: its first round): such a
 # round gives the one token a plain step gives, for a verification of two rows or more and the draft's steps
 EMPTY_ROUNDS = 2
-# plain steps timed before the first round, of which the fastest is what a round is weighed against: the first 4-5
-# after a prompt's pass are slower than the rest (the 5 x 384 int8 target of benchmarks/speculative.py on the Zen
-# 3: 0.7-0.9 ms, 0.8-1.3 for the first, then 0.47-0.55), and two of them made rounds that lost look like paying
+# plain steps timed before the first round, the fastest weighing rounds: the first 4-5 after a prompt's pass are
+# slower (benchmarks/speculative.py's int8 target, Zen 3: 0.7-1.3 ms, then 0.47-0.55): losing rounds looked paying
 PLAIN_PROBES = 6
 # rounds between two timings of plain steps: the steps that weigh a round's time are then the latest, on the threads
 # the rounds run on. Each timing is of PLAIN_RUN plain steps in a row, since the first after a round is slower too
@@ -315,9 +314,8 @@ class DraftModel:
         rate = _long_reads.get(self.model, self.rate)
         if self.rereads and len(tokens) < self.max_len and rate is not None and rate * len(tokens) <= spend:
             start, self.whole = 0, True
-        # a pause's tokens, unless the draft read the text from its start (it then reads them: a retry keeps the
-        # whole text, where the glance and another read of it once the retry paid cost a bf16 target's trained
-        # draft, paused and retried often, 0.84x); or no room left
+        # a pause's tokens, unless the draft read the text from its start (a retry keeps it: a glance and another
+        # read once the retry paid cost a bf16 target's trained draft, paused and retried often, 0.84x); or no room
         elif (gap > GLANCE and not self.whole) or len(tokens) - self.start >= self.max_len:
             start, self.whole = max(0, len(tokens) - GLANCE), False
         else:
@@ -546,11 +544,9 @@ class Speculator:
         self.saved += step * (accepted + 1) - min(seconds, step * (1 + 2 * drafted))
         self.trial.append(gain)
         if accepted == drafted and gain >= 1.0:
-            # every proposal stood and the round paid: at least twice as many next time (transformers' assisted
-            # generation adds 2). The costs measured at small k overstate a row's where the weights stream from
-            # memory (a round's fixed share is charged to its few proposals), and the next round measures the
-            # longer k; where a round of rows that all stood did not pay (the int8 kernels' rows cost 0.6 of a
-            # step each), k stays the costs' choice
+            # every proposal stood and the round paid: at least twice as many next time (transformers' adds 2), as
+            # costs measured at small k overstate a row's where weights stream from memory (a round's fixed share
+            # charged to few proposals); where such a round did not pay (int8 rows), k stays the costs' choice
             self.k = max(self.k, min(self.most, 2 * drafted))
         rounds = TRIAL_ROUNDS if self.next_pause == FIRST_PAUSE else RETRY_ROUNDS
         nothing = len(self.trial) <= rounds and self.empty >= EMPTY_ROUNDS  # they cannot have paid, whatever the clock
@@ -567,6 +563,12 @@ class Speculator:
             self.trial, self.ante = [], max(0.0, self.opened - self.saved) if nothing else 0.0
         elif len(self.trial) == rounds:  # it pays: a later loss pauses it briefly again
             self.next_pause = FIRST_PAUSE
+
+    def reading(self, seconds: float) -> None:
+        """The drafter read the text for `seconds` before a round, outside its clock: a trial opens with it."""
+        if not self.trial:
+            self.opened = self.saved
+        self.saved -= seconds
 
     @property
     def headroom(self) -> float:
@@ -625,9 +627,7 @@ def speculate(model, spec: Speculator, tokens: torch.Tensor, kv_cache: KVCache, 
     begin = time.perf_counter()
     spec.drafter.prepare(tokens, spec.headroom if spec.paying else 0.0)
     start = time.perf_counter()
-    if not spec.trial:  # a trial opens here
-        spec.opened = spec.saved
-    spec.saved -= start - begin  # the draft's reading, outside the round's clock
+    spec.reading(start - begin)
     draws = None if greedy else Draws(generator, model.config.vocab_size, tokens.device)
     drafted = spec.drafter.propose(tokens, k, shape, draws)
     if not drafted.numel():
